@@ -1,0 +1,84 @@
+// The foundation's costs: a provider called directly, the same provider
+// behind deadline + retry + adaptive timeout, one backoff draw, one retry
+// budget check. Names are stable; see docs/benchmarks.md.
+#include <chrono>
+
+#include <benchmark/benchmark.h>
+
+#include "keel/adaptive_timeout.hpp"
+#include "keel/backoff.hpp"
+#include "keel/call.hpp"
+#include "keel/pipeline.hpp"
+#include "keel/retry.hpp"
+#include "keel/retry_budget.hpp"
+#include "keel/time_limit.hpp"
+#include "support/alloc_counter.hpp"
+
+using namespace std::chrono_literals;
+
+namespace {
+
+// The trivial provider every pipeline benchmark wraps.
+struct provider {
+  absl::StatusOr<int> operator()(const keel::attempt& a) const { return a.number; }
+};
+
+// What reading the clock costs here: the unit the pipeline spends twice per call.
+void BM_Baseline_SteadyClockNow(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  for (auto _ : state) benchmark::DoNotOptimize(keel::real_clock{}.now());
+}
+BENCHMARK(BM_Baseline_SteadyClockNow);
+
+void BM_DirectCall(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  keel::call call(keel::real_clock{}.now(), {.timeout = 3s});
+  const keel::attempt a{.owner = &call};
+  provider p;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(a);
+    absl::StatusOr<int> r = p(a);
+    benchmark::DoNotOptimize(r);
+  }
+}
+BENCHMARK(BM_DirectCall);
+
+// A new call per request (one clock read), then deadline + retry + adaptive
+// timeout (one read at the start, one at the end of the attempt).
+void BM_Pipeline_RetryTimeout_Success(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  static keel::retry_budget budget({.ratio = 0.1});
+  static keel::adaptive_timeout timeouts;
+  auto pipe = keel::pipeline(keel::time_limit({.at_most = 2s}),
+                             keel::retry({.max_attempts = 3, .budget = &budget}), timeouts);
+  for (auto _ : state) {
+    keel::call call(keel::real_clock{}.now(), {.timeout = 3s, .response_reserve = 200ms});
+    absl::StatusOr<int> r = pipe.run(call, provider{});
+    benchmark::DoNotOptimize(r);
+  }
+}
+BENCHMARK(BM_Pipeline_RetryTimeout_Success)->Threads(1)->Threads(2);
+
+void BM_Backoff_FullJitter(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  const keel::full_jitter backoff{.base = 100ms, .cap = 10s};
+  const keel::thread_local_random random;
+  int k = 0;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(backoff.delay(k, {}, random));
+    k = (k + 1) & 7;
+  }
+}
+BENCHMARK(BM_Backoff_FullJitter);
+
+// The retry path's budget check; the floor is high enough that it always
+// admits, so this is the cost of a granted retry (count, sum, compare).
+void BM_RetryBudget_TryAcquire(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  static keel::retry_budget budget({.ratio = 1.0, .min_per_second = 1e12});
+  const keel::time_point now = keel::real_clock{}.now();
+  for (auto _ : state) benchmark::DoNotOptimize(budget.try_acquire_retry(now));
+}
+BENCHMARK(BM_RetryBudget_TryAcquire)->Threads(1)->Threads(2);
+
+}  // namespace

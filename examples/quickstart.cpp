@@ -1,0 +1,36 @@
+// quickstart: a model call behind a deadline, classified retries with a
+// service-wide budget, and an adaptive attempt timeout. The README's example.
+#include <chrono>
+#include <cstdio>
+
+#include "keel/keel.hpp"
+
+using namespace std::chrono_literals;
+
+int main() {
+  // Shared, long-lived: one budget and one latency estimate per dependency.
+  keel::retry_budget budget({.ratio = 0.1, .min_per_second = 5});
+  keel::adaptive_timeout timeouts({.margin = 200ms, .lower = 50ms, .upper = 1500ms, .initial = 500ms});
+  auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .budget = &budget},
+                                         keel::full_jitter{.base = 20ms, .cap = 200ms}),
+                             timeouts);
+
+  // One per request: a 3 s deadline with 200 ms kept back for the response.
+  keel::call call(keel::real_clock{}.now(), {.timeout = 3s,
+                                             .response_reserve = 200ms,
+                                             .labels = {.tenant = "acme", .model = "summarizer-v2"}});
+
+  int calls = 0;
+  absl::StatusOr<std::string> answer = pipe.run(call, [&](const keel::attempt& a) -> absl::StatusOr<std::string> {
+    // A real provider sets its socket timeout to a.timeout and watches a.stop.
+    if (++calls == 1) return absl::UnavailableError("503 from the provider");
+    a.charge(412);  // tokens spent
+    return std::string("a short summary");
+  });
+
+  const keel::call_record rec = call.record();
+  std::printf("answer: %s\n", answer.ok() ? answer->c_str() : std::string(answer.status().message()).c_str());
+  std::printf("attempts: %d (retries %d), cost: %lld tokens\n", rec.attempts, rec.retries,
+              static_cast<long long>(rec.cost));
+  return answer.ok() ? 0 : 1;
+}

@@ -1,0 +1,25 @@
+// keel/keel.hpp — every core keel header at once, for convenience.
+//
+// Prefer including the component headers you use: each is self-contained
+// and compiles faster alone. Store backends (keel/store/*.hpp) and the test
+// kit (keel/testing/*.hpp) are not included here: they link their own
+// clients.
+//
+// Example:
+//
+//   #include "keel/keel.hpp"
+//   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}));
+#pragma once
+
+#include "keel/adaptive_timeout.hpp"
+#include "keel/backoff.hpp"
+#include "keel/call.hpp"
+#include "keel/clock.hpp"
+#include "keel/deadline.hpp"
+#include "keel/outcome.hpp"
+#include "keel/pipeline.hpp"
+#include "keel/policy.hpp"
+#include "keel/retry.hpp"
+#include "keel/retry_budget.hpp"
+#include "keel/status.hpp"
+#include "keel/time_limit.hpp"

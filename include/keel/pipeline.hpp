@@ -1,0 +1,191 @@
+// keel/pipeline.hpp — composes policies around a provider, outer to inner,
+// at compile time.
+//
+// A provider is any callable taking `const keel::attempt&` (or nothing) and
+// returning absl::StatusOr<T> or absl::Status. A pipeline wraps it in
+// policies, written outer to inner: in `keel::pipeline(a, b, c)` policy `a`
+// sees the whole call and `c` sits next to the provider. Composition is a
+// tuple and inlined calls: no type erasure, no heap allocation on the success
+// path.
+//
+// Policies passed as lvalues are held by reference (shared state such as a
+// breaker or an adaptive timeout lives once and is used by many pipelines);
+// temporaries are moved in and held by value.
+//
+// Example:
+//
+//   keel::retry_budget budget({.ratio = 0.1, .min_per_second = 5});
+//   keel::adaptive_timeout timeouts;
+//   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .budget = &budget}), timeouts);
+//   keel::call call(keel::real_clock{}.now(), {.timeout = std::chrono::seconds(3)});
+//   absl::StatusOr<int> r = pipe.run(call, [](const keel::attempt&) -> absl::StatusOr<int> { return 42; });
+//
+// Writing a policy: a type with a const member
+//
+//   template <class Ctx, class Next>
+//   auto execute(Ctx& ctx, keel::attempt_plan plan, Next& next) const
+//       -> decltype(next(ctx, plan));
+//
+// It may call next(ctx, plan) zero or more times, with a plan whose deadline
+// is no later than the one it got. ctx.call is the keel::call, ctx.clock the
+// pipeline's clock, ctx.classify(status) the pipeline's classifier. Read the
+// clock sparingly (once per attempt): plan.now already holds the time the
+// pass started.
+//
+// Thread-safety: run() is const and may be called from many threads at once,
+// each with its own keel::call; policies keep shared state in thread-safe
+// objects. A provider that throws is caught here and turned into
+// absl::UnknownError (classified ambiguous for a write, retried for a read).
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <exception>
+#include <stop_token>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "keel/call.hpp"
+#include "keel/clock.hpp"
+#include "keel/deadline.hpp"
+#include "keel/outcome.hpp"
+#include "keel/policy.hpp"
+#include "keel/status.hpp"
+
+namespace keel {
+
+namespace detail {
+
+// The provider invocation running on this thread, if any.
+struct invocation {
+  keel::call* owner;
+  int number;
+  bool credit;  // not yet handed to a nested pipeline's first attempt
+};
+inline thread_local invocation* current_invocation = nullptr;
+
+struct invocation_scope {
+  invocation_scope(invocation* self, invocation* outer) noexcept : outer_(outer) { current_invocation = self; }
+  ~invocation_scope() { current_invocation = outer_; }
+  invocation_scope(const invocation_scope&) = delete;
+  invocation_scope& operator=(const invocation_scope&) = delete;
+  invocation* outer_;
+};
+
+template <class R, class Ctx, class Provider>
+R invoke_provider(Ctx& ctx, const attempt_plan& plan, Provider& provider) {
+  if (plan.stop.stop_requested()) {
+    return R(mark_not_started(absl::CancelledError("keel: call cancelled before the attempt started")));
+  }
+  if (plan.deadline.expired(plan.now)) {
+    return R(mark_not_started(absl::DeadlineExceededError("keel: no time left to start an attempt")));
+  }
+  // A provider that runs another pipeline on the same call (an SDK layer
+  // inside an application layer) hands its own attempt to the first inner
+  // attempt, so the cap counts downstream calls, not layers.
+  invocation* const outer = current_invocation;
+  int number = 0;
+  if (outer != nullptr && outer->owner == &ctx.call && outer->credit) {
+    outer->credit = false;
+    number = outer->number;
+  } else {
+    number = ctx.call.begin_attempt();
+  }
+  if (number == 0) {
+    return R(with_outcome(mark_not_started(absl::ResourceExhaustedError(absl::StrCat(
+                              "keel: attempt cap of ", ctx.call.max_attempts(), " reached for this call"))),
+                          outcome_kind::permanent));
+  }
+  invocation self{&ctx.call, number, true};
+  const invocation_scope scope(&self, outer);
+  const attempt a{.number = number,
+                  .start = plan.now,
+                  .deadline = plan.deadline,
+                  .timeout = plan.deadline.remaining(plan.now),
+                  .stop = plan.stop,
+                  .owner = &ctx.call};
+  try {
+    if constexpr (std::is_invocable_v<Provider&, const attempt&>) {
+      return R(provider(a));
+    } else {
+      return R(provider());
+    }
+  } catch (const std::exception& e) {
+    return R(absl::UnknownError(absl::StrCat("keel: provider threw: ", e.what())));
+  } catch (...) {
+    return R(absl::UnknownError("keel: provider threw a non-standard exception"));
+  }
+}
+
+template <std::size_t I, class R, class Tuple, class Ctx, class Provider>
+R run_from(const Tuple& policies, Ctx& ctx, attempt_plan plan, Provider& provider) {
+  if constexpr (I == std::tuple_size_v<Tuple>) {
+    return invoke_provider<R>(ctx, plan, provider);
+  } else {
+    auto next = [&policies, &provider](Ctx& c, attempt_plan p) -> R {
+      return run_from<I + 1, R>(policies, c, std::move(p), provider);
+    };
+    return std::get<I>(policies).execute(ctx, std::move(plan), next);
+  }
+}
+
+}  // namespace detail
+
+template <keel::clock Clock, keel::classifier Classifier, class... Policies>
+class basic_pipeline {
+ public:
+  template <class... Ps>
+  constexpr basic_pipeline(Clock clock, Classifier classifier, Ps&&... policies)
+      : clock_(std::move(clock)), classifier_(std::move(classifier)), policies_(std::forward<Ps>(policies)...) {}
+
+  // Runs `provider` for `call` through every policy. Never throws.
+  template <class Provider>
+  provider_result_t<Provider> run(keel::call& call, Provider&& provider) const {
+    using R = provider_result_t<Provider>;
+    static_assert(result<R>, "a keel provider returns absl::Status or absl::StatusOr<T>");
+    run_context<Clock, Classifier> ctx{call, clock_, classifier_};
+    attempt_plan plan{.now = clock_.now(), .deadline = call.work_deadline(), .stop = call.stop_token()};
+    return detail::run_from<0, R>(policies_, ctx, std::move(plan), provider);
+  }
+
+  // The same policies on another clock (a manual clock in tests).
+  template <keel::clock C>
+  [[nodiscard]] basic_pipeline<C, Classifier, Policies...> on(C clock) const {
+    return std::apply(
+        [&](auto&&... p) {
+          return basic_pipeline<C, Classifier, Policies...>(std::move(clock), classifier_,
+                                                            static_cast<Policies>(p)...);
+        },
+        policies_);
+  }
+
+  // The same policies with another classifier.
+  template <keel::classifier K>
+  [[nodiscard]] basic_pipeline<Clock, K, Policies...> classify_with(K classifier) const {
+    return std::apply(
+        [&](auto&&... p) {
+          return basic_pipeline<Clock, K, Policies...>(clock_, std::move(classifier), static_cast<Policies>(p)...);
+        },
+        policies_);
+  }
+
+  [[nodiscard]] const Clock& clock() const noexcept { return clock_; }
+
+ private:
+  Clock clock_;
+  Classifier classifier_;
+  std::tuple<Policies...> policies_;
+};
+
+// Policies outer to inner; lvalues by reference, temporaries by value.
+template <class... Policies>
+[[nodiscard]] auto pipeline(Policies&&... policies) {
+  return basic_pipeline<real_clock, default_classifier, Policies...>(real_clock{}, default_classifier{},
+                                                                     std::forward<Policies>(policies)...);
+}
+
+}  // namespace keel

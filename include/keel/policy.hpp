@@ -1,0 +1,99 @@
+// keel/policy.hpp — what a policy is handed: the plan for one pass down a
+// pipeline, the run context, and helpers over absl::Status / StatusOr<T>.
+//
+// Policies (retry, adaptive timeout, breaker, bulkhead, quota, hedge,
+// fallback, or your own) are types with a member
+//
+//   template <class Ctx, class Next>
+//   auto execute(Ctx& ctx, keel::attempt_plan plan, Next& next) [const]
+//       -> decltype(next(ctx, plan));
+//
+// that call next(ctx, plan) zero or more times. keel/pipeline.hpp composes
+// them. A policy may only narrow plan.deadline, never extend it. Policies a
+// pipeline holds by value (configuration only, like keel::retry) make
+// execute const; shared-state objects (a breaker, an adaptive timeout) are
+// held by reference and may mutate themselves.
+//
+// Example (a policy that refuses calls without a tenant label):
+//
+//   struct require_tenant {
+//     template <class Ctx, class Next>
+//     auto execute(Ctx& ctx, keel::attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
+//       using R = decltype(next(ctx, plan));
+//       if (ctx.call.labels().tenant.empty()) return R(absl::InvalidArgumentError("no tenant"));
+//       return next(ctx, plan);
+//     }
+//   };
+//
+// Thread-safety: plain values and pure functions.
+#pragma once
+
+#include <concepts>
+#include <stop_token>
+#include <type_traits>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "keel/call.hpp"
+#include "keel/clock.hpp"
+#include "keel/deadline.hpp"
+#include "keel/outcome.hpp"
+
+namespace keel {
+
+// What flows down the chain on one pass: the time the pass started, the
+// deadline it must finish by, and the stop token to honour.
+struct attempt_plan {
+  time_point now{};
+  keel::deadline deadline{};
+  std::stop_token stop{};
+};
+
+namespace detail {
+template <class R>
+struct is_statusor : std::false_type {};
+template <class T>
+struct is_statusor<absl::StatusOr<T>> : std::true_type {};
+}  // namespace detail
+
+// absl::Status or absl::StatusOr<T>.
+template <class R>
+concept result = std::same_as<R, absl::Status> || detail::is_statusor<R>::value;
+
+template <result R>
+[[nodiscard]] const absl::Status& status_of(const R& r) noexcept {
+  if constexpr (std::same_as<R, absl::Status>) {
+    return r;
+  } else {
+    return r.status();
+  }
+}
+
+namespace detail {
+template <class P, bool WithAttempt = std::is_invocable_v<P&, const attempt&>>
+struct provider_result {
+  using type = std::remove_cvref_t<std::invoke_result_t<P&, const attempt&>>;
+};
+template <class P>
+struct provider_result<P, false> {
+  using type = std::remove_cvref_t<std::invoke_result_t<P&>>;
+};
+}  // namespace detail
+
+// The result type of a provider.
+template <class Provider>
+using provider_result_t = typename detail::provider_result<std::remove_reference_t<Provider>>::type;
+
+// What a policy's ctx is.
+template <keel::clock Clock, keel::classifier Classifier>
+struct run_context {
+  keel::call& call;
+  const Clock& clock;
+  const Classifier& classifier;
+
+  [[nodiscard]] outcome_kind classify(const absl::Status& s) const {
+    return s.ok() ? outcome_kind::success : classifier(s, call.operation());
+  }
+};
+
+}  // namespace keel

@@ -1,0 +1,152 @@
+// keel::adaptive_timeout: the seed's formula, the deadline clip, skipping
+// attempts that cannot finish, and censored samples.
+#include "keel/adaptive_timeout.hpp"
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "keel/call.hpp"
+#include "keel/pipeline.hpp"
+#include "keel/retry.hpp"
+#include "keel/testing/manual_clock.hpp"
+#include "keel/testing/scripted_provider.hpp"
+#include "support/catch.hpp"
+
+using namespace std::chrono_literals;
+using keel::testing::manual_clock;
+using keel::testing::scripted_provider;
+namespace kt = keel::testing;
+
+namespace {
+keel::duration ms(long long n) { return std::chrono::duration_cast<keel::duration>(std::chrono::milliseconds(n)); }
+
+// 100 samples whose nearest-rank p99 is exactly 800 ms.
+void feed_p99_800(keel::adaptive_timeout& t) {
+  for (int i = 0; i < 98; ++i) t.record(500ms);
+  t.record(800ms);
+  t.record(2000ms);
+}
+
+const keel::adaptive_timeout_options seed{
+    .margin = 200ms, .lower = 500ms, .upper = 1500ms, .min_samples = 20, .refresh_every = 1};
+}  // namespace
+
+TEST_CASE("the seed's figures: p99 800 ms + 200 ms margin within 500-1500 ms is 1000 ms", "[timeout][seed]") {
+  keel::adaptive_timeout timeouts(seed);
+  feed_p99_800(timeouts);
+  REQUIRE(timeouts.observed() == ms(800));
+  CHECK(timeouts.current() == ms(1000));
+  CHECK(timeouts.attempt_timeout(5s) == ms(1000));
+  // 700 ms left with a 200 ms reserve: at most 500 ms.
+  CHECK(timeouts.attempt_timeout(700ms - 200ms) == ms(500));
+  // Less than the lower bound: the attempt cannot plausibly finish.
+  CHECK_FALSE(timeouts.attempt_timeout(650ms - 200ms).has_value());
+  CHECK(seed.desired(100ms) == ms(500));   // clamped up to the lower bound
+  CHECK(seed.desired(1900ms) == ms(1500));  // and down to the upper
+}
+
+TEST_CASE("through a pipeline the attempt gets the clipped timeout, or is skipped", "[timeout][seed]") {
+  manual_clock clock;
+  keel::adaptive_timeout timeouts(seed);
+  feed_p99_800(timeouts);
+  auto pipe = keel::pipeline(timeouts).on(clock);
+  scripted_provider<int> provider(clock, {kt::answer(1, 100ms)});
+
+  keel::call roomy(clock.now(), {.timeout = 3s, .response_reserve = 200ms});
+  REQUIRE(pipe.run(roomy, provider).ok());
+  CHECK(provider.attempts().back().timeout == ms(1000));
+
+  keel::call tight(clock.now(), {.timeout = 700ms, .response_reserve = 200ms});
+  REQUIRE(pipe.run(tight, provider).ok());
+  CHECK(provider.attempts().back().timeout == ms(500));
+
+  keel::call too_tight(clock.now(), {.timeout = 650ms, .response_reserve = 200ms});
+  const absl::StatusOr<int> skipped = pipe.run(too_tight, provider);
+  CHECK(skipped.status().code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(keel::not_started(skipped.status()));  // "not processed", not "unknown"
+  CHECK(std::string(skipped.status().message()).find("attempt not started") != std::string::npos);
+  CHECK(provider.calls() == 2);  // the skipped attempt never reached the provider
+  CHECK(too_tight.record().attempts == 0);
+}
+
+TEST_CASE("a skipped attempt is not retried by an outer layer", "[timeout]") {
+  manual_clock clock;
+  clock.auto_advance(true);
+  keel::adaptive_timeout timeouts(seed);
+  scripted_provider<int> provider(clock, {kt::answer(1)});
+  auto pipe = keel::pipeline(keel::retry({.max_attempts = 5}), timeouts).on(clock);
+  keel::call call(clock.now(), {.timeout = 400ms});
+  const keel::time_point t0 = clock.now();
+  CHECK_FALSE(pipe.run(call, provider).ok());
+  CHECK(provider.calls() == 0);
+  CHECK(clock.now() == t0);  // no backoff was slept for nothing
+}
+
+TEST_CASE("before min_samples the initial timeout is used", "[timeout]") {
+  keel::adaptive_timeout timeouts({.initial = 1200ms, .min_samples = 20});
+  for (int i = 0; i < 19; ++i) timeouts.record(100ms);
+  CHECK_FALSE(timeouts.observed().has_value());
+  CHECK(timeouts.current() == ms(1200));
+  timeouts.record(100ms);
+  CHECK(timeouts.observed() == ms(100));
+  CHECK(timeouts.current() == ms(500));  // 100 + 200 margin, clamped up to the lower bound
+}
+
+TEST_CASE("timeouts cannot ratchet the estimate past the upper bound", "[timeout]") {
+  manual_clock clock;
+  keel::adaptive_timeout timeouts({.margin = 200ms, .lower = 500ms, .upper = 1500ms, .initial = 1s,
+                                   .min_samples = 16, .samples = 64, .refresh_every = 16});
+  auto pipe = keel::pipeline(timeouts).on(clock);
+  scripted_provider<int> outage(clock, {kt::stall()});
+  keel::duration previous = timeouts.current();
+  for (int i = 0; i < 400; ++i) {
+    keel::call call(clock.now(), {.timeout = 1h});
+    CHECK(pipe.run(call, outage).status().code() == absl::StatusCode::kDeadlineExceeded);
+    const keel::duration now = timeouts.current();
+    CHECK(now <= ms(1500));
+    CHECK(now - previous <= ms(200));  // at most one margin per refresh
+    previous = now;
+  }
+  CHECK(timeouts.current() == ms(1500));
+  for (const keel::attempt& a : outage.attempts()) CHECK(a.timeout <= ms(1500));
+
+  // Recovery: fast answers fill the window and bring the estimate back down.
+  scripted_provider<int> healthy(clock, {kt::answer(1, 200ms)});
+  for (int i = 0; i < 64; ++i) {
+    keel::call call(clock.now(), {.timeout = 1h});
+    REQUIRE(pipe.run(call, healthy).ok());
+  }
+  CHECK(timeouts.current() == ms(500));
+}
+
+TEST_CASE("recording from many threads keeps the estimate within the samples", "[timeout][concurrency]") {
+  keel::adaptive_timeout timeouts({.min_samples = 16, .samples = 256, .refresh_every = 8});
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 20000; ++i) timeouts.record(std::chrono::milliseconds(100 + (i + t) % 200));
+    });
+  }
+  for (auto& th : threads) th.join();
+  const auto p = timeouts.observed();
+  REQUIRE(p.has_value());
+  CHECK(*p >= ms(100));
+  CHECK(*p <= ms(299));
+}
+
+TEST_CASE("invalid adaptive timeout options are refused with the field named", "[timeout][options]") {
+  auto message = [](const keel::adaptive_timeout_options& o) { return std::string(o.validate().message()); };
+  CHECK(message({.lower = 0ms}) == "adaptive_timeout_options.lower must be > 0 (got 0s)");
+  CHECK(message({.lower = 2s, .upper = 1s, .initial = 1s}) ==
+        "adaptive_timeout_options.upper must be >= lower (got 1s < 2s)");
+  CHECK(message({.percentile = 1.0}).find("percentile") != std::string::npos);
+  CHECK(message({.margin = -1ms}).find("margin") != std::string::npos);
+  CHECK(message({.initial = 5s}).find("initial") != std::string::npos);
+  CHECK(message({.min_samples = 0}).find("min_samples") != std::string::npos);
+  CHECK(message({.samples = 8}).find("samples") != std::string::npos);
+  CHECK(message({.refresh_every = 0}).find("refresh_every") != std::string::npos);
+  CHECK_THROWS_AS(keel::adaptive_timeout({.lower = -1s}), keel::invalid_options);
+  CHECK(keel::adaptive_timeout_options{}.validate().ok());
+}

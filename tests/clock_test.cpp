@@ -1,0 +1,160 @@
+// The clocks: the real steady clock, and the manual clock every other test
+// drives time with.
+#include "keel/clock.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <stop_token>
+#include <thread>
+#include <vector>
+
+#include "keel/testing/manual_clock.hpp"
+#include "support/catch.hpp"
+
+using namespace std::chrono_literals;
+using keel::testing::manual_clock;
+
+TEST_CASE("real_clock sleeps until the time and stops early on request", "[clock]") {
+  keel::real_clock clock;
+  const keel::time_point start = clock.now();
+  REQUIRE(clock.sleep_until(start + 1ms, std::stop_token{}));
+  REQUIRE(clock.now() >= start + 1ms);
+
+  std::stop_source stop;
+  stop.request_stop();
+  // Already stopped: returns false at once instead of sleeping an hour.
+  REQUIRE_FALSE(clock.sleep_until(clock.now() + 1h, stop.get_token()));
+}
+
+TEST_CASE("manual_clock moves only when advanced", "[clock]") {
+  manual_clock clock;
+  const keel::time_point t0 = clock.now();
+  REQUIRE(clock.now() == t0);
+  clock.advance(250ms);
+  REQUIRE(clock.now() - t0 == 250ms);
+  manual_clock copy = clock;  // copies share the timeline
+  copy.advance(1s);
+  REQUIRE(clock.now() - t0 == 1250ms);
+}
+
+TEST_CASE("manual_clock wakes a sleeper only when its time comes", "[clock]") {
+  manual_clock clock;
+  const keel::time_point wake = clock.now() + 5s;
+  std::atomic<bool> woke{false};
+  bool reached = false;
+  std::thread sleeper([&] {
+    reached = clock.sleep_until(wake, {});
+    woke = true;
+  });
+  clock.await_sleepers(1);
+  clock.advance(4s);
+  REQUIRE(clock.sleepers() == 1);  // still parked: 1 s to go
+  REQUIRE_FALSE(woke.load());
+  clock.advance(1s);
+  sleeper.join();
+  REQUIRE(woke.load());
+  REQUIRE(reached);
+}
+
+TEST_CASE("manual_clock wakes each sleeper when its own time comes, not before", "[clock]") {
+  manual_clock clock;
+  const keel::time_point t0 = clock.now();
+  std::atomic<int> reached{0};
+  std::vector<std::thread> threads;
+  for (int i : {3, 1, 2}) {
+    threads.emplace_back([&, i] {
+      if (clock.sleep_until(t0 + i * 1s, {}) && clock.now() >= t0 + i * 1s) ++reached;
+    });
+  }
+  clock.await_sleepers(3);
+  for (int step = 1; step <= 3; ++step) {
+    clock.advance(1s);
+    // Exactly one sleeper's time has come per second; the others stay parked.
+    clock.await_sleepers(3 - step);
+  }
+  for (auto& t : threads) t.join();
+  REQUIRE(reached.load() == 3);
+}
+
+TEST_CASE("manual_clock sleep ends early when stop is requested", "[clock]") {
+  manual_clock clock;
+  std::stop_source stop;
+  bool reached = true;
+  std::thread sleeper([&] { reached = clock.sleep_until(clock.now() + 1h, stop.get_token()); });
+  clock.await_sleepers(1);
+  stop.request_stop();
+  sleeper.join();
+  REQUIRE_FALSE(reached);
+}
+
+TEST_CASE("manual_clock wait_until wakes on notify, on time, and on stop", "[clock]") {
+  manual_clock clock;
+  std::mutex mu;
+  std::condition_variable_any cv;
+  bool ready = false;
+
+  SECTION("notified by another thread") {
+    bool result = false;
+    std::thread waiter([&] {
+      std::unique_lock lock(mu);
+      result = clock.wait_until(lock, cv, clock.now() + 1h, {}, [&] { return ready; });
+    });
+    clock.await_sleepers(1);
+    {
+      std::lock_guard lock(mu);
+      ready = true;
+    }
+    cv.notify_all();
+    waiter.join();
+    REQUIRE(result);
+  }
+  SECTION("time runs out") {
+    bool result = true;
+    std::thread waiter([&] {
+      std::unique_lock lock(mu);
+      result = clock.wait_until(lock, cv, clock.now() + 2s, {}, [&] { return ready; });
+    });
+    clock.await_sleepers(1);
+    clock.advance(2s);
+    waiter.join();
+    REQUIRE_FALSE(result);
+  }
+  SECTION("stop requested") {
+    std::stop_source stop;
+    bool result = true;
+    std::thread waiter([&] {
+      std::unique_lock lock(mu);
+      result = clock.wait_until(lock, cv, clock.now() + 1h, stop.get_token(), [&] { return ready; });
+    });
+    clock.await_sleepers(1);
+    stop.request_stop();
+    waiter.join();
+    REQUIRE_FALSE(result);
+  }
+  SECTION("already ready: returns at once without registering") {
+    ready = true;
+    std::unique_lock lock(mu);
+    REQUIRE(clock.wait_until(lock, cv, clock.now() + 1h, {}, [&] { return ready; }));
+    REQUIRE(lock.owns_lock());
+  }
+}
+
+TEST_CASE("manual_clock can be hammered by many sleepers and an advancing thread", "[clock][concurrency]") {
+  manual_clock clock;
+  const keel::time_point t0 = clock.now();
+  constexpr int kThreads = 8;
+  constexpr int kSleeps = 200;
+  std::atomic<int> done{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      for (int s = 1; s <= kSleeps; ++s) clock.sleep_until(t0 + (s * kThreads + i) * 1ms, {});
+      ++done;
+    });
+  }
+  while (done.load() < kThreads) clock.advance(1ms);
+  for (auto& t : threads) t.join();
+  REQUIRE(clock.now() >= t0 + kSleeps * kThreads * 1ms);
+}

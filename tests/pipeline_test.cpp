@@ -1,0 +1,188 @@
+// Composition: order, exceptions, classifiers, clocks, shared policies, and
+// no heap allocation on the success path.
+#include "keel/pipeline.hpp"
+
+#include <chrono>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "keel/adaptive_timeout.hpp"
+#include "keel/call.hpp"
+#include "keel/retry.hpp"
+#include "keel/retry_budget.hpp"
+#include "keel/testing/manual_clock.hpp"
+#include "keel/time_limit.hpp"
+#include "support/alloc_counter.hpp"
+#include "support/catch.hpp"
+
+using namespace std::chrono_literals;
+using keel::testing::manual_clock;
+
+namespace {
+// A policy that writes its name on the way in and out.
+struct tracer {
+  std::vector<std::string>* trace;
+  std::string name;
+  template <class Ctx, class Next>
+  auto execute(Ctx& ctx, keel::attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
+    trace->push_back(name + ">");
+    auto r = next(ctx, plan);
+    trace->push_back("<" + name);
+    return r;
+  }
+};
+}  // namespace
+
+TEST_CASE("policies run outer to inner in the order written", "[pipeline]") {
+  std::vector<std::string> trace;
+  auto pipe = keel::pipeline(tracer{&trace, "a"}, tracer{&trace, "b"}, tracer{&trace, "c"});
+  keel::call call(keel::real_clock{}.now(), {});
+  const absl::StatusOr<int> r = pipe.run(call, [&] {
+    trace.push_back("provider");
+    return absl::StatusOr<int>(1);
+  });
+  REQUIRE(r.ok());
+  CHECK(trace == std::vector<std::string>{"a>", "b>", "c>", "provider", "<c", "<b", "<a"});
+}
+
+TEST_CASE("a provider that throws is caught and classified", "[pipeline]") {
+  manual_clock clock;
+  clock.auto_advance(true);
+  auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 1ms})).on(clock);
+  int calls = 0;
+  auto thrower = [&](const keel::attempt&) -> absl::StatusOr<int> {
+    ++calls;
+    throw std::runtime_error("socket exploded");
+  };
+
+  keel::call read(clock.now(), {.timeout = 1s});
+  const absl::StatusOr<int> r = pipe.run(read, thrower);
+  CHECK(r.status().code() == absl::StatusCode::kUnknown);
+  CHECK(r.status().message() == "keel: provider threw: socket exploded");
+  CHECK(calls == 2);  // a read is repeatable: retried
+
+  calls = 0;
+  keel::call write(clock.now(), {.timeout = 1s, .operation = {.effect = keel::effect::write}});
+  CHECK(pipe.run(write, thrower).status().code() == absl::StatusCode::kUnknown);
+  CHECK(calls == 1);  // a write that threw may have happened: not retried
+
+  keel::call odd(clock.now(), {.timeout = 1s, .max_attempts = 1});
+  const absl::Status s = pipe.run(odd, [](const keel::attempt&) -> absl::Status { throw 42; });
+  CHECK(s.message() == "keel: provider threw a non-standard exception");
+}
+
+TEST_CASE("providers may return absl::Status and may ignore the attempt", "[pipeline]") {
+  auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}));
+  keel::call call(keel::real_clock{}.now(), {});
+  int effects = 0;
+  const absl::Status s = pipe.run(call, [&]() -> absl::Status {
+    ++effects;
+    return absl::OkStatus();
+  });
+  CHECK(s.ok());
+  CHECK(effects == 1);
+}
+
+TEST_CASE("a pipeline's classifier can be replaced", "[pipeline]") {
+  manual_clock clock;
+  clock.auto_advance(true);
+  // This provider returns NotFound while a replica catches up: transient here.
+  struct eventually_consistent {
+    keel::outcome_kind operator()(const absl::Status& s, const keel::operation& op) const {
+      if (s.code() == absl::StatusCode::kNotFound) return keel::outcome_kind::transient;
+      return keel::default_classifier{}(s, op);
+    }
+  };
+  int calls = 0;
+  auto provider = [&]() -> absl::StatusOr<int> {
+    if (++calls < 3) return absl::NotFoundError("not replicated yet");
+    return 5;
+  };
+  const keel::retry three({.max_attempts = 3}, keel::constant_backoff{.delay_each = 1ms});
+  keel::call a(clock.now(), {.timeout = 1s});
+  CHECK_FALSE(keel::pipeline(three).on(clock).run(a, provider).ok());
+  CHECK(calls == 1);
+
+  calls = 0;
+  keel::call b(clock.now(), {.timeout = 1s});
+  CHECK(keel::pipeline(three).on(clock).classify_with(eventually_consistent{}).run(b, provider).value() == 5);
+  CHECK(calls == 3);
+}
+
+TEST_CASE("a shared policy passed as an lvalue is held by reference", "[pipeline]") {
+  manual_clock clock;
+  keel::adaptive_timeout timeouts({.min_samples = 1, .refresh_every = 1});
+  auto first = keel::pipeline(timeouts).on(clock);
+  auto second = keel::pipeline(keel::time_limit({.at_most = 1s}), timeouts).on(clock);
+  auto slow = [&]() -> absl::StatusOr<int> {
+    clock.advance(700ms);
+    return 1;
+  };
+  keel::call a(clock.now(), {.timeout = 10s});
+  REQUIRE(first.run(a, slow).ok());
+  keel::call b(clock.now(), {.timeout = 10s});
+  REQUIRE(second.run(b, slow).ok());
+  CHECK(timeouts.observed() == std::chrono::duration_cast<keel::duration>(700ms));  // both recorded into one
+}
+
+TEST_CASE("time_limit narrows the stage and refuses when out of time", "[pipeline]") {
+  manual_clock clock;
+  auto pipe = keel::pipeline(keel::time_limit({.at_most = 300ms})).on(clock);
+  keel::call call(clock.now(), {.timeout = 3s, .response_reserve = 200ms});
+  keel::duration seen{};
+  REQUIRE(pipe.run(call, [&](const keel::attempt& a) {
+                seen = a.timeout;
+                return absl::OkStatus();
+              }).ok());
+  CHECK(seen == std::chrono::duration_cast<keel::duration>(300ms));
+
+  clock.advance(2900ms);  // past the work deadline (2800 ms)
+  int calls = 0;
+  const absl::Status late = pipe.run(call, [&] {
+    ++calls;
+    return absl::OkStatus();
+  });
+  CHECK(late.code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(keel::not_started(late));
+  CHECK(calls == 0);
+  CHECK_THROWS_AS(keel::time_limit({.at_most = 0ms}), keel::invalid_options);
+}
+
+TEST_CASE("a cancelled call does not start an attempt", "[pipeline]") {
+  std::stop_source stop;
+  stop.request_stop();
+  keel::call call(keel::real_clock{}.now(), {.timeout = 1s, .stop = stop.get_token()});
+  int calls = 0;
+  const absl::Status s = keel::pipeline().run(call, [&] {
+    ++calls;
+    return absl::OkStatus();
+  });
+  CHECK(s.code() == absl::StatusCode::kCancelled);
+  CHECK(keel::not_started(s));
+  CHECK(calls == 0);
+}
+
+TEST_CASE("the success path allocates nothing on the heap", "[pipeline][alloc]") {
+  if (!keel_test::allocations_counted()) {
+    WARN("allocation counting is off in sanitizer builds; the g++ build asserts it");
+    return;
+  }
+  keel::retry_budget budget({.ratio = 0.1});
+  keel::adaptive_timeout timeouts;
+  auto pipe = keel::pipeline(keel::time_limit({.at_most = 2s}), keel::retry({.max_attempts = 3, .budget = &budget}),
+                             timeouts);
+  auto provider = [](const keel::attempt& a) -> absl::StatusOr<int> { return a.number; };
+  {
+    keel::call warm(keel::real_clock{}.now(), {.timeout = 3s});
+    REQUIRE(pipe.run(warm, provider).ok());
+  }
+  keel_test::count_allocations allocations;
+  for (int i = 0; i < 1000; ++i) {
+    keel::call call(keel::real_clock{}.now(),
+                    {.timeout = 3s, .response_reserve = 200ms, .labels = {.tenant = "acme", .model = "m"}});
+    absl::StatusOr<int> r = pipe.run(call, provider);
+    if (!r.ok()) FAIL("pipeline failed");
+  }
+  CHECK(allocations.count() == 0);
+}
