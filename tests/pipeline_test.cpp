@@ -186,3 +186,43 @@ TEST_CASE("the success path allocates nothing on the heap", "[pipeline][alloc]")
   }
   CHECK(allocations.count() == 0);
 }
+
+TEST_CASE("policies report events to the pipeline's listener", "[pipeline][telemetry]") {
+  manual_clock clock;
+  clock.auto_advance(true);
+  struct recorder {
+    std::vector<std::string>* log;
+    void operator()(const keel::events::retry_scheduled& e) const {
+      log->push_back("retry after attempt " + std::to_string(e.layer_attempt) + (e.hinted ? " (hinted)" : ""));
+    }
+    void operator()(const keel::events::retry_stopped& e) const {
+      log->push_back(e.why == keel::events::retry_stopped::reason::layer_attempts ? "stopped: attempts"
+                                                                                 : "stopped: other");
+    }
+  };
+  std::vector<std::string> log;
+  auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}, keel::constant_backoff{.delay_each = 1ms}))
+                  .on(clock)
+                  .observe(recorder{&log});
+  keel::call call(clock.now(), {.timeout = 1s});
+  int n = 0;
+  (void)pipe.run(call, [&]() -> absl::Status {
+    if (++n == 1) return keel::with_retry_after(absl::ResourceExhaustedError("429"), 5ms);
+    return absl::UnavailableError("503");
+  });
+  CHECK(log == std::vector<std::string>{"retry after attempt 1 (hinted)", "retry after attempt 2",
+                                        "stopped: attempts"});
+
+  // A listener that takes only some events is fine; the rest are not delivered.
+  struct only_stops {
+    int* stops;
+    void operator()(const keel::events::retry_stopped&) const { ++*stops; }
+  };
+  int stops = 0;
+  keel::call again(clock.now(), {.timeout = 1s});
+  (void)keel::pipeline(keel::retry({.max_attempts = 2}))
+      .on(clock)
+      .observe(only_stops{&stops})
+      .run(again, [] { return absl::UnauthenticatedError("bad key"); });
+  CHECK(stops == 1);
+}

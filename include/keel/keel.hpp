@@ -22,4 +22,5 @@
 #include "keel/retry.hpp"
 #include "keel/retry_budget.hpp"
 #include "keel/status.hpp"
+#include "keel/telemetry.hpp"
 #include "keel/time_limit.hpp"

@@ -32,6 +32,9 @@
 // clock sparingly (once per attempt): plan.now already holds the time the
 // pass started.
 //
+// `.on(clock)`, `.classify_with(classifier)` and `.observe(listener)` return
+// the same policies with another clock, classifier or event listener.
+//
 // Thread-safety: run() is const and may be called from many threads at once,
 // each with its own keel::call; policies keep shared state in thread-safe
 // objects. A provider that throws is caught here and turned into
@@ -55,6 +58,7 @@
 #include "keel/outcome.hpp"
 #include "keel/policy.hpp"
 #include "keel/status.hpp"
+#include "keel/telemetry.hpp"
 
 namespace keel {
 
@@ -135,57 +139,68 @@ R run_from(const Tuple& policies, Ctx& ctx, attempt_plan plan, Provider& provide
 
 }  // namespace detail
 
-template <keel::clock Clock, keel::classifier Classifier, class... Policies>
+template <keel::clock Clock, keel::classifier Classifier, class Listener, class... Policies>
 class basic_pipeline {
  public:
   template <class... Ps>
-  constexpr basic_pipeline(Clock clock, Classifier classifier, Ps&&... policies)
-      : clock_(std::move(clock)), classifier_(std::move(classifier)), policies_(std::forward<Ps>(policies)...) {}
+  constexpr basic_pipeline(Clock clock, Classifier classifier, Listener listener, Ps&&... policies)
+      : clock_(std::move(clock)),
+        classifier_(std::move(classifier)),
+        listener_(std::move(listener)),
+        policies_(std::forward<Ps>(policies)...) {}
 
   // Runs `provider` for `call` through every policy. Never throws.
   template <class Provider>
   provider_result_t<Provider> run(keel::call& call, Provider&& provider) const {
     using R = provider_result_t<Provider>;
     static_assert(result<R>, "a keel provider returns absl::Status or absl::StatusOr<T>");
-    run_context<Clock, Classifier> ctx{call, clock_, classifier_};
+    run_context<Clock, Classifier, Listener> ctx{call, clock_, classifier_, listener_};
     attempt_plan plan{.now = clock_.now(), .deadline = call.work_deadline(), .stop = call.stop_token()};
     return detail::run_from<0, R>(policies_, ctx, std::move(plan), provider);
   }
 
   // The same policies on another clock (a manual clock in tests).
   template <keel::clock C>
-  [[nodiscard]] basic_pipeline<C, Classifier, Policies...> on(C clock) const {
-    return std::apply(
-        [&](auto&&... p) {
-          return basic_pipeline<C, Classifier, Policies...>(std::move(clock), classifier_,
-                                                            static_cast<Policies>(p)...);
-        },
-        policies_);
+  [[nodiscard]] basic_pipeline<C, Classifier, Listener, Policies...> on(C clock) const {
+    return rebuild<C, Classifier, Listener>(std::move(clock), classifier_, listener_);
   }
 
   // The same policies with another classifier.
   template <keel::classifier K>
-  [[nodiscard]] basic_pipeline<Clock, K, Policies...> classify_with(K classifier) const {
-    return std::apply(
-        [&](auto&&... p) {
-          return basic_pipeline<Clock, K, Policies...>(clock_, std::move(classifier), static_cast<Policies>(p)...);
-        },
-        policies_);
+  [[nodiscard]] basic_pipeline<Clock, K, Listener, Policies...> classify_with(K classifier) const {
+    return rebuild<Clock, K, Listener>(clock_, std::move(classifier), listener_);
+  }
+
+  // The same policies reporting their events to `listener` (keel/telemetry.hpp).
+  template <class L>
+  [[nodiscard]] basic_pipeline<Clock, Classifier, L, Policies...> observe(L listener) const {
+    return rebuild<Clock, Classifier, L>(clock_, classifier_, std::move(listener));
   }
 
   [[nodiscard]] const Clock& clock() const noexcept { return clock_; }
 
  private:
+  template <class C, class K, class L>
+  basic_pipeline<C, K, L, Policies...> rebuild(C clock, K classifier, L listener) const {
+    return std::apply(
+        [&](auto&&... p) {
+          return basic_pipeline<C, K, L, Policies...>(std::move(clock), std::move(classifier), std::move(listener),
+                                                      static_cast<Policies>(p)...);
+        },
+        policies_);
+  }
+
   Clock clock_;
   Classifier classifier_;
+  Listener listener_;
   std::tuple<Policies...> policies_;
 };
 
 // Policies outer to inner; lvalues by reference, temporaries by value.
 template <class... Policies>
 [[nodiscard]] auto pipeline(Policies&&... policies) {
-  return basic_pipeline<real_clock, default_classifier, Policies...>(real_clock{}, default_classifier{},
-                                                                     std::forward<Policies>(policies)...);
+  return basic_pipeline<real_clock, default_classifier, null_listener, Policies...>(
+      real_clock{}, default_classifier{}, null_listener{}, std::forward<Policies>(policies)...);
 }
 
 }  // namespace keel

@@ -38,6 +38,7 @@
 #include "keel/clock.hpp"
 #include "keel/deadline.hpp"
 #include "keel/outcome.hpp"
+#include "keel/telemetry.hpp"
 
 namespace keel {
 
@@ -84,12 +85,14 @@ struct provider_result<P, false> {
 template <class Provider>
 using provider_result_t = typename detail::provider_result<std::remove_reference_t<Provider>>::type;
 
-// What a policy's ctx is.
-template <keel::clock Clock, keel::classifier Classifier>
+// What a policy's ctx is. `listener` receives the events policies report
+// (keel/telemetry.hpp); call keel::observe(ctx.listener, event).
+template <keel::clock Clock, keel::classifier Classifier, class Listener = null_listener>
 struct run_context {
   keel::call& call;
   const Clock& clock;
   const Classifier& classifier;
+  const Listener& listener;
 
   [[nodiscard]] outcome_kind classify(const absl::Status& s) const {
     return s.ok() ? outcome_kind::success : classifier(s, call.operation());

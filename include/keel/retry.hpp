@@ -22,6 +22,9 @@
 //                 keel::full_jitter{.base = std::chrono::milliseconds(100), .cap = std::chrono::seconds(1)});
 //   auto pipe = keel::pipeline(r);   // keel/pipeline.hpp
 //
+// Events (keel/telemetry.hpp): events::retry_scheduled before each wait,
+// events::retry_stopped with the reason when the layer gives up.
+//
 // Thread-safety: execute() is const and may run for many calls at once; the
 // budget is lock-free; the random source must be thread-safe (the default
 // one is).
@@ -39,8 +42,38 @@
 #include "keel/policy.hpp"
 #include "keel/retry_budget.hpp"
 #include "keel/status.hpp"
+#include "keel/telemetry.hpp"
 
 namespace keel {
+
+namespace events {
+
+// A retry will be made after `wait`.
+struct retry_scheduled {
+  const keel::call& call;
+  int layer_attempt;          // attempts this layer has made so far
+  duration wait;
+  bool hinted;                // the wait is the provider's retry-after hint
+  const absl::Status& cause;  // the failure being retried
+};
+
+// A retry layer gave up; `last` is what the caller receives.
+struct retry_stopped {
+  enum class reason {
+    not_retryable,       // permanent, or ambiguous for a non-repeatable operation
+    layer_attempts,      // retry_options::max_attempts reached
+    call_attempts,       // the call's attempt cap reached
+    cancelled,           // stop requested
+    hint_too_long,       // retry-after above max_retry_after
+    deadline,            // no time for another attempt
+    budget,              // the retry budget refused
+  };
+  const keel::call& call;
+  reason why;
+  const absl::Status& last;
+};
+
+}  // namespace events
 
 struct retry_options {
   // Attempts made by this layer, the first included; >= 1.
@@ -81,18 +114,26 @@ class retry {
     using R = decltype(next(ctx, plan));
     if (options_.budget != nullptr) options_.budget->record_request(plan.now);
     duration previous = duration::zero();
+    using stop = events::retry_stopped::reason;
+    auto stopped = [&](stop why, R r) -> R {
+      observe(ctx.listener, events::retry_stopped{ctx.call, why, status_of(r)});
+      return r;
+    };
     for (int k = 0;; ++k) {
       R r = next(ctx, plan);
       const absl::Status& s = status_of(r);
       if (s.ok()) return r;
-      if (!retryable(ctx.classify(s), ctx.call.operation())) return r;
-      if (k + 1 >= options_.max_attempts || ctx.call.attempts_exhausted() || plan.stop.stop_requested()) return r;
+      if (!retryable(ctx.classify(s), ctx.call.operation())) return stopped(stop::not_retryable, std::move(r));
+      if (k + 1 >= options_.max_attempts) return stopped(stop::layer_attempts, std::move(r));
+      if (ctx.call.attempts_exhausted()) return stopped(stop::call_attempts, std::move(r));
+      if (plan.stop.stop_requested()) return stopped(stop::cancelled, std::move(r));
 
       std::optional<duration> hint = options_.honour_retry_after ? retry_after(s) : std::nullopt;
       if (hint && *hint > options_.max_retry_after) {
-        return R(annotate(s, absl::StrCat("keel: not retrying: asked to wait ", detail::describe(*hint),
-                                          ", more than max_retry_after ",
-                                          detail::describe(options_.max_retry_after))));
+        return stopped(stop::hint_too_long,
+                       R(annotate(s, absl::StrCat("keel: not retrying: asked to wait ", detail::describe(*hint),
+                                                  ", more than max_retry_after ",
+                                                  detail::describe(options_.max_retry_after)))));
       }
       const duration wait = hint ? *hint : backoff_.delay(k, previous, random_);
       previous = wait;
@@ -100,16 +141,19 @@ class retry {
       const time_point now = ctx.clock.now();
       const duration left = plan.deadline.remaining(now);
       if (left <= wait || left - wait < options_.min_attempt_time) {
-        return R(annotate(s, absl::StrCat("keel: retry not started: waiting ", detail::describe(wait),
-                                          " would leave too little of the ", detail::describe(left),
-                                          " left for an attempt")));
+        return stopped(stop::deadline,
+                       R(annotate(s, absl::StrCat("keel: retry not started: waiting ", detail::describe(wait),
+                                                  " would leave too little of the ", detail::describe(left),
+                                                  " left for an attempt"))));
       }
       if (options_.budget != nullptr && !options_.budget->try_acquire_retry(now)) {
-        return R(with_refused_by(annotate(s, "keel: retry budget exhausted, not retrying"), "retry_budget"));
+        return stopped(stop::budget, R(with_refused_by(annotate(s, "keel: retry budget exhausted, not retrying"),
+                                                       "retry_budget")));
       }
+      observe(ctx.listener, events::retry_scheduled{ctx.call, k + 1, wait, hint.has_value(), s});
       if (wait > duration::zero()) {
         if (!ctx.clock.sleep_until(now + wait, plan.stop)) {
-          return R(annotate(s, "keel: call cancelled while waiting to retry"));
+          return stopped(stop::cancelled, R(annotate(s, "keel: call cancelled while waiting to retry")));
         }
         plan.now = ctx.clock.now();
       } else {
