@@ -146,6 +146,8 @@ TEST_CASE("invalid adaptive timeout options are refused with the field named", "
   CHECK(message({.initial = 5s}).find("initial") != std::string::npos);
   CHECK(message({.min_samples = 0}).find("min_samples") != std::string::npos);
   CHECK(message({.samples = 8}).find("samples") != std::string::npos);
+  CHECK(message({.samples = 300}) == "adaptive_timeout_options.samples must be a power of two in [16, 65536] (got 300)");
+  CHECK(message({.refresh_every = 48}).find("refresh_every") != std::string::npos);
   CHECK(message({.refresh_every = 0}).find("refresh_every") != std::string::npos);
   CHECK_THROWS_AS(keel::adaptive_timeout({.lower = -1s}), keel::invalid_options);
   CHECK(keel::adaptive_timeout_options{}.validate().ok());

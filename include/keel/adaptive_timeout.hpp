@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -58,8 +59,8 @@ struct adaptive_timeout_options {
   duration upper = std::chrono::milliseconds(1500);     // >= lower
   duration initial = std::chrono::seconds(1);           // in [lower, upper]
   int min_samples = 20;                                 // >= 1, <= samples
-  int samples = 256;                                    // rolling window size, in [16, 65536]
-  int refresh_every = 32;                               // recompute period in samples, in [1, samples]
+  int samples = 256;        // rolling window size: a power of two in [16, 65536]
+  int refresh_every = 64;   // recompute period in samples: a power of two in [1, samples]
 
   [[nodiscard]] absl::Status validate() const {
     constexpr std::string_view who = "adaptive_timeout_options";
@@ -72,11 +73,12 @@ struct adaptive_timeout_options {
                                    detail::describe(upper) + " < " + detail::describe(lower));
     if (initial < lower || initial > upper)
       return detail::invalid_field(who, "initial", "be within [lower, upper]", initial);
-    if (samples < 16 || samples > 65536) return detail::invalid_field(who, "samples", "be in [16, 65536]", samples);
+    if (samples < 16 || samples > 65536 || !std::has_single_bit(static_cast<unsigned>(samples)))
+      return detail::invalid_field(who, "samples", "be a power of two in [16, 65536]", samples);
     if (min_samples < 1 || min_samples > samples)
       return detail::invalid_field(who, "min_samples", "be in [1, samples]", min_samples);
-    if (refresh_every < 1 || refresh_every > samples)
-      return detail::invalid_field(who, "refresh_every", "be in [1, samples]", refresh_every);
+    if (refresh_every < 1 || refresh_every > samples || !std::has_single_bit(static_cast<unsigned>(refresh_every)))
+      return detail::invalid_field(who, "refresh_every", "be a power of two in [1, samples]", refresh_every);
     return absl::OkStatus();
   }
 
@@ -92,7 +94,10 @@ class adaptive_timeout {
   explicit adaptive_timeout(const adaptive_timeout_options& o = {})
       : options_((detail::require_valid(o.validate()), o)),
         ring_(std::make_unique<std::atomic<std::int64_t>[]>(static_cast<std::size_t>(o.samples))),
-        scratch_(static_cast<std::size_t>(o.samples)) {}
+        scratch_(static_cast<std::size_t>(o.samples)),
+        sample_mask_(static_cast<std::uint64_t>(o.samples) - 1),
+        refresh_mask_(static_cast<std::uint64_t>(o.refresh_every) - 1),
+        min_samples_(static_cast<std::uint64_t>(o.min_samples)) {}
   adaptive_timeout(const adaptive_timeout&) = delete;
   adaptive_timeout& operator=(const adaptive_timeout&) = delete;
 
@@ -122,15 +127,11 @@ class adaptive_timeout {
   // timeout, so `latency` is only a lower bound.
   void record(duration latency, bool censored = false) noexcept {
     (void)censored;  // recorded at the cut: see the header comment
+    // Powers of two: masks instead of divisions on this hot path.
     const std::uint64_t i = written_.fetch_add(1, std::memory_order_relaxed);
-    ring_[i % static_cast<std::uint64_t>(options_.samples)].store(std::max<std::int64_t>(0, latency.count()),
-                                                                  std::memory_order_relaxed);
+    ring_[i & sample_mask_].store(std::max<std::int64_t>(0, latency.count()), std::memory_order_relaxed);
     const std::uint64_t n = i + 1;
-    if (n >= static_cast<std::uint64_t>(options_.min_samples) &&
-        (n == static_cast<std::uint64_t>(options_.min_samples) ||
-         n % static_cast<std::uint64_t>(options_.refresh_every) == 0)) {
-      refresh(n);
-    }
+    if (n >= min_samples_ && (n == min_samples_ || (n & refresh_mask_) == 0)) refresh(n);
   }
 
   template <class Ctx, class Next>
@@ -199,6 +200,9 @@ class adaptive_timeout {
   adaptive_timeout_options options_;
   std::unique_ptr<std::atomic<std::int64_t>[]> ring_;
   std::vector<std::int64_t> scratch_;  // guarded by refreshing_
+  std::uint64_t sample_mask_;
+  std::uint64_t refresh_mask_;
+  std::uint64_t min_samples_;
   std::atomic<std::uint64_t> written_{0};
   std::atomic<std::int64_t> percentile_ns_{-1};
   std::atomic<bool> refreshing_{false};
