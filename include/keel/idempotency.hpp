@@ -1,0 +1,494 @@
+// keel/idempotency.hpp — one logical decision per request, however often the
+// request is retried, across threads, processes and restarts.
+//
+// A request is identified by a client key scoped to tenant and endpoint
+// (keel::request_identity) plus a digest of its canonical contents
+// (keel::digest, keel/digest.hpp). The store keeps one record per identity:
+//
+//   in flight   owner, fence, lease expiry          (someone is deciding)
+//   committed   decision id, model digest, policy   (replayed to every retry)
+//               revision, result bytes, commit time,
+//               or a stored failure (code + message)
+//   plus an expiry for the whole record (retention).
+//
+// The store contract (keel::idempotency_store; docs/stores.md has the full
+// text every backend meets and the conformance suite checks):
+//
+//   begin(identity, request_digest, owner, begin_options) -> StatusOr<begin_outcome>
+//       One atomic step answering exactly one of:
+//         claimed    no live record (or an abandoned one, or one whose lease
+//                    expired: took_over): a new in-flight record is yours,
+//                    with `owner` and a fence above every earlier one.
+//                    `owner` beginning again while it holds the record gets
+//                    the same fence (a lost reply can be retried).
+//         in_flight  someone else holds it; lease_remaining says until when.
+//         replay     committed with the same digest: the stored decision.
+//         conflict   the record (in flight or committed) has another digest.
+//       begin_options::supersede_revision (non-empty) re-claims a committed
+//       record whose policy revision differs (keel::on_policy_change::decide_again).
+//   extend(identity, ownership, ttl)        lease = max(lease, now + ttl) for the holder.
+//   commit(identity, ownership, decision, retention)
+//       The holder's record becomes committed; the record then expires
+//       `retention` after the commit. Repeating a successful commit with the
+//       same ownership is OK and changes nothing (the first decision stays).
+//   abandon(identity, ownership)
+//       The holder gives up: the record is removed (the key's fence is
+//       remembered, so the next claim still gets a higher one). Repeating a
+//       successful abandon is OK.
+//   extend/commit/abandon by anyone but the current (owner, fence):
+//       keel::lost_ownership, nothing changes. A holder whose lease expired
+//       but was not taken over still holds the record. A record past its
+//       retention is gone: lost_ownership too.
+//   A store error during commit: keel::unknown_outcome_error (ambiguous),
+//   unless the store knows nothing was applied (keel::store_unavailable_error).
+//
+// keel::once runs a provider at most once per logical request on top of any
+// such store: duplicates in flight wait for the first within their deadline
+// or get "retry later" (keel::in_flight_error) — never a second provider
+// call; a retry after a lost response replays the decision with its id; a
+// failed provider either removes the record or stores the failure; a replay
+// under a newer policy revision replays, conflicts or decides again.
+//
+// Example:
+//
+//   keel::sqlite_store<>& store = ...;                    // keel/store/sqlite.hpp
+//   keel::once decide(store, {.lease = 30s, .retention = 24h, .retry_window = 1h,
+//                             .policy_revision = "receipts-v4"});
+//   keel::request_identity id{.tenant = "merchant-82", .endpoint = "receipts", .key = "key-47"};
+//   keel::digest request = keel::digest_builder().field("receipt", canonical_receipt).finish();
+//   absl::StatusOr<keel::once_result> r = decide.run(call, id, request,
+//       [&](const keel::claim_context& c) -> absl::StatusOr<keel::decision> {
+//         absl::StatusOr<std::string> verdict = ask_the_model(c.deadline, c.stop);
+//         if (!verdict.ok()) return verdict.status();
+//         return keel::decision{.model_digest = "m-large@sha256:1f0c", .result = *verdict};
+//       });
+//   // r->decision.id is the same on every retry; r->replayed says it was stored.
+//   // keel::is_conflict(r.status()): same key, other contents.
+//   // keel::is_in_flight(r.status()): still being decided; retry after the hint.
+//
+// Thread-safety: keel::once::run may be called from any number of threads
+// at once; stores are thread-safe (and the durable ones process-safe).
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <concepts>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <optional>
+#include <stop_token>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "keel/backoff.hpp"
+#include "keel/call.hpp"
+#include "keel/clock.hpp"
+#include "keel/deadline.hpp"
+#include "keel/digest.hpp"
+#include "keel/lease.hpp"
+#include "keel/outcome.hpp"
+#include "keel/ownership.hpp"
+#include "keel/status.hpp"
+#include "keel/telemetry.hpp"
+
+namespace keel {
+
+// Who is asking, for what: the record's key. Views: the strings must outlive
+// the operation.
+struct request_identity {
+  std::string_view tenant{};
+  std::string_view endpoint{};
+  std::string_view key{};  // the client's idempotency key
+
+  // Each part: 1-255 bytes, no control characters.
+  [[nodiscard]] absl::Status validate() const {
+    if (absl::Status s = validate_key("tenant", tenant); !s.ok()) return s;
+    if (absl::Status s = validate_key("endpoint", endpoint); !s.ok()) return s;
+    return validate_key("idempotency key", key);
+  }
+
+  friend bool operator==(const request_identity&, const request_identity&) = default;
+};
+
+// What a committed record holds.
+struct decision {
+  std::string id{};             // the decision id: stable across replays; 1-255 bytes
+  std::string model_digest{};   // which model (and version) decided; <= 255 bytes
+  std::string policy_revision{};  // the policy in force when it was decided; <= 255 bytes
+  std::string result{};         // the answer, any bytes
+  // A stored failure: the provider failed and the failure is kept so that
+  // retries get the same answer. kOk for a decision.
+  absl::StatusCode error_code = absl::StatusCode::kOk;
+  std::string error_message{};
+
+  [[nodiscard]] bool failed() const noexcept { return error_code != absl::StatusCode::kOk; }
+  [[nodiscard]] absl::Status error() const { return absl::Status(error_code, error_message); }
+
+  [[nodiscard]] absl::Status validate() const {
+    if (absl::Status s = validate_key("decision id", id); !s.ok()) return s;
+    if (model_digest.size() > max_key_bytes)
+      return absl::InvalidArgumentError(absl::StrCat("decision model_digest must be at most ", max_key_bytes,
+                                                     " bytes (got ", model_digest.size(), ")"));
+    if (policy_revision.size() > max_key_bytes)
+      return absl::InvalidArgumentError(absl::StrCat("decision policy_revision must be at most ", max_key_bytes,
+                                                     " bytes (got ", policy_revision.size(), ")"));
+    return absl::OkStatus();
+  }
+
+  friend bool operator==(const decision&, const decision&) = default;
+};
+
+struct begin_options {
+  // How long a claim holds the record in flight; > 0.
+  duration lease = std::chrono::seconds(30);
+  // How long the record lives from the claim (commit restarts it); > lease.
+  duration retention = std::chrono::hours(24);
+  // Non-empty: a committed record (same digest) whose policy_revision
+  // differs from this one is claimed again instead of replayed (superseded).
+  std::string_view supersede_revision{};
+
+  [[nodiscard]] absl::Status validate() const {
+    if (lease <= duration::zero()) return detail::invalid_field("begin_options", "lease", "be > 0", lease);
+    if (retention <= lease)
+      return detail::invalid_field("begin_options", "retention", "exceed lease",
+                                   detail::describe(retention) + " <= " + detail::describe(lease));
+    if (supersede_revision.size() > max_key_bytes)
+      return detail::invalid_field("begin_options", "supersede_revision", "be at most 255 bytes",
+                                   supersede_revision.size());
+    return absl::OkStatus();
+  }
+};
+
+enum class begin_state { claimed, in_flight, replay, conflict };
+
+[[nodiscard]] constexpr std::string_view to_string(begin_state s) noexcept {
+  switch (s) {
+    case begin_state::claimed: return "claimed";
+    case begin_state::in_flight: return "in-flight";
+    case begin_state::replay: return "replay";
+    case begin_state::conflict: return "conflict";
+  }
+  return "unknown";
+}
+
+// What begin() answers. Which fields mean something depends on `state`.
+struct begin_outcome {
+  begin_state state = begin_state::claimed;
+  // claimed: your token. in_flight: the holder's fence (owner not disclosed).
+  // replay: the fence that committed.
+  keel::ownership ownership{};
+  // claimed: an earlier holder's lease had expired (its provider call may
+  // have run; it never committed).
+  bool took_over = false;
+  // claimed: a decision of another policy revision was superseded.
+  bool superseded = false;
+  // claimed: the lease granted. in_flight: time left on the holder's lease.
+  duration lease_remaining{};
+  // replay: the stored decision and when it was committed (nanoseconds on
+  // the store's clock: Unix time for the wall-clock and database clocks).
+  keel::decision decision{};
+  std::int64_t committed_at_ns = 0;
+  // conflict: the other request is still in flight (otherwise committed).
+  bool conflict_in_flight = false;
+};
+
+template <class S>
+concept idempotency_store = requires(S& s, const request_identity& id, const digest& d, const owner_id& owner,
+                                     const begin_options& bo, const ownership& token, const decision& dec,
+                                     duration ttl) {
+  { s.begin(id, d, owner, bo) } -> std::same_as<absl::StatusOr<begin_outcome>>;
+  { s.extend(id, token, ttl) } -> std::same_as<absl::Status>;
+  { s.commit(id, token, dec, ttl) } -> std::same_as<absl::Status>;
+  { s.abandon(id, token) } -> std::same_as<absl::Status>;
+};
+
+// A store that can wake a waiter when a record changes (the in-memory store).
+// Others are polled with backoff. wait_for_change returns when the record
+// may have changed, after at most `max_wait` on the store's clock, or on
+// stop; spurious returns are allowed. The wait is relative so that the
+// caller's clock and the store's need not agree.
+template <class S>
+concept notifying_store = requires(S& s, const request_identity& id, duration max_wait, std::stop_token stop) {
+  s.wait_for_change(id, max_wait, stop);
+};
+
+// ---------------------------------------------------------------------------
+// keel::once
+// ---------------------------------------------------------------------------
+
+// A duplicate arriving while the first request is in flight:
+enum class on_duplicate {
+  wait,         // wait for the first within the call's deadline, then replay its decision
+  retry_later,  // answer at once with keel::in_flight_error (retry-after = the holder's lease)
+};
+
+// The provider failed:
+enum class on_failure {
+  forget,              // abandon the record: a retry decides afresh
+  remember,            // store the failure: retries get the same failure
+  remember_permanent,  // store permanent failures, forget the rest (the default)
+};
+
+// A replay meets a decision made under another policy revision:
+enum class on_policy_change {
+  replay,        // replay it anyway
+  conflict,      // refuse: keel::conflict_error
+  decide_again,  // supersede it: the provider runs once more, under the current revision
+};
+
+struct idempotency_options {
+  // How long a claim holds the record in flight; > 0. A provider that may
+  // run longer needs keep_alive (or its deadline is cut to the lease).
+  duration lease = std::chrono::seconds(30);
+  // How long a record (and so a replay) lives; must exceed lease and retry_window.
+  duration retention = std::chrono::hours(24);
+  // How long clients may retry a request (the API's documented retry window); >= 0.
+  duration retry_window = std::chrono::hours(1);
+  keel::on_duplicate on_duplicate = keel::on_duplicate::wait;
+  keel::on_failure on_failure = keel::on_failure::remember_permanent;
+  keel::on_policy_change on_policy_change = keel::on_policy_change::replay;
+  // The policy in force, stored with each new decision; <= 255 bytes, and
+  // non-empty when on_policy_change is conflict or decide_again.
+  std::string policy_revision{};
+  // Renew the in-flight lease from a background thread while the provider
+  // runs (every lease/3). Off: the provider's deadline ends at the lease.
+  bool keep_alive = false;
+  // Waiting on a store that cannot notify: first poll after poll_initial,
+  // doubling up to poll_max (each drawn with jitter), never past the
+  // holder's lease or the deadline.
+  duration poll_initial = std::chrono::milliseconds(5);
+  duration poll_max = std::chrono::milliseconds(250);
+
+  [[nodiscard]] absl::Status validate() const {
+    constexpr std::string_view who = "idempotency_options";
+    if (lease <= duration::zero()) return detail::invalid_field(who, "lease", "be > 0", lease);
+    if (retry_window < duration::zero()) return detail::invalid_field(who, "retry_window", "be >= 0", retry_window);
+    if (retention <= lease)
+      return detail::invalid_field(who, "retention", "exceed lease",
+                                   detail::describe(retention) + " <= " + detail::describe(lease));
+    if (retention <= retry_window)
+      return detail::invalid_field(who, "retention", "exceed retry_window",
+                                   detail::describe(retention) + " <= " + detail::describe(retry_window));
+    if (policy_revision.size() > max_key_bytes)
+      return detail::invalid_field(who, "policy_revision", "be at most 255 bytes", policy_revision.size());
+    if (policy_revision.empty() && on_policy_change != keel::on_policy_change::replay)
+      return detail::invalid_field(who, "policy_revision",
+                                   "be set when on_policy_change is conflict or decide_again", "\"\"");
+    if (poll_initial <= duration::zero()) return detail::invalid_field(who, "poll_initial", "be > 0", poll_initial);
+    if (poll_max < poll_initial)
+      return detail::invalid_field(who, "poll_max", "be >= poll_initial",
+                                   detail::describe(poll_max) + " < " + detail::describe(poll_initial));
+    return absl::OkStatus();
+  }
+};
+
+// What the provider is handed when its request owns the record.
+struct claim_context {
+  std::string_view decision_id;  // minted for this claim; kept if the provider leaves decision.id empty
+  keel::ownership ownership{};   // pass ownership.fence to systems that check fencing tokens
+  bool took_over = false;        // an earlier holder's lease expired: it may have half-run
+  keel::deadline deadline{};     // the call's work deadline (cut to the lease without keep_alive)
+  std::stop_token stop{};        // the call's stop, or the lease lost (keep_alive)
+};
+
+struct once_result {
+  keel::decision decision{};
+  bool replayed = false;    // a stored decision: no provider call was made for this request
+  std::int64_t fence = 0;   // the claim that decided
+};
+
+namespace events {
+
+// Each answer of begin() that keel::once acted on (a waiting duplicate
+// reports each poll).
+struct idempotency_begin {
+  const request_identity& identity;
+  begin_state state;
+};
+
+}  // namespace events
+
+template <idempotency_store Store, keel::clock Clock = real_clock, class Listener = null_listener>
+class once {
+ public:
+  // Throws keel::invalid_options if `o` is invalid.
+  once(Store& store, idempotency_options o, Clock clock = {}, Listener listener = {})
+      : store_(store), options_(std::move(o)), clock_(std::move(clock)), listener_(std::move(listener)) {
+    detail::require_valid(options_.validate());
+  }
+
+  [[nodiscard]] const idempotency_options& options() const noexcept { return options_; }
+
+  // Decides `request` under `id` at most once. `provider` is called as
+  // provider(const claim_context&) -> absl::StatusOr<keel::decision> only
+  // when this call claims the record; it leaves decision.id empty to use the
+  // minted one and policy_revision empty to use the options'.
+  //
+  // Returns the decision (replayed or fresh), or:
+  //   keel::is_conflict       same key, other digest (or policy revision, if so configured)
+  //   keel::is_in_flight      a duplicate is in flight and waiting was not allowed or the
+  //                           deadline ran out (not started; retry after the hint)
+  //   keel::is_lost_ownership the provider ran but another claimant took over first;
+  //                           its decision stands (begin again to replay it)
+  //   keel::is_unknown_outcome the commit failed in the store: the decision may be
+  //                           stored; begin again to find out — never assume it is not
+  //   the provider's failure  (stored or forgotten per on_failure), or a stored failure replayed
+  //   Cancelled (not started) the call was cancelled while waiting
+  template <class Provider>
+  absl::StatusOr<once_result> run(keel::call& call, const request_identity& id, const digest& request,
+                                  Provider&& provider) const {
+    if (absl::Status v = id.validate(); !v.ok()) return v;
+    const owner_id me = owner_id::random();
+    const begin_options bo{
+        .lease = options_.lease,
+        .retention = options_.retention,
+        .supersede_revision = options_.on_policy_change == on_policy_change::decide_again
+                                  ? std::string_view(options_.policy_revision)
+                                  : std::string_view()};
+    duration poll = options_.poll_initial;
+    for (;;) {
+      const time_point sent = clock_.now();
+      absl::StatusOr<begin_outcome> r = store_.begin(id, request, me, bo);
+      if (!r.ok()) return r.status();
+      observe(listener_, events::idempotency_begin{id, r->state});
+      switch (r->state) {
+        case begin_state::claimed:
+          return decide(call, id, *r, sent, provider);
+        case begin_state::replay:
+          return replay(call, std::move(*r));
+        case begin_state::conflict:
+          return conflict_error(absl::StrCat("key '", detail::to_absl(id.key), "' was used for a different request (",
+                                             r->conflict_in_flight ? "in flight" : "committed", ")"));
+        case begin_state::in_flight:
+          break;
+      }
+      if (options_.on_duplicate == on_duplicate::retry_later)
+        return in_flight_error(describe(id), r->lease_remaining);
+      const time_point now = clock_.now();
+      const deadline end = call.work_deadline();
+      if (end.expired(now)) return in_flight_error(describe(id), r->lease_remaining);
+      const duration jittered = detail::uniform(thread_local_random{}, poll / 2, poll);
+      // Wake no later than the holder's lease end (a lapsed lease is taken
+      // over by the first poller) and the deadline.
+      const time_point wake =
+          std::min(end.when(), now + std::min(jittered, r->lease_remaining + std::chrono::milliseconds(1)));
+      if constexpr (notifying_store<Store>) {
+        store_.wait_for_change(id, wake - now, call.stop_token());
+      } else {
+        clock_.sleep_until(wake, call.stop_token());
+      }
+      if (call.stop_token().stop_requested())
+        return mark_not_started(absl::CancelledError("keel: cancelled while waiting for an in-flight duplicate"));
+      poll = std::min(poll * 2, options_.poll_max);
+    }
+  }
+
+ private:
+  static std::string describe(const request_identity& id) {
+    return absl::StrCat("request '", detail::to_absl(id.tenant), "/", detail::to_absl(id.endpoint), "/",
+                        detail::to_absl(id.key), "'");
+  }
+
+  absl::StatusOr<once_result> replay(keel::call& call, begin_outcome r) const {
+    if (options_.on_policy_change == on_policy_change::conflict &&
+        r.decision.policy_revision != options_.policy_revision) {
+      return conflict_error(absl::StrCat("decided under policy revision '", r.decision.policy_revision,
+                                         "', now '", options_.policy_revision, "'"));
+    }
+    call.mark_replayed();
+    if (r.decision.failed()) return r.decision.error();
+    return once_result{.decision = std::move(r.decision), .replayed = true, .fence = r.ownership.fence};
+  }
+
+  template <class Provider>
+  absl::StatusOr<once_result> decide(keel::call& call, const request_identity& id, const begin_outcome& claim,
+                                     time_point sent, Provider& provider) const {
+    const ownership token = claim.ownership;
+    const std::string minted = absl::StrCat("dec-", owner_id::random().hex());
+    std::stop_source stop;
+    std::stop_callback forward(call.stop_token(), [&] { stop.request_stop(); });
+    const deadline lease_end = deadline::at(sent + options_.lease);
+    const claim_context ctx{
+        .decision_id = minted,
+        .ownership = token,
+        .took_over = claim.took_over,
+        .deadline = options_.keep_alive ? call.work_deadline() : call.work_deadline().earliest(lease_end),
+        .stop = stop.get_token()};
+
+    absl::StatusOr<decision> made = absl::UnknownError("keel: provider did not run");
+    {
+      std::optional<lease_keeper<Clock>> keeper;
+      if (options_.keep_alive) {
+        keeper.emplace(
+            describe(id), [&](duration ttl) { return store_.extend(id, token, ttl); }, stop, sent,
+            lease_keeper_options{.ttl = options_.lease}, clock_);
+      }
+      try {
+        made = std::invoke(provider, ctx);
+      } catch (const std::exception& e) {
+        made = absl::UnknownError(absl::StrCat("keel: provider threw: ", e.what()));
+      } catch (...) {
+        made = absl::UnknownError("keel: provider threw");
+      }
+    }  // the keeper stops here; the commit's fence check decides whether we still own the record
+
+    if (made.ok()) {
+      decision d = std::move(*made);
+      if (d.id.empty()) d.id = minted;
+      if (d.policy_revision.empty()) d.policy_revision = options_.policy_revision;
+      d.error_code = absl::StatusCode::kOk;
+      d.error_message.clear();
+      if (absl::Status v = d.validate(); !v.ok()) {
+        (void)store_.abandon(id, token);
+        return annotate(v, "keel: the provider's decision is invalid");
+      }
+      if (absl::Status s = commit(call, id, token, d); !s.ok()) return s;
+      return once_result{.decision = std::move(d), .replayed = false, .fence = token.fence};
+    }
+
+    const absl::Status failure = made.status();
+    const bool remember =
+        options_.on_failure == on_failure::remember ||
+        (options_.on_failure == on_failure::remember_permanent &&
+         default_classifier{}(failure, call.operation()) == outcome_kind::permanent);
+    if (remember) {
+      decision d{.id = minted,
+                 .policy_revision = options_.policy_revision,
+                 .error_code = failure.code(),
+                 .error_message = std::string(failure.message())};
+      if (absl::Status s = commit(call, id, token, d); !s.ok()) return s;
+    } else {
+      // If this fails the record stays in flight until its lease ends; then
+      // a retry takes it over. Either way the provider's failure is the answer.
+      (void)store_.abandon(id, token);
+    }
+    return failure;
+  }
+
+  // Commits; a commit the store says was not applied is repeated (it is
+  // fenced and idempotent) while the deadline allows.
+  absl::Status commit(keel::call& call, const request_identity& id, const ownership& token,
+                      const decision& d) const {
+    duration pause = options_.poll_initial;
+    for (;;) {
+      absl::Status s = store_.commit(id, token, d, options_.retention);
+      if (s.ok() || !not_started(s)) return s;
+      const time_point now = clock_.now();
+      if (call.work_deadline().remaining(now) <= pause) return s;
+      clock_.sleep_until(now + pause, {});
+      pause = std::min(pause * 2, options_.poll_max);
+    }
+  }
+
+  Store& store_;
+  idempotency_options options_;
+  Clock clock_;
+  Listener listener_;
+};
+
+}  // namespace keel
