@@ -180,6 +180,7 @@ struct attempt {
   duration timeout{};         // deadline - start
   std::stop_token stop{};     // requested when the call is cancelled or this attempt lost a race
   keel::call* owner = nullptr;
+  int hedge = 0;              // 0: the primary; k: the k-th hedge (keel/hedge.hpp), e.g. to pick an alternate
 
   [[nodiscard]] const keel::labels& labels() const noexcept { return owner->labels(); }
   // Charges caller-defined cost (for example tokens) to the call, whether

@@ -111,7 +111,8 @@ R invoke_provider(Ctx& ctx, const attempt_plan& plan, Provider& provider) {
                   .deadline = plan.deadline,
                   .timeout = plan.deadline.remaining(plan.now),
                   .stop = plan.stop,
-                  .owner = &ctx.call};
+                  .owner = &ctx.call,
+                  .hedge = plan.hedge};
   try {
     if constexpr (std::is_invocable_v<Provider&, const attempt&>) {
       return R(provider(a));
@@ -154,6 +155,9 @@ class basic_pipeline {
   provider_result_t<Provider> run(keel::call& call, Provider&& provider) const {
     using R = provider_result_t<Provider>;
     static_assert(result<R>, "a keel provider returns absl::Status or absl::StatusOr<T>");
+    static_assert(!((concurrent_policy<Policies> || ...) && declares_unsafe_write<Provider>()),
+                  "keel: this provider declares a consequential write without an idempotency identity; "
+                  "a policy here (keel::hedge) would run it more than once at a time");
     run_context<Clock, Classifier, Listener> ctx{call, clock_, classifier_, listener_};
     attempt_plan plan{.now = clock_.now(), .deadline = call.work_deadline(), .stop = call.stop_token()};
     return detail::run_from<0, R>(policies_, ctx, std::move(plan), provider);

@@ -48,6 +48,7 @@ struct attempt_plan {
   time_point now{};
   keel::deadline deadline{};
   std::stop_token stop{};
+  int hedge = 0;  // 0: the primary attempt; k: the k-th hedge a keel::hedge started
 };
 
 namespace detail {
@@ -84,6 +85,37 @@ struct provider_result<P, false> {
 // The result type of a provider.
 template <class Provider>
 using provider_result_t = typename detail::provider_result<std::remove_reference_t<Provider>>::type;
+
+// Compile-time safety for consequential writes. A provider type may declare
+// what it does to the world:
+//
+//   struct charge_card {
+//     static constexpr keel::operation operation{.effect = keel::effect::write};
+//     absl::StatusOr<receipt> operator()(const keel::attempt&);
+//   };
+//
+// and a policy that runs several attempts of one call at once (keel::hedge)
+// declares `static constexpr bool concurrent_attempts = true;`. A pipeline
+// with such a policy does not compile around a provider that declares a
+// write without an idempotency identity (operation.idempotent false).
+template <class Provider>
+concept declares_operation = requires {
+  { std::remove_cvref_t<Provider>::operation } -> std::convertible_to<operation>;
+};
+
+template <class Provider>
+[[nodiscard]] consteval bool declares_unsafe_write() {
+  if constexpr (declares_operation<Provider>) {
+    return !std::remove_cvref_t<Provider>::operation.repeatable();
+  } else {
+    return false;
+  }
+}
+
+template <class Policy>
+concept concurrent_policy = requires {
+  requires std::remove_cvref_t<Policy>::concurrent_attempts;
+};
 
 // What a policy's ctx is. `listener` receives the events policies report
 // (keel/telemetry.hpp); call keel::observe(ctx.listener, event).

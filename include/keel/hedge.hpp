@@ -1,0 +1,675 @@
+// keel/hedge.hpp — hedged requests: when the first attempt has not answered
+// after a delay, start another, and return the first ACCEPTABLE answer.
+//
+// A hedge trades a little spare capacity for tail latency (Dean and
+// Barroso, "The Tail at Scale": hedging after the 95th-percentile latency
+// cut the 99.9th percentile from 1,800 ms to 74 ms for about 2% more
+// requests). keel::hedge is a pipeline policy that does this inside the
+// call's deadline and the service's retry budget:
+//
+//   - The primary attempt runs on the caller's thread. If it has not
+//     answered after `delay` (fixed, or the `percentile` of recent latency
+//     learned online), a hedge attempt starts on the executor; up to
+//     `max_hedges` of them, one per delay.
+//   - The race returns the first acceptable success (an OK result that the
+//     `accept` predicate takes), not the first attempt to finish. A failure,
+//     however fast, does not end the race while another attempt is still
+//     running. When every attempt has failed and nothing is running, the
+//     next hedge starts at once if the failure is retryable; otherwise the
+//     last failure is the answer.
+//   - Every attempt has its own std::stop_source, linked to the call's stop
+//     token. When a winner is chosen the others are asked to stop; those
+//     still running are counted as outstanding (figures().outstanding, and
+//     events::hedge_losers_cancelled) until they return, because their
+//     upstream work may go on after a local cancel.
+//   - Each hedge spends one retry from `budget` (the same keel::retry_budget
+//     as retries); when it is spent, no hedge starts. Hedges also count
+//     against the call's attempt cap.
+//   - A consequential write is never hedged unless it is idempotent
+//     (keel::operation{.effect = write, .idempotent = true}: it carries an
+//     idempotency identity). At compile time, a pipeline with a hedge does
+//     not compile around a provider type that declares a non-idempotent
+//     write (keel/policy.hpp, declares_operation). At run time, a call whose
+//     operation is such a write is refused with FailedPrecondition ("not
+//     started", permanent), or run as one unhedged attempt when
+//     `run_unsafe_writes_unhedged` is set.
+//
+// Same or alternate provider: every attempt sees keel::attempt::hedge (0 for
+// the primary, k for the k-th hedge); keel::alternates(a, b, ...) is a
+// provider that sends attempt k to the k-th callable (the last one repeats).
+//
+// Example:
+//
+//   keel::bounded_pool pool({.threads = 8, .queue_capacity = 64});
+//   keel::retry_budget budget({.ratio = 0.05});
+//   keel::hedge hedger({.delay = std::chrono::milliseconds(80), .percentile = 0.95,
+//                       .max_hedges = 1, .budget = &budget}, pool);
+//   auto pipe = keel::pipeline(hedger);
+//   keel::call call(keel::real_clock{}.now(), {.timeout = std::chrono::seconds(2)});
+//   absl::StatusOr<int> r = pipe.run(call, [](const keel::attempt& a) -> absl::StatusOr<int> { return a.hedge; });
+//
+// Costs: when the primary answers before the delay, the race allocates
+// nothing (its state lives on the caller's stack and the primary's stop
+// source is reused per thread); it takes the hedge's timer lock twice. A
+// hedge allocates its stop source and may allocate in the executor.
+//
+// Contract with the code below the hedge: the provider and the policies
+// between the hedge and it are called from several threads at once for one
+// call (every keel policy is thread-safe). execute() returns only after every
+// attempt it started has returned, because they use the call and the
+// provider by reference: a provider must honour its stop token (and its
+// deadline) for a cancelled loser to free the caller promptly. Put
+// keel::fallback outside the hedge, not below it (it records the serving
+// path on the call).
+//
+// The hedge owns one timer thread that starts hedges when they are due; the
+// executor runs them and must use other threads than the timer's (see
+// keel/executor.hpp). On a keel::testing::manual_clock the timer thread is
+// one of the clock's sleepers from the moment a call arms it until the clock
+// passes that call's hedge time.
+//
+// Events (keel/telemetry.hpp): hedge_started, hedge_skipped (budget,
+// executor, attempt cap, deadline, cancelled), hedge_refused_write,
+// hedge_losers_cancelled. They are reported on the thread that decided,
+// which may be the timer thread or an executor thread.
+//
+// Thread-safety: execute() may run for many calls at once; figures() and
+// current_delay() from any thread. Destroy a hedge only when no call is
+// running through it.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stop_token>
+#include <string_view>
+#include <thread>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "keel/call.hpp"
+#include "keel/clock.hpp"
+#include "keel/executor.hpp"
+#include "keel/latency_tracker.hpp"
+#include "keel/outcome.hpp"
+#include "keel/policy.hpp"
+#include "keel/retry_budget.hpp"
+#include "keel/status.hpp"
+#include "keel/telemetry.hpp"
+
+namespace keel {
+
+namespace events {
+
+// A hedge attempt was handed to the executor `after` the primary started.
+struct hedge_started {
+  const keel::call& call;
+  int hedge;  // 1 for the first hedge
+  duration after;
+};
+
+// A hedge was due but did not start; the race goes on without it.
+struct hedge_skipped {
+  enum class reason {
+    budget,       // the retry budget refused
+    executor,     // the executor refused (queue full or shut down)
+    attempt_cap,  // the call's attempt cap is reached
+    deadline,     // too little time left (hedge_options::min_attempt_time)
+    cancelled,    // the call was cancelled
+  };
+  const keel::call& call;
+  int hedge;
+  reason why;
+};
+
+// A consequential write without an idempotency identity reached a hedge:
+// refused, or run as one attempt when ran_unhedged.
+struct hedge_refused_write {
+  const keel::call& call;
+  bool ran_unhedged;
+};
+
+// The race was won while `outstanding` other attempts were still running:
+// they were asked to stop, and their upstream work may not have stopped.
+struct hedge_losers_cancelled {
+  const keel::call& call;
+  int winner;  // 0: the primary
+  int outstanding;
+};
+
+}  // namespace events
+
+struct hedge_options {
+  // The hedge delay when `percentile` is 0; in percentile mode, the delay
+  // until enough latencies are known. >= 0.
+  duration delay = std::chrono::milliseconds(100);
+  // 0: fixed delay. In (0, 1): hedge after this percentile of the latencies
+  // of recent acceptable answers (losers count at the time they were cut).
+  double percentile = 0.0;
+  // The learned delay never goes below this; >= 0.
+  duration min_delay = std::chrono::milliseconds(1);
+  // Hedges per call, one per delay; in [0, 7]. 0 turns hedging off.
+  int max_hedges = 1;
+  // Each hedge spends one retry from this budget; null: no budget.
+  keel::retry_budget* budget = nullptr;
+  // Deposit one request per call into `budget`. Turn off when an outer
+  // keel::retry already deposits into the same budget (once per call).
+  bool deposit_requests = true;
+  // Do not start a hedge with less time than this left; >= 0.
+  duration min_attempt_time = duration::zero();
+  // Latency window of the percentile mode (see keel/latency_tracker.hpp).
+  int samples = 512;
+  int min_samples = 50;
+  // A non-idempotent write: refuse it (false) or run it as one attempt (true).
+  bool run_unsafe_writes_unhedged = false;
+
+  static constexpr int max_hedges_limit = 7;
+
+  [[nodiscard]] absl::Status validate() const {
+    constexpr std::string_view who = "hedge_options";
+    if (delay < duration::zero()) return detail::invalid_field(who, "delay", "be >= 0", delay);
+    if (!(percentile == 0.0 || (percentile > 0.0 && percentile < 1.0)))
+      return detail::invalid_field(who, "percentile", "be 0 (fixed delay) or in (0, 1)", percentile);
+    if (min_delay < duration::zero()) return detail::invalid_field(who, "min_delay", "be >= 0", min_delay);
+    if (max_hedges < 0 || max_hedges > max_hedges_limit)
+      return detail::invalid_field(who, "max_hedges", "be in [0, 7]", max_hedges);
+    if (min_attempt_time < duration::zero())
+      return detail::invalid_field(who, "min_attempt_time", "be >= 0", min_attempt_time);
+    if (percentile > 0.0) {
+      const latency_tracker_options t{.percentile = percentile, .samples = samples, .min_samples = min_samples,
+                                      .refresh_every = std::min(32, std::max(1, samples))};
+      if (absl::Status s = t.validate(); !s.ok()) {
+        if (samples < 16 || samples > 65536) return detail::invalid_field(who, "samples", "be in [16, 65536]", samples);
+        return detail::invalid_field(who, "min_samples", "be in [1, samples]", min_samples);
+      }
+    }
+    return absl::OkStatus();
+  }
+};
+
+// What a hedge has done since it was made.
+struct hedge_figures {
+  std::int64_t calls = 0;               // executions, refused writes included
+  std::int64_t hedges_started = 0;      // hedge attempts handed to the executor
+  std::int64_t hedge_wins = 0;          // races won by a hedge, not the primary
+  std::int64_t skipped_budget = 0;      // hedges the retry budget refused
+  std::int64_t skipped_executor = 0;    // hedges the executor refused
+  std::int64_t skipped_other = 0;       // attempt cap, deadline or cancellation
+  std::int64_t refused_writes = 0;      // non-idempotent writes that reached the hedge
+  std::int64_t cancelled_losers = 0;    // attempts asked to stop while still running
+  std::int64_t outstanding = 0;         // of those, how many have not returned yet
+};
+
+// Accepts every successful answer.
+struct accept_any {
+  template <class T>
+  constexpr bool operator()(const T&) const noexcept {
+    return true;
+  }
+};
+
+// A provider that sends attempt k (keel::attempt::hedge) to the k-th
+// callable; attempts past the last use the last. Held by value; wrap shared
+// providers in std::ref.
+template <class... Providers>
+class alternates {
+ public:
+  static_assert(sizeof...(Providers) >= 1, "keel::alternates needs at least one provider");
+  explicit alternates(Providers... p) : providers_(std::move(p)...) {}
+
+  auto operator()(const attempt& a) { return pick<0>(a, std::min<int>(a.hedge, sizeof...(Providers) - 1)); }
+
+ private:
+  template <std::size_t I>
+  auto pick(const attempt& a, int k) -> std::invoke_result_t<std::tuple_element_t<0, std::tuple<Providers...>>&,
+                                                             const attempt&> {
+    if constexpr (I + 1 < sizeof...(Providers)) {
+      if (k != static_cast<int>(I)) return pick<I + 1>(a, k);
+    }
+    return std::get<I>(providers_)(a);
+  }
+  std::tuple<Providers...> providers_;
+};
+
+namespace detail {
+
+// One call's slot in a hedge's timer list. Lives in the call's stack frame.
+struct hedge_timer {
+  time_point due{};
+  hedge_timer* prev = nullptr;
+  hedge_timer* next = nullptr;
+  bool linked = false;
+  // Called by the timer thread, under its lock, once `due` has passed.
+  // Returns true to stay armed (with `due` moved on), false to be unlinked.
+  bool (*fire)(hedge_timer*, time_point now) = nullptr;
+};
+
+// Forwards a stop request (from the call) to one attempt's stop source.
+struct forward_stop {
+  std::stop_source* target;
+  void operator()() const noexcept { target->request_stop(); }
+};
+
+// The primary attempt's stop source, kept per thread while no stop was ever
+// requested on it, so the primary-wins path allocates nothing.
+inline thread_local std::stop_source spare_primary_stop{std::nostopstate};
+
+[[nodiscard]] inline std::stop_source take_primary_stop() {
+  if (spare_primary_stop.stop_possible() && !spare_primary_stop.stop_requested()) {
+    return std::exchange(spare_primary_stop, std::stop_source(std::nostopstate));
+  }
+  return std::stop_source();
+}
+
+inline void give_back_primary_stop(std::stop_source& s) noexcept {
+  if (s.stop_possible() && !s.stop_requested()) spare_primary_stop = std::move(s);
+}
+
+template <class R, class Accept>
+[[nodiscard]] absl::Status judge(const R& r, const Accept& accept) {
+  if constexpr (std::same_as<R, absl::Status>) {
+    return r;
+  } else {
+    if (!r.ok()) return r.status();
+    using verdict = std::invoke_result_t<const Accept&, const typename R::value_type&>;
+    if constexpr (std::same_as<std::remove_cvref_t<verdict>, absl::Status>) {
+      return accept(*r);
+    } else {
+      if (accept(*r)) return absl::OkStatus();
+      return with_outcome(absl::FailedPreconditionError("keel: hedge: answer rejected by the acceptance check"),
+                          outcome_kind::transient);
+    }
+  }
+}
+
+}  // namespace detail
+
+template <keel::executor Executor, keel::clock Clock = real_clock, class Accept = accept_any>
+class hedge {
+ public:
+  // Lets a pipeline refuse, at compile time, a provider that declares a
+  // non-idempotent write (keel/policy.hpp).
+  static constexpr bool concurrent_attempts = true;
+
+  // Starts the timer thread. Throws keel::invalid_options if `o` is invalid.
+  hedge(const hedge_options& o, Executor& executor, Clock clock = {}, Accept accept = {})
+      : options_((detail::require_valid(o.validate()), o)),
+        executor_(executor),
+        clock_(std::move(clock)),
+        accept_(std::move(accept)),
+        tracker_(o.percentile > 0.0 ? std::make_unique<latency_tracker>(latency_tracker_options{
+                                          .percentile = o.percentile,
+                                          .samples = o.samples,
+                                          .min_samples = o.min_samples,
+                                          .refresh_every = std::min(32, o.samples)})
+                                    : nullptr),
+        timer_([this](std::stop_token stop) { timer_loop(std::move(stop)); }) {}
+  hedge(const hedge&) = delete;
+  hedge& operator=(const hedge&) = delete;
+  ~hedge() = default;  // timer_ (declared last) stops and joins first
+
+  [[nodiscard]] const hedge_options& options() const noexcept { return options_; }
+
+  // The delay a call starting now would hedge after.
+  [[nodiscard]] duration current_delay() const noexcept {
+    if (tracker_ == nullptr) return options_.delay;
+    const std::optional<duration> p = tracker_->percentile();
+    return p ? std::max(*p, options_.min_delay) : options_.delay;
+  }
+
+  [[nodiscard]] hedge_figures figures() const noexcept {
+    auto get = [](const std::atomic<std::int64_t>& a) { return a.load(std::memory_order_relaxed); };
+    return {.calls = get(calls_),
+            .hedges_started = get(hedges_started_),
+            .hedge_wins = get(hedge_wins_),
+            .skipped_budget = get(skipped_budget_),
+            .skipped_executor = get(skipped_executor_),
+            .skipped_other = get(skipped_other_),
+            .refused_writes = get(refused_writes_),
+            .cancelled_losers = get(cancelled_losers_),
+            .outstanding = get(outstanding_)};
+  }
+
+  template <class Ctx, class Next>
+  auto execute(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
+    using R = decltype(next(ctx, plan));
+    static_assert(std::is_same_v<std::remove_cvref_t<decltype(ctx.clock)>, Clock>,
+                  "keel::hedge<..., Clock> must run in a pipeline on the same clock type (pipeline.on(clock))");
+    calls_.fetch_add(1, std::memory_order_relaxed);
+    if (!ctx.call.operation().repeatable()) {
+      refused_writes_.fetch_add(1, std::memory_order_relaxed);
+      observe(ctx.listener, events::hedge_refused_write{ctx.call, options_.run_unsafe_writes_unhedged});
+      if (options_.run_unsafe_writes_unhedged) return next(ctx, plan);
+      return R(with_outcome(
+          mark_not_started(absl::FailedPreconditionError(
+              "keel: a consequential write without an idempotency identity is never hedged "
+              "(give the call operation{.effect = write, .idempotent = true} with a key the receiver honours, "
+              "or set hedge_options::run_unsafe_writes_unhedged)")),
+          outcome_kind::permanent));
+    }
+    if (options_.max_hedges == 0) return next(ctx, plan);
+    if (options_.budget != nullptr && options_.deposit_requests) options_.budget->record_request(plan.now);
+    race<R, Ctx, Next> r(*this, ctx, next, plan);
+    return r.run(current_delay());
+  }
+
+ private:
+  using skip = events::hedge_skipped::reason;
+
+  // The state of one call's race. Lives in execute()'s frame; execute()
+  // returns only when every attempt has returned and the timer let go of it.
+  template <class R, class Ctx, class Next>
+  struct race final : detail::hedge_timer {
+    struct slot {
+      std::stop_source stop{std::nostopstate};
+      std::optional<std::stop_callback<detail::forward_stop>> link;
+      time_point start{};
+      bool running = false;
+      bool cancelled = false;
+    };
+
+    race(hedge& o, Ctx& c, Next& n, const attempt_plan& p) : owner(o), ctx(c), next(n), plan(p) {}
+    race(const race&) = delete;
+    race& operator=(const race&) = delete;
+
+    R run(duration delay) {
+      slot& primary = slots[0];
+      primary.stop = detail::take_primary_stop();
+      if (plan.stop.stop_possible()) primary.link.emplace(plan.stop, detail::forward_stop{&primary.stop});
+      primary.start = plan.now;
+      primary.running = true;
+      launched = 1;
+      due = plan.now + delay;
+      fire = &race::on_timer;
+      owner.arm(*this);
+
+      attempt_plan first = plan;
+      first.stop = primary.stop.get_token();
+      first.hedge = 0;
+      finish(0, invoke(first));
+      {
+        std::unique_lock lock(mu);
+        done.wait(lock, [&] { return decided && returned == launched; });
+      }
+      owner.disarm(*this);
+      for (slot& s : slots) s.link.reset();  // before any source goes away
+      detail::give_back_primary_stop(primary.stop);
+      if (winner >= 0) return std::move(*answer);
+      return R(std::move(last_failure));
+    }
+
+    R invoke(const attempt_plan& p) {
+      try {
+        return next(ctx, p);
+      } catch (const std::exception& e) {
+        return R(absl::UnknownError(absl::StrCat("keel: hedge: attempt threw: ", e.what())));
+      } catch (...) {
+        return R(absl::UnknownError("keel: hedge: attempt threw a non-standard exception"));
+      }
+    }
+
+    // On an executor thread.
+    void run_hedge(int i) {
+      attempt_plan p = plan;
+      p.now = ctx.clock.now();
+      p.stop = slots[static_cast<std::size_t>(i)].stop.get_token();
+      p.hedge = i;
+      finish(i, invoke(p));
+    }
+
+    // Records attempt i's result; decides the race when it can.
+    void finish(int i, R&& r) {
+      const bool timed = owner.tracker_ != nullptr;
+      const time_point end = timed ? ctx.clock.now() : time_point{};
+      int start_next = -1;
+      {
+        std::lock_guard lock(mu);
+        slot& s = slots[static_cast<std::size_t>(i)];
+        s.running = false;
+        ++returned;
+        if (s.cancelled) owner.outstanding_.fetch_sub(1, std::memory_order_relaxed);
+        if (!decided) {
+          absl::Status why = detail::judge(r, owner.accept_);
+          if (why.ok()) {
+            decided = true;
+            winner = i;
+            answer.emplace(std::move(r));
+            if (i > 0) owner.hedge_wins_.fetch_add(1, std::memory_order_relaxed);
+            if (timed) owner.tracker_->record(end - s.start);
+            cancel_losers_locked(i, end);
+          } else {
+            last_failure = std::move(why);
+            if (returned == launched) {
+              // Nothing is running: a retryable failure starts the next
+              // hedge at once; anything else ends the race.
+              if (retryable(ctx.classify(last_failure), ctx.call.operation())) {
+                start_next = reserve_locked(timed ? end : ctx.clock.now());
+              }
+              if (start_next < 0) decided = true;
+            }
+          }
+        }
+        if (decided && returned == launched) done.notify_all();
+      }
+      if (start_next >= 0) start(start_next);
+    }
+
+    void cancel_losers_locked(int won, time_point now) {
+      int outstanding = 0;
+      for (int j = 0; j < launched; ++j) {
+        slot& s = slots[static_cast<std::size_t>(j)];
+        if (j == won || !s.running || s.cancelled) continue;
+        s.cancelled = true;
+        ++outstanding;
+        s.stop.request_stop();
+        // A loser took at least this long: recorded so the learned delay is
+        // not biased towards the fast answers that won.
+        if (owner.tracker_ != nullptr) owner.tracker_->record(now - s.start);
+      }
+      if (outstanding > 0) {
+        owner.cancelled_losers_.fetch_add(outstanding, std::memory_order_relaxed);
+        owner.outstanding_.fetch_add(outstanding, std::memory_order_relaxed);
+        observe(ctx.listener, events::hedge_losers_cancelled{ctx.call, won, outstanding});
+      }
+    }
+
+    // Reserves the next hedge, or returns -1 (and reports why) when none may
+    // start. On success the caller calls start(i) without holding mu.
+    int reserve_locked(time_point now) {
+      if (no_more || hedges >= owner.options_.max_hedges) return -1;
+      const int k = hedges + 1;
+      std::optional<skip> why;
+      if (plan.stop.stop_requested()) {
+        why = skip::cancelled;
+      } else if (plan.deadline.expired(now) ||
+                 plan.deadline.remaining(now) < std::max(owner.options_.min_attempt_time, duration(1))) {
+        why = skip::deadline;
+      } else if (ctx.call.attempts_exhausted()) {
+        why = skip::attempt_cap;
+      } else if (owner.options_.budget != nullptr && !owner.options_.budget->try_acquire_retry(now)) {
+        why = skip::budget;
+      }
+      if (why) {
+        no_more = true;
+        owner.count_skip(*why);
+        observe(ctx.listener, events::hedge_skipped{ctx.call, k, *why});
+        return -1;
+      }
+      const int i = launched;
+      slot& s = slots[static_cast<std::size_t>(i)];
+      s.stop = std::stop_source();
+      if (plan.stop.stop_possible()) s.link.emplace(plan.stop, detail::forward_stop{&s.stop});
+      s.start = now;
+      s.running = true;
+      ++launched;
+      ++hedges;
+      return i;
+    }
+
+    // Hands reserved hedge i to the executor. The race is alive: i has not
+    // returned. Once the executor has it, the hedge may finish and the caller
+    // return at any moment, so nothing of the race is touched afterwards
+    // (unless the timer lock holds the caller back: see on_timer).
+    void start(int i) {
+      observe(ctx.listener, events::hedge_started{ctx.call, i, slots[static_cast<std::size_t>(i)].start - plan.now});
+      hedge& o = owner;
+      absl::Status refused = o.executor_.try_execute([this, i] { run_hedge(i); });
+      if (refused.ok()) {
+        o.hedges_started_.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+      {
+        std::lock_guard lock(mu);
+        no_more = true;
+      }
+      owner.count_skip(skip::executor);
+      observe(ctx.listener, events::hedge_skipped{ctx.call, i, skip::executor});
+      finish(i, R(std::move(refused)));
+    }
+
+    // The timer thread, under the hedge's timer lock.
+    static bool on_timer(detail::hedge_timer* t, time_point now) {
+      race& self = static_cast<race&>(*t);
+      int i = -1;
+      bool more = false;
+      {
+        std::lock_guard lock(self.mu);
+        if (self.decided) return false;
+        i = self.reserve_locked(now);
+        more = i >= 0 && self.hedges < self.owner.options_.max_hedges;
+      }
+      if (i < 0) return false;
+      if (more) self.due = now + self.owner.current_delay();
+      self.start(i);
+      return more;
+    }
+
+    hedge& owner;
+    Ctx& ctx;
+    Next& next;
+    const attempt_plan plan;
+    std::mutex mu;
+    std::condition_variable done;
+    std::array<slot, hedge_options::max_hedges_limit + 1> slots{};
+    int launched = 0;   // attempts started, the primary included
+    int returned = 0;   // attempts that have returned
+    int hedges = 0;     // hedges reserved
+    int winner = -1;
+    bool decided = false;
+    bool no_more = false;  // a hedge was refused: start no other
+    std::optional<R> answer;
+    absl::Status last_failure;
+  };
+
+  void count_skip(skip why) noexcept {
+    switch (why) {
+      case skip::budget: skipped_budget_.fetch_add(1, std::memory_order_relaxed); break;
+      case skip::executor: skipped_executor_.fetch_add(1, std::memory_order_relaxed); break;
+      default: skipped_other_.fetch_add(1, std::memory_order_relaxed); break;
+    }
+  }
+
+  // --- the timer ------------------------------------------------------------
+
+  void arm(detail::hedge_timer& t) {
+    bool wake = false;
+    {
+      std::lock_guard lock(mu_);
+      t.prev = nullptr;
+      t.next = head_;
+      if (head_ != nullptr) head_->prev = &t;
+      head_ = &t;
+      t.linked = true;
+      if (idle_) {
+        wake = true;
+      } else if (t.due < armed_) {
+        changed_ = true;
+        wake = true;
+      }
+    }
+    if (wake) wake_.notify_one();
+  }
+
+  void disarm(detail::hedge_timer& t) {
+    std::lock_guard lock(mu_);
+    if (t.linked) unlink(t);
+  }
+
+  void unlink(detail::hedge_timer& t) noexcept {
+    if (t.prev != nullptr) t.prev->next = t.next;
+    else head_ = t.next;
+    if (t.next != nullptr) t.next->prev = t.prev;
+    t.prev = t.next = nullptr;
+    t.linked = false;
+  }
+
+  void timer_loop(std::stop_token stop) {
+    std::unique_lock lock(mu_);
+    while (!stop.stop_requested()) {
+      const time_point now = clock_.now();
+      time_point earliest = time_point::max();
+      for (detail::hedge_timer* t = head_; t != nullptr;) {
+        detail::hedge_timer* following = t->next;
+        if (t->due <= now && !t->fire(t, now)) {
+          unlink(*t);
+        } else {
+          earliest = std::min(earliest, t->due);
+        }
+        t = following;
+      }
+      if (head_ == nullptr) {
+        if (armed_ > now && armed_ != time_point::max()) {
+          // Linger until the time last armed: calls arriving meanwhile hedge
+          // later than that and need not wake this thread.
+          earliest = armed_;
+        } else {
+          idle_ = true;
+          armed_ = time_point::max();
+          wake_.wait(lock, stop, [&] { return head_ != nullptr; });
+          idle_ = false;
+          continue;
+        }
+      }
+      armed_ = earliest;
+      changed_ = false;
+      clock_.wait_until(lock, wake_, earliest, stop, [&] { return changed_; });
+    }
+  }
+
+  hedge_options options_;
+  Executor& executor_;
+  Clock clock_;
+  Accept accept_;
+  std::unique_ptr<latency_tracker> tracker_;
+
+  std::atomic<std::int64_t> calls_{0};
+  std::atomic<std::int64_t> hedges_started_{0};
+  std::atomic<std::int64_t> hedge_wins_{0};
+  std::atomic<std::int64_t> skipped_budget_{0};
+  std::atomic<std::int64_t> skipped_executor_{0};
+  std::atomic<std::int64_t> skipped_other_{0};
+  std::atomic<std::int64_t> refused_writes_{0};
+  std::atomic<std::int64_t> cancelled_losers_{0};
+  std::atomic<std::int64_t> outstanding_{0};
+
+  std::mutex mu_;                     // the timer list
+  std::condition_variable_any wake_;  // the timer thread waits here (through the clock)
+  detail::hedge_timer* head_ = nullptr;
+  time_point armed_ = time_point::max();  // when the timer thread will next wake by itself
+  bool idle_ = false;                     // waiting for a first entry, not on the clock
+  bool changed_ = false;                  // an entry due before armed_ arrived
+  std::jthread timer_;                    // last: starts after everything above exists
+};
+
+}  // namespace keel

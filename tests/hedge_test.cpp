@@ -1,0 +1,651 @@
+// keel::hedge on the manual clock: the first acceptable answer wins, losers
+// are cancelled and counted, the budget and the write rule stop hedges.
+#include "keel/hedge.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "keel/call.hpp"
+#include "keel/executor.hpp"
+#include "keel/pipeline.hpp"
+#include "keel/retry_budget.hpp"
+#include "keel/testing/manual_clock.hpp"
+#include "keel/testing/scripted_provider.hpp"
+#include "keel/time_limit.hpp"
+#include "support/alloc_counter.hpp"
+#include "support/catch.hpp"
+
+using namespace std::chrono_literals;
+using keel::testing::manual_clock;
+namespace kt = keel::testing;
+using provider_t = kt::scripted_provider<int>;
+constexpr auto sleep_mode = provider_t::mode::sleep;
+
+namespace {
+
+keel::duration ms(long long n) { return std::chrono::duration_cast<keel::duration>(std::chrono::milliseconds(n)); }
+
+// Runs `f` on its own thread (the caller of a hedged pipeline, whose primary
+// attempt sleeps on the manual clock); get() joins.
+template <class R>
+class async_call {
+ public:
+  template <class F>
+  explicit async_call(F f) : thread_([this, f = std::move(f)]() mutable {
+      result_.emplace(f());
+      done_ = true;
+    }) {}
+  async_call(const async_call&) = delete;
+  async_call& operator=(const async_call&) = delete;
+  ~async_call() {
+    if (thread_.joinable()) thread_.join();
+  }
+  [[nodiscard]] bool done() const { return done_.load(); }
+  R get() {
+    thread_.join();
+    return std::move(*result_);
+  }
+
+ private:
+  std::optional<R> result_;
+  std::atomic<bool> done_{false};
+  std::thread thread_;
+};
+
+// Waits (in real time, bounded) for a state another thread will reach.
+template <class Pred>
+bool eventually(Pred pred) {
+  const auto give_up = std::chrono::steady_clock::now() + 20s;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > give_up) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
+// A thread-safe event log shared by copies of the listener.
+struct event_log {
+  std::mutex mu;
+  std::vector<std::string> lines;
+  void add(std::string s) {
+    std::lock_guard lock(mu);
+    lines.push_back(std::move(s));
+  }
+  std::vector<std::string> snapshot() {
+    std::lock_guard lock(mu);
+    return lines;
+  }
+};
+
+struct recorder {
+  event_log* log;
+  void operator()(const keel::events::hedge_started& e) const { log->add("started " + std::to_string(e.hedge)); }
+  void operator()(const keel::events::hedge_skipped& e) const {
+    using why = keel::events::hedge_skipped::reason;
+    log->add(std::string("skipped ") + (e.why == why::budget     ? "budget"
+                                        : e.why == why::executor ? "executor"
+                                                                 : "other"));
+  }
+  void operator()(const keel::events::hedge_refused_write& e) const {
+    log->add(std::string("refused write") + (e.ran_unhedged ? " (ran unhedged)" : ""));
+  }
+  void operator()(const keel::events::hedge_losers_cancelled& e) const {
+    log->add("winner " + std::to_string(e.winner) + ", outstanding " + std::to_string(e.outstanding));
+  }
+};
+
+// Records the status each attempt of a wrapped provider returned.
+struct status_log {
+  std::mutex mu;
+  std::vector<absl::Status> seen;
+  void add(absl::Status s) {
+    std::lock_guard lock(mu);
+    seen.push_back(std::move(s));
+  }
+  std::vector<absl::Status> snapshot() {
+    std::lock_guard lock(mu);
+    return seen;
+  }
+};
+
+auto logged(provider_t& p, status_log& log) {
+  return [&p, &log](const keel::attempt& a) {
+    absl::StatusOr<int> r = p(a);
+    log.add(r.status());
+    return r;
+  };
+}
+
+}  // namespace
+
+TEST_CASE("a hedge starts after the delay; the first acceptable success wins over an earlier failure",
+          "[hedge][seed]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  keel::hedge hedger({.delay = 100ms, .max_hedges = 1}, pool, clock);
+  auto pipe = keel::pipeline(hedger).on(clock);
+
+  SECTION("the hedge fails fast; the slower primary still wins") {
+    provider_t primary(clock, {kt::answer(1, 300ms)}, sleep_mode);
+    provider_t backup(clock, {kt::unavailable(20ms)}, sleep_mode);
+    keel::call call(clock.now(), {.timeout = 1s});
+    const keel::time_point t0 = clock.now();
+    async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, keel::alternates(std::ref(primary), std::ref(backup))); });
+    clock.await_sleepers(2);  // the primary, and the timer waiting for the hedge delay
+    clock.advance(100ms);
+    REQUIRE(eventually([&] { return backup.calls() == 1; }));
+    clock.await_sleepers(2);  // primary and hedge
+    clock.advance(20ms);      // the hedge fails at 120 ms...
+    clock.await_sleepers(1);
+    CHECK_FALSE(run.done());  // ...and the race goes on
+    clock.advance(180ms);
+    const absl::StatusOr<int> r = run.get();
+    REQUIRE(r.ok());
+    CHECK(*r == 1);
+    CHECK(clock.now() - t0 == ms(300));
+    CHECK(backup.attempts()[0].start - t0 == ms(100));
+    CHECK(backup.attempts()[0].hedge == 1);
+    CHECK(primary.attempts()[0].hedge == 0);
+    CHECK(hedger.figures().hedges_started == 1);
+    CHECK(hedger.figures().hedge_wins == 0);
+  }
+
+  SECTION("the primary fails after the hedge started; the hedge's later success wins") {
+    provider_t primary(clock, {kt::unavailable(150ms)}, sleep_mode);
+    provider_t backup(clock, {kt::answer(2, 100ms)}, sleep_mode);
+    keel::call call(clock.now(), {.timeout = 1s});
+    async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, keel::alternates(std::ref(primary), std::ref(backup))); });
+    clock.await_sleepers(2);
+    clock.advance(100ms);
+    REQUIRE(eventually([&] { return backup.calls() == 1; }));
+    clock.await_sleepers(2);
+    clock.advance(50ms);  // the primary fails at 150 ms
+    clock.await_sleepers(1);
+    CHECK_FALSE(run.done());
+    clock.advance(50ms);
+    const absl::StatusOr<int> r = run.get();
+    REQUIRE(r.ok());
+    CHECK(*r == 2);
+    CHECK(hedger.figures().hedge_wins == 1);
+    CHECK(call.record().attempts == 2);
+  }
+}
+
+TEST_CASE("a winning hedge cancels the primary, which observes its stop token", "[hedge][cancel]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  event_log events;
+  keel::hedge hedger({.delay = 100ms}, pool, clock);
+  auto pipe = keel::pipeline(hedger).on(clock).observe(recorder{&events});
+  provider_t primary(clock, {kt::stall()}, sleep_mode);
+  provider_t backup(clock, {kt::answer(7, 30ms)}, sleep_mode);
+  status_log primary_saw;
+  keel::call call(clock.now(), {.timeout = 2s});
+  async_call<absl::StatusOr<int>> run(
+      [&] { return pipe.run(call, keel::alternates(logged(primary, primary_saw), std::ref(backup))); });
+  clock.await_sleepers(2);
+  clock.advance(100ms);
+  REQUIRE(eventually([&] { return backup.calls() == 1; }));
+  clock.await_sleepers(2);
+  clock.advance(30ms);
+  const absl::StatusOr<int> r = run.get();
+  REQUIRE(r.ok());
+  CHECK(*r == 7);
+  // The primary was asked to stop and returned because it honoured that.
+  const std::vector<absl::Status> saw = primary_saw.snapshot();
+  REQUIRE(saw.size() == 1);
+  CHECK(saw[0].code() == absl::StatusCode::kCancelled);
+  CHECK(primary.attempts()[0].stop.stop_requested());
+  CHECK_FALSE(backup.attempts()[0].stop.stop_requested());
+  CHECK_FALSE(call.stop_token().stop_requested());  // the call itself was not cancelled
+  const keel::hedge_figures f = hedger.figures();
+  CHECK(f.hedge_wins == 1);
+  CHECK(f.cancelled_losers == 1);
+  CHECK(f.outstanding == 0);
+  CHECK(events.snapshot() == std::vector<std::string>{"started 1", "winner 1, outstanding 1"});
+}
+
+TEST_CASE("a loser that keeps running after cancel is counted as outstanding until it returns",
+          "[hedge][cancel][outstanding]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  keel::hedge hedger({.delay = 100ms}, pool, clock);
+  auto pipe = keel::pipeline(hedger).on(clock);
+  std::atomic<bool> saw_stop{false};
+  // Ignores its stop token until 500 ms, like an upstream call that cannot
+  // be interrupted.
+  auto stubborn = [&](const keel::attempt& a) -> absl::StatusOr<int> {
+    clock.sleep_until(a.start + 500ms, {});
+    saw_stop = a.stop.stop_requested();
+    return absl::CancelledError("stubborn: gave up late");
+  };
+  provider_t backup(clock, {kt::answer(7, 30ms)}, sleep_mode);
+  keel::call call(clock.now(), {.timeout = 2s});
+  async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, keel::alternates(stubborn, std::ref(backup))); });
+  clock.await_sleepers(2);
+  clock.advance(100ms);
+  REQUIRE(eventually([&] { return backup.calls() == 1; }));
+  clock.await_sleepers(2);
+  clock.advance(30ms);  // the hedge wins at 130 ms
+  REQUIRE(eventually([&] { return hedger.figures().cancelled_losers == 1; }));
+  CHECK(hedger.figures().outstanding == 1);
+  clock.await_sleepers(1);  // the stubborn primary is still running
+  CHECK_FALSE(run.done());  // and the call waits for it: it uses the call by reference
+  clock.advance(370ms);
+  const absl::StatusOr<int> r = run.get();
+  REQUIRE(r.ok());
+  CHECK(*r == 7);
+  CHECK(saw_stop);
+  CHECK(hedger.figures().outstanding == 0);
+  CHECK(hedger.figures().cancelled_losers == 1);
+}
+
+TEST_CASE("two hedges, one per delay; the winner cancels both others", "[hedge][cancel]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 3, .queue_capacity = 8});
+  event_log events;
+  keel::hedge hedger({.delay = 100ms, .max_hedges = 2}, pool, clock);
+  auto pipe = keel::pipeline(hedger).on(clock).observe(recorder{&events});
+  provider_t primary(clock, {kt::stall()}, sleep_mode);
+  provider_t first(clock, {kt::stall()}, sleep_mode);
+  provider_t second(clock, {kt::answer(3, 10ms)}, sleep_mode);
+  keel::call call(clock.now(), {.timeout = 2s, .max_attempts = 3});
+  const keel::time_point t0 = clock.now();
+  async_call<absl::StatusOr<int>> run([&] {
+    return pipe.run(call, keel::alternates(std::ref(primary), std::ref(first), std::ref(second)));
+  });
+  clock.await_sleepers(2);
+  clock.advance(100ms);
+  REQUIRE(eventually([&] { return first.calls() == 1; }));
+  clock.await_sleepers(3);  // primary, first hedge, and the timer for the second
+  clock.advance(100ms);
+  REQUIRE(eventually([&] { return second.calls() == 1; }));
+  clock.await_sleepers(3);
+  clock.advance(10ms);
+  const absl::StatusOr<int> r = run.get();
+  REQUIRE(r.ok());
+  CHECK(*r == 3);
+  CHECK(second.attempts()[0].start - t0 == ms(200));
+  CHECK(primary.attempts()[0].stop.stop_requested());
+  CHECK(first.attempts()[0].stop.stop_requested());
+  CHECK(hedger.figures().cancelled_losers == 2);
+  CHECK(events.snapshot() == std::vector<std::string>{"started 1", "started 2", "winner 2, outstanding 2"});
+  CHECK(call.record().attempts == 3);
+}
+
+TEST_CASE("the retry budget stops hedges", "[hedge][budget]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  // No ratio, and a floor of exactly one retry in the window.
+  keel::retry_budget budget({.ratio = 0.0, .min_per_second = 0.1, .window = 10s});
+  event_log events;
+  keel::hedge hedger({.delay = 100ms, .budget = &budget}, pool, clock);
+  auto pipe = keel::pipeline(hedger).on(clock).observe(recorder{&events});
+  provider_t primary(clock, {kt::answer(1, 300ms)}, sleep_mode);
+  provider_t backup(clock, {kt::answer(2, 10ms)}, sleep_mode);
+  auto both = keel::alternates(std::ref(primary), std::ref(backup));
+
+  {  // the first slow call may hedge: the budget has one retry
+    keel::call call(clock.now(), {.timeout = 1s});
+    async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, both); });
+    clock.await_sleepers(2);
+    clock.advance(100ms);
+    REQUIRE(eventually([&] { return backup.calls() == 1; }));
+    clock.await_sleepers(2);
+    clock.advance(10ms);
+    CHECK(run.get().value() == 2);
+  }
+  {  // the second may not: the primary runs alone
+    keel::call call(clock.now(), {.timeout = 1s});
+    async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, both); });
+    clock.await_sleepers(2);
+    clock.advance(100ms);
+    REQUIRE(eventually([&] { return hedger.figures().skipped_budget == 1; }));
+    clock.advance(200ms);
+    CHECK(run.get().value() == 1);
+  }
+  CHECK(backup.calls() == 1);
+  CHECK(primary.calls() == 2);
+  CHECK(hedger.figures().hedges_started == 1);
+  CHECK(budget.read(clock.now()).requests == 2);  // the hedge deposits each call
+  CHECK(events.snapshot() == std::vector<std::string>{"started 1", "winner 1, outstanding 1", "skipped budget"});
+}
+
+TEST_CASE("a consequential write without an idempotency identity is never hedged", "[hedge][write]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  event_log events;
+  provider_t primary(clock, {kt::stall()}, sleep_mode);
+  provider_t backup(clock, {kt::answer(2, 10ms)}, sleep_mode);
+  auto both = keel::alternates(std::ref(primary), std::ref(backup));
+
+  SECTION("refused with a clear status, nothing called") {
+    keel::hedge hedger({.delay = 100ms}, pool, clock);
+    auto pipe = keel::pipeline(hedger).on(clock).observe(recorder{&events});
+    keel::call write(clock.now(), {.timeout = 1s, .operation = {.effect = keel::effect::write}});
+    const absl::StatusOr<int> r = pipe.run(write, both);
+    CHECK(r.status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(keel::not_started(r.status()));
+    CHECK(keel::default_classifier{}(r.status(), write.operation()) == keel::outcome_kind::permanent);
+    CHECK(r.status().message().find("never hedged") != absl::string_view::npos);
+    CHECK(primary.calls() + backup.calls() == 0);
+    CHECK(hedger.figures().refused_writes == 1);
+    CHECK(events.snapshot() == std::vector<std::string>{"refused write"});
+  }
+
+  SECTION("or run as a single attempt when the options say so") {
+    provider_t slow(clock, {kt::answer(5, 300ms)}, sleep_mode);
+    keel::hedge hedger({.delay = 100ms, .run_unsafe_writes_unhedged = true}, pool, clock);
+    auto pipe = keel::pipeline(hedger).on(clock).observe(recorder{&events});
+    keel::call write(clock.now(), {.timeout = 1s, .operation = {.effect = keel::effect::write}});
+    async_call<absl::StatusOr<int>> run([&] { return pipe.run(write, keel::alternates(std::ref(slow), std::ref(backup))); });
+    clock.await_sleepers(1);  // the attempt only: no hedge timer armed
+    clock.advance(300ms);
+    CHECK(run.get().value() == 5);
+    CHECK(backup.calls() == 0);
+    CHECK(hedger.figures().hedges_started == 0);
+    CHECK(events.snapshot() == std::vector<std::string>{"refused write (ran unhedged)"});
+  }
+
+  SECTION("an idempotent write is hedged") {
+    keel::hedge hedger({.delay = 100ms}, pool, clock);
+    auto pipe = keel::pipeline(hedger).on(clock);
+    keel::call write(clock.now(),
+                     {.timeout = 1s, .operation = {.effect = keel::effect::write, .idempotent = true}});
+    async_call<absl::StatusOr<int>> run([&] { return pipe.run(write, both); });
+    clock.await_sleepers(2);
+    clock.advance(100ms);
+    REQUIRE(eventually([&] { return backup.calls() == 1; }));
+    clock.await_sleepers(2);
+    clock.advance(10ms);
+    CHECK(run.get().value() == 2);
+  }
+}
+
+namespace {
+struct charge_card {
+  static constexpr keel::operation operation{.effect = keel::effect::write};
+  absl::StatusOr<int> operator()(const keel::attempt&) const { return 1; }
+};
+struct charge_card_with_key {
+  static constexpr keel::operation operation{.effect = keel::effect::write, .idempotent = true};
+  absl::StatusOr<int> operator()(const keel::attempt&) const { return 1; }
+};
+}  // namespace
+
+TEST_CASE("a provider type that declares a non-idempotent write is rejected at compile time", "[hedge][write]") {
+  // The pipeline's static_assert fires on exactly this combination; the
+  // build test fanout_unsafe_write_does_not_compile proves it does.
+  STATIC_REQUIRE(keel::declares_unsafe_write<charge_card>());
+  STATIC_REQUIRE(keel::declares_unsafe_write<charge_card&>());
+  STATIC_REQUIRE_FALSE(keel::declares_unsafe_write<charge_card_with_key>());
+  STATIC_REQUIRE_FALSE(keel::declares_unsafe_write<provider_t>());
+  STATIC_REQUIRE(keel::concurrent_policy<keel::hedge<keel::bounded_pool>&>);
+  STATIC_REQUIRE_FALSE(keel::concurrent_policy<keel::time_limit>);
+}
+
+TEST_CASE("a fast retryable failure with nothing else running starts the hedge at once", "[hedge]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  keel::hedge hedger({.delay = 100ms}, pool, clock);
+  auto pipe = keel::pipeline(hedger).on(clock);
+  provider_t primary(clock, {kt::unavailable(10ms)}, sleep_mode);
+  provider_t backup(clock, {kt::answer(5, 20ms)}, sleep_mode);
+  keel::call call(clock.now(), {.timeout = 1s});
+  const keel::time_point t0 = clock.now();
+  async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, keel::alternates(std::ref(primary), std::ref(backup))); });
+  clock.await_sleepers(2);
+  clock.advance(10ms);
+  REQUIRE(eventually([&] { return backup.calls() == 1; }));
+  clock.await_sleepers(2);  // the hedge, and the timer still armed for 100 ms
+  clock.advance(20ms);
+  CHECK(run.get().value() == 5);
+  CHECK(backup.attempts()[0].start - t0 == ms(10));
+}
+
+TEST_CASE("a permanent failure with nothing else running ends the race", "[hedge]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  keel::hedge hedger({.delay = 100ms}, pool, clock);
+  auto pipe = keel::pipeline(hedger).on(clock);
+  provider_t primary(clock, {kt::bad_credential(10ms)}, sleep_mode);
+  provider_t backup(clock, {kt::answer(5, 20ms)}, sleep_mode);
+  keel::call call(clock.now(), {.timeout = 1s});
+  async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, keel::alternates(std::ref(primary), std::ref(backup))); });
+  clock.await_sleepers(2);
+  clock.advance(10ms);
+  CHECK(run.get().status().code() == absl::StatusCode::kUnauthenticated);
+  CHECK(backup.calls() == 0);
+}
+
+TEST_CASE("an answer the acceptance check refuses does not win", "[hedge][accept]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  keel::hedge hedger({.delay = 100ms}, pool, clock, [](int v) { return v > 0; });
+  auto pipe = keel::pipeline(hedger).on(clock);
+
+  SECTION("a later acceptable answer wins") {
+    provider_t primary(clock, {kt::answer(0, 150ms)}, sleep_mode);
+    provider_t backup(clock, {kt::answer(9, 100ms)}, sleep_mode);
+    keel::call call(clock.now(), {.timeout = 1s});
+    async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, keel::alternates(std::ref(primary), std::ref(backup))); });
+    clock.await_sleepers(2);
+    clock.advance(100ms);
+    REQUIRE(eventually([&] { return backup.calls() == 1; }));
+    clock.await_sleepers(2);
+    clock.advance(50ms);  // the primary answers 0: finished, but not acceptable
+    clock.await_sleepers(1);
+    CHECK_FALSE(run.done());
+    clock.advance(50ms);
+    CHECK(run.get().value() == 9);
+  }
+
+  SECTION("no acceptable answer: a clear failure, not the unacceptable value") {
+    provider_t primary(clock, {kt::answer(0, 150ms)}, sleep_mode);
+    provider_t backup(clock, {kt::answer(-1, 100ms)}, sleep_mode);
+    keel::call call(clock.now(), {.timeout = 1s});
+    async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, keel::alternates(std::ref(primary), std::ref(backup))); });
+    clock.await_sleepers(2);
+    clock.advance(100ms);
+    REQUIRE(eventually([&] { return backup.calls() == 1; }));
+    clock.await_sleepers(2);
+    clock.advance(100ms);
+    const absl::StatusOr<int> r = run.get();
+    CHECK(r.status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(r.status().message().find("acceptance check") != absl::string_view::npos);
+  }
+}
+
+TEST_CASE("cancelling the call stops every attempt of the race", "[hedge][cancel]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  keel::hedge hedger({.delay = 100ms}, pool, clock);
+  auto pipe = keel::pipeline(hedger).on(clock);
+  provider_t primary(clock, {kt::stall()}, sleep_mode);
+  provider_t backup(clock, {kt::stall()}, sleep_mode);
+  status_log saw;
+  std::stop_source caller;
+  keel::call call(clock.now(), {.timeout = 5s, .stop = caller.get_token()});
+  async_call<absl::StatusOr<int>> run(
+      [&] { return pipe.run(call, keel::alternates(logged(primary, saw), logged(backup, saw))); });
+  clock.await_sleepers(2);
+  clock.advance(100ms);
+  REQUIRE(eventually([&] { return backup.calls() == 1; }));
+  clock.await_sleepers(2);
+  caller.request_stop();
+  CHECK(run.get().status().code() == absl::StatusCode::kCancelled);
+  const std::vector<absl::Status> statuses = saw.snapshot();
+  REQUIRE(statuses.size() == 2);
+  CHECK(statuses[0].code() == absl::StatusCode::kCancelled);
+  CHECK(statuses[1].code() == absl::StatusCode::kCancelled);
+}
+
+TEST_CASE("the hedge delay can be a percentile of recent latency, learned online", "[hedge][percentile]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  keel::hedge hedger({.delay = 100ms, .percentile = 0.9, .samples = 16, .min_samples = 16}, pool, clock);
+  auto pipe = keel::pipeline(hedger).on(clock);
+  CHECK(hedger.current_delay() == ms(100));  // nothing learned yet
+  for (int i = 0; i < 16; ++i) {
+    keel::call call(clock.now(), {.timeout = 1s});
+    const absl::StatusOr<int> r = pipe.run(call, [&](const keel::attempt&) -> absl::StatusOr<int> {
+      clock.advance(ms(10 + i));  // 10 ... 25 ms, all below the 100 ms delay
+      return i;
+    });
+    REQUIRE(r.ok());
+  }
+  // Nearest rank of p90 over 16 samples is the 15th smallest: 24 ms.
+  CHECK(hedger.current_delay() == ms(24));
+  CHECK(hedger.figures().hedges_started == 0);
+
+  provider_t primary(clock, {kt::stall()}, sleep_mode);
+  provider_t backup(clock, {kt::answer(1, 5ms)}, sleep_mode);
+  keel::call call(clock.now(), {.timeout = 1s});
+  const keel::time_point t0 = clock.now();
+  async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, keel::alternates(std::ref(primary), std::ref(backup))); });
+  clock.await_sleepers(2);
+  clock.advance(24ms);
+  REQUIRE(eventually([&] { return backup.calls() == 1; }));
+  clock.await_sleepers(2);
+  clock.advance(5ms);
+  CHECK(run.get().value() == 1);
+  CHECK(backup.attempts()[0].start - t0 == ms(24));
+}
+
+TEST_CASE("a hedge the executor refuses is skipped; the primary goes on", "[hedge][executor]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 1, .queue_capacity = 1});
+  std::mutex hold_mu;
+  std::condition_variable hold_cv;
+  bool release = false;
+  std::atomic<bool> busy{false};
+  REQUIRE(pool.try_execute([&] {
+                busy = true;
+                std::unique_lock lock(hold_mu);
+                hold_cv.wait(lock, [&] { return release; });
+              }).ok());
+  REQUIRE(eventually([&] { return busy.load(); }));
+  REQUIRE(pool.try_execute([] {}).ok());  // the queue is now full
+
+  keel::hedge hedger({.delay = 100ms}, pool, clock);
+  auto pipe = keel::pipeline(hedger).on(clock);
+  provider_t primary(clock, {kt::answer(1, 300ms)}, sleep_mode);
+  provider_t backup(clock, {kt::answer(2, 10ms)}, sleep_mode);
+  keel::call call(clock.now(), {.timeout = 1s});
+  async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, keel::alternates(std::ref(primary), std::ref(backup))); });
+  clock.await_sleepers(2);
+  clock.advance(100ms);
+  REQUIRE(eventually([&] { return hedger.figures().skipped_executor == 1; }));
+  clock.advance(200ms);
+  CHECK(run.get().value() == 1);
+  CHECK(backup.calls() == 0);
+  CHECK(call.record().attempts == 1);
+  {
+    std::lock_guard lock(hold_mu);
+    release = true;
+  }
+  hold_cv.notify_all();
+}
+
+TEST_CASE("when the primary answers first, the hedged path allocates nothing", "[hedge][alloc]") {
+  if (!keel_test::allocations_counted()) {
+    WARN("allocation counting is off in sanitizer builds; the g++ build asserts it");
+    return;
+  }
+  keel::bounded_pool pool({.threads = 1, .queue_capacity = 4});
+  keel::retry_budget budget({.ratio = 0.1});
+  keel::hedge hedger({.delay = 10s, .budget = &budget}, pool);
+  auto pipe = keel::pipeline(keel::time_limit({.at_most = 20s}), hedger);
+  auto provider = [](const keel::attempt& a) -> absl::StatusOr<int> { return a.number; };
+  for (int i = 0; i < 3; ++i) {  // warm: the thread's spare stop source
+    keel::call warm(keel::real_clock{}.now(), {.timeout = 30s});
+    REQUIRE(pipe.run(warm, provider).ok());
+  }
+  keel_test::count_allocations allocations;
+  for (int i = 0; i < 1000; ++i) {
+    keel::call call(keel::real_clock{}.now(), {.timeout = 30s});
+    const absl::StatusOr<int> r = pipe.run(call, provider);
+    if (!r.ok()) FAIL("hedged call failed");
+  }
+  CHECK(allocations.count() == 0);
+}
+
+TEST_CASE("hedged calls race correctly under contention", "[hedge][stress]") {
+  keel::bounded_pool pool({.threads = 4, .queue_capacity = 256});
+  keel::retry_budget budget({.ratio = 1.0, .min_per_second = 1e6});
+  keel::hedge hedger({.delay = 1ms, .max_hedges = 2, .budget = &budget}, pool);
+  auto pipe = keel::pipeline(hedger);
+  std::atomic<int> invocations{0};
+  constexpr int threads = 4;
+  constexpr int per_thread = 60;
+  std::vector<int> ok(threads, 0);
+  std::vector<int> correct(threads, 0);
+  std::vector<int> attempts(threads, 0);
+  {
+    std::vector<std::thread> callers;
+    for (int t = 0; t < threads; ++t) {
+      callers.emplace_back([&, t] {
+        std::minstd_rand rng(static_cast<unsigned>(t + 1));
+        for (int i = 0; i < per_thread; ++i) {
+          keel::call call(keel::real_clock{}.now(), {.timeout = 5s});
+          const int latency_us = static_cast<int>(rng() % 3000);
+          const absl::StatusOr<int> r = pipe.run(call, [&](const keel::attempt& a) -> absl::StatusOr<int> {
+            ++invocations;
+            // Attempts after the first answer fast; the first may be slow.
+            const auto wait = a.hedge == 0 ? std::chrono::microseconds(latency_us) : std::chrono::microseconds(200);
+            if (!keel::real_clock{}.sleep_until(keel::real_clock{}.now() + wait, a.stop)) {
+              return absl::CancelledError("lost the race");
+            }
+            return 1000 + a.hedge;
+          });
+          attempts[static_cast<std::size_t>(t)] += call.record().attempts;
+          if (r.ok()) {
+            ++ok[static_cast<std::size_t>(t)];
+            if (*r >= 1000 && *r <= 1002) ++correct[static_cast<std::size_t>(t)];
+          }
+        }
+      });
+    }
+    for (std::thread& c : callers) c.join();
+  }
+  int total_ok = 0;
+  int total_correct = 0;
+  int total_attempts = 0;
+  for (int t = 0; t < threads; ++t) {
+    total_ok += ok[static_cast<std::size_t>(t)];
+    total_correct += correct[static_cast<std::size_t>(t)];
+    total_attempts += attempts[static_cast<std::size_t>(t)];
+  }
+  const keel::hedge_figures f = hedger.figures();
+  CHECK(total_ok == threads * per_thread);
+  CHECK(total_correct == threads * per_thread);
+  CHECK(f.calls == threads * per_thread);
+  CHECK(f.outstanding == 0);
+  CHECK(f.hedges_started > 0);
+  CHECK(f.hedges_started <= 2 * threads * per_thread);
+  // Every provider invocation was counted on its call; a hedge cancelled
+  // before it began never reached the provider.
+  CHECK(invocations == total_attempts);
+  CHECK(invocations >= threads * per_thread);
+  CHECK(invocations <= threads * per_thread + f.hedges_started);
+  CHECK(f.cancelled_losers <= f.hedges_started);
+}
+
+TEST_CASE("invalid hedge options are refused naming the field", "[hedge][options]") {
+  CHECK(keel::hedge_options{.max_hedges = 8}.validate().message() == "hedge_options.max_hedges must be in [0, 7] (got 8)");
+  CHECK(keel::hedge_options{.percentile = 1.0}.validate().message() ==
+        "hedge_options.percentile must be 0 (fixed delay) or in (0, 1) (got 1)");
+  CHECK(keel::hedge_options{.delay = -1ms}.validate().message() == "hedge_options.delay must be >= 0 (got -1ms)");
+  CHECK(keel::hedge_options{.percentile = 0.5, .samples = 8}.validate().message() ==
+        "hedge_options.samples must be in [16, 65536] (got 8)");
+  keel::bounded_pool pool({.threads = 1});
+  CHECK_THROWS_AS(keel::hedge(keel::hedge_options{.max_hedges = -1}, pool), keel::invalid_options);
+}
