@@ -11,11 +11,19 @@
 
 #include "keel/backoff.hpp"
 #include "keel/call.hpp"
+#include "keel/circuit_breaker.hpp"
+#include "keel/digest.hpp"
+#include "keel/executor.hpp"
+#include "keel/fallback.hpp"
+#include "keel/hedge.hpp"
+#include "keel/idempotency.hpp"
+#include "keel/lease.hpp"
 #include "keel/metrics.hpp"
 #include "keel/pipeline.hpp"
 #include "keel/prometheus.hpp"
 #include "keel/retry.hpp"
 #include "keel/retry_budget.hpp"
+#include "keel/store/memory.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_provider.hpp"
 #include "support/alloc_counter.hpp"
@@ -28,13 +36,18 @@ namespace kt = keel::testing;
 
 namespace {
 
-double counter(const keel::metrics_snapshot& s, std::string_view family, std::string_view label) {
+// The value of the series of `family` with these label values; -1 if absent.
+double value(const keel::metrics_snapshot& s, std::string_view family, std::vector<std::string> labels) {
   for (const auto& f : s.families) {
     if (f.name != family) continue;
     for (const auto& series : f.series)
-      if (series.labels.size() == 1 && series.labels[0] == label) return series.value;
+      if (series.labels == labels) return series.value;
   }
   return -1;
+}
+
+double counter(const keel::metrics_snapshot& s, std::string_view family, std::string_view label) {
+  return value(s, family, {std::string(label)});
 }
 
 const keel::metric_series* histogram(const keel::metrics_snapshot& s, std::string_view family) {
@@ -220,4 +233,172 @@ TEST_CASE("listener options: prefix and buckets are checked, clashes refused", "
   keel::metrics_registry taken;
   (void)taken.gauge({.name = "keel_retries_total", .help = "not a counter"});
   CHECK_THROWS_AS(keel::metrics_listener(taken), keel::invalid_options);
+}
+
+TEST_CASE("breaker transitions and rejections are counted by breaker and state", "[telemetry][breaker]") {
+  manual_clock clock;
+  clock.auto_advance(true);
+  keel::metrics_registry registry;
+  const keel::metrics_listener listener(registry);
+  keel::circuit_breaker breaker({.name = "llm-eu",
+                                 .window_calls = 4,
+                                 .minimum_calls = 4,
+                                 .failure_rate_threshold = 0.5,
+                                 .open_duration = 5s,
+                                 .half_open_probes = 1});
+  auto pipe = keel::pipeline(breaker).on(clock).observe(listener);
+  auto run = [&](absl::Status result) {
+    keel::call call(clock.now(), {.timeout = 1s});
+    return pipe.run(call, [&](const keel::attempt&) { return result; });
+  };
+  for (int i = 0; i < 4; ++i) (void)run(absl::UnavailableError("down"));  // trips: closed -> open
+  const absl::Status refused = run(absl::OkStatus());
+  CHECK(refused.code() == absl::StatusCode::kUnavailable);
+  CHECK(keel::not_started(refused));
+  clock.advance(5s);
+  CHECK(run(absl::OkStatus()).ok());  // the probe: open -> half-open -> closed
+
+  const auto s = registry.snapshot();
+  CHECK(value(s, "keel_breaker_transitions_total", {"llm-eu", "closed", "open"}) == 1);
+  CHECK(value(s, "keel_breaker_transitions_total", {"llm-eu", "half-open", "closed"}) == 1);
+  CHECK(value(s, "keel_breaker_rejections_total", {"llm-eu", "open"}) == 1);
+  CHECK(keel::to_prometheus_text(s).ok());
+}
+
+TEST_CASE("names past max_series are folded into _other", "[telemetry][breaker]") {
+  keel::metrics_registry registry;
+  const keel::metrics_listener listener(registry, {.max_series = 2});
+  keel::call call(keel::real_clock{}.now(), {.timeout = 1s});
+  for (const char* name : {"a", "b", "c", "d", "a"}) {
+    listener(keel::events::breaker_rejected{call, name, keel::breaker_state::open});
+  }
+  const auto s = registry.snapshot();
+  CHECK(value(s, "keel_breaker_rejections_total", {"a", "open"}) == 2);
+  CHECK(value(s, "keel_breaker_rejections_total", {"b", "open"}) == 1);
+  CHECK(value(s, "keel_breaker_rejections_total", {"_other", "open"}) == 2);
+  CHECK(value(s, "keel_breaker_rejections_total", {"c", "open"}) == -1);
+}
+
+TEST_CASE("fallbacks used and skipped are counted by path, reason and gate", "[telemetry][fallback]") {
+  manual_clock clock;
+  clock.auto_advance(true);
+  keel::metrics_registry registry;
+  const keel::metrics_listener listener(registry);
+  const keel::gate residency("residency", [](const keel::labels& call, const keel::path& p) {
+    return call.region.empty() || call.region == p.labels.region;
+  });
+  scripted_provider<std::string> model(clock, {kt::unavailable(10ms)});
+  scripted_provider<std::string> us_model(clock, {kt::answer(std::string("us"))});
+  scripted_provider<std::string> cached(clock, {kt::answer(std::string("cached"))});
+  auto pipe = keel::pipeline(keel::fallback({residency},
+                                            keel::alternate("us-model", us_model, {.labels = {.region = "us"}}),
+                                            keel::alternate("cached", cached, {.labels = {.region = "eu"}, .provider_call = false})))
+                  .on(clock)
+                  .observe(listener);
+  keel::call call(clock.now(), {.timeout = 2s, .labels = {.region = "eu"}});
+  REQUIRE(pipe.run(call, model).value() == "cached");
+  CHECK(us_model.calls() == 0);
+  const auto s = registry.snapshot();
+  CHECK(value(s, "keel_fallback_skips_total", {"us-model", "gate", "residency"}) == 1);
+  CHECK(value(s, "keel_fallbacks_total", {"cached"}) == 1);
+  CHECK(value(s, "keel_fallbacks_total", {"us-model"}) == -1);
+}
+
+TEST_CASE("hedges started, losers cancelled and outstanding work are reported", "[telemetry][hedge]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  keel::hedge hedger({.delay = 100ms}, pool, clock);
+  keel::metrics_registry registry;
+  const keel::metrics_listener listener(registry);
+  keel::watch_hedge(registry, "llm", hedger);
+  auto pipe = keel::pipeline(hedger).on(clock).observe(listener);
+  // The primary waits for its stop token (up to 10 s); the hedge answers at once.
+  auto provider = [&clock](const keel::attempt& a) -> absl::StatusOr<int> {
+    if (a.hedge == 0) {
+      clock.sleep_until(a.start + 10s, a.stop);
+      return absl::CancelledError("primary stopped");
+    }
+    return 7;
+  };
+  keel::call call(clock.now(), {.timeout = 20s});
+  absl::StatusOr<int> r;
+  std::thread caller([&] { r = pipe.run(call, provider); });
+  clock.await_sleepers(2);  // the primary and the hedge's timer
+  clock.advance(100ms);     // the hedge starts, wins, and the primary is asked to stop
+  caller.join();
+  REQUIRE(r.ok());
+  CHECK(*r == 7);
+  const auto s = registry.snapshot();
+  CHECK(value(s, "keel_hedges_started_total", {}) == 1);
+  CHECK(value(s, "keel_hedge_losers_cancelled_total", {}) == 1);
+  CHECK(value(s, "keel_hedge_outstanding", {"llm"}) == 0);  // the primary has returned
+  CHECK(value(s, "keel_hedge_wins_total", {"llm"}) == 1);
+  CHECK(keel::to_prometheus_text(s).ok());
+}
+
+TEST_CASE("hedge skips and refused writes are counted by reason", "[telemetry][hedge]") {
+  keel::metrics_registry registry;
+  const keel::metrics_listener listener(registry);
+  keel::call call(keel::real_clock{}.now(), {.timeout = 1s});
+  using why = keel::events::hedge_skipped::reason;
+  for (why w : {why::budget, why::budget, why::executor, why::attempt_cap, why::deadline, why::cancelled}) {
+    keel::observe(listener, keel::events::hedge_skipped{call, 1, w});
+  }
+  keel::observe(listener, keel::events::hedge_refused_write{call, true});
+  const auto s = registry.snapshot();
+  CHECK(counter(s, "keel_hedges_skipped_total", "budget") == 2);
+  CHECK(counter(s, "keel_hedges_skipped_total", "executor") == 1);
+  CHECK(counter(s, "keel_hedges_skipped_total", "cancelled") == 1);
+  CHECK(counter(s, "keel_hedge_refused_writes_total", "true") == 1);
+  CHECK(counter(s, "keel_hedge_refused_writes_total", "false") == 0);
+}
+
+TEST_CASE("a lease keeper that loses its lease is counted", "[telemetry][lease]") {
+  manual_clock clock;
+  keel::metrics_registry registry;
+  const keel::metrics_listener listener(registry);
+  std::stop_source work;
+  std::atomic<int> renewals{0};
+  keel::lease_keeper keeper(
+      "job-42",
+      [&renewals](keel::duration) {
+        ++renewals;
+        return keel::lost_ownership_error("taken over by another worker");
+      },
+      work, clock.now(), {.ttl = 30s, .renew_every = 10s}, clock, listener);
+  clock.await_sleepers(1);
+  clock.advance(10s);
+  for (int i = 0; i < 1'000'000 && !keeper.lost(); ++i) std::this_thread::yield();
+  keeper.stop();
+  REQUIRE(keeper.lost());
+  CHECK(work.stop_requested());
+  CHECK(value(registry.snapshot(), "keel_leases_lost_total", {}) == 1);
+}
+
+TEST_CASE("idempotent begins are counted by what the store answered", "[telemetry][idempotency]") {
+  manual_clock clock;
+  keel::memory_store<manual_clock> store(clock);
+  keel::metrics_registry registry;
+  const keel::metrics_listener listener(registry);
+  keel::once decide(store, {.lease = 30s, .retention = 24h, .retry_window = 1h}, clock, listener);
+  const keel::request_identity id{.tenant = "merchant-82", .endpoint = "receipts", .key = "key-47"};
+  const keel::digest a = keel::digest_builder().field("receipt", "A").finish();
+  const keel::digest b = keel::digest_builder().field("receipt", "B").finish();
+  int provider_calls = 0;
+  auto decide_once = [&](const keel::digest& d) {
+    keel::call call(clock.now(), {.timeout = 3s});
+    return decide.run(call, id, d, [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
+      ++provider_calls;
+      return keel::decision{.model_digest = "m@1", .result = "approved"};
+    });
+  };
+  REQUIRE(decide_once(a).ok());                            // claimed
+  REQUIRE(decide_once(a).ok());                            // replay
+  CHECK(keel::is_conflict(decide_once(b).status()));       // conflict
+  CHECK(provider_calls == 1);
+  const auto s = registry.snapshot();
+  CHECK(counter(s, "keel_idempotency_begins_total", "claimed") == 1);
+  CHECK(counter(s, "keel_idempotency_begins_total", "replay") == 1);
+  CHECK(counter(s, "keel_idempotency_begins_total", "conflict") == 1);
+  CHECK(counter(s, "keel_idempotency_begins_total", "in-flight") == 0);
 }

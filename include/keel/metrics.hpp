@@ -352,6 +352,27 @@ class metric_family final : public detail::family_base {
     return *it->second;
   }
 
+  // Like with(), but creates no series past `max_series`: returns null
+  // instead, so a caller labelling by names it does not control (breakers,
+  // paths) can fold the excess into one series rather than grow without
+  // bound.
+  [[nodiscard]] Series* with_at_most(std::span<const std::string_view> values, std::size_t max_series) {
+    if (values.size() != options_.labels.size()) return &with(values);  // throws, naming the labels
+    std::lock_guard lock(mu_);
+    auto it = series_.find(values);
+    if (it == series_.end()) {
+      if (series_.size() >= max_series) return nullptr;
+      it = series_.emplace(std::vector<std::string>(values.begin(), values.end()), make()).first;
+    }
+    return it->second.get();
+  }
+
+  // How many series the family has.
+  [[nodiscard]] std::size_t size() const {
+    std::lock_guard lock(mu_);
+    return series_.size();
+  }
+
   void collect(metric_family_snapshot& out) const override {
     out.name = options_.name;
     out.help = options_.help;
