@@ -1,0 +1,719 @@
+// keel/store/postgres.hpp — idempotency records, leases and results in
+// PostgreSQL, shared by every replica of a service. Link keel::postgres.
+//
+// keel::postgres_store implements keel::idempotency_store, keel::lease_store
+// and keel::result_store (docs/stores.md has the contracts; docs/scaleout.md
+// the operational side):
+//
+//   - every begin, claim, extend, renew, commit, abandon, release and save
+//     is ONE statement — INSERT ... ON CONFLICT ... DO UPDATE ... WHERE
+//     <owner matches or expired> ... RETURNING, or a fenced UPDATE — so it is
+//     atomic under READ COMMITTED with no explicit transaction and costs one
+//     round trip. When the row it decided on changed under it (a concurrent
+//     first insert of the same key), the statement changed nothing and is
+//     run again: a second round trip, only under that race;
+//   - time is the database server's clock (clock_timestamp()), never the
+//     client's; expiries are Unix nanoseconds computed inside the statements;
+//   - a bounded pool of connections (pool_size), each lent to one thread at
+//     a time, with every statement prepared once per connection; an idle
+//     connection the server closed (restart, failover) is noticed before use
+//     and replaced;
+//   - a versioned schema in its own PostgreSQL schema (options.schema):
+//     created on first open (serialised by an advisory lock), checked on
+//     every open: another keel schema version, or a schema holding tables
+//     that are not keel's, is refused and left untouched;
+//   - a client-side command timeout on every statement (and the same
+//     statement_timeout on the server).
+//
+// Values always travel as bound parameters (binary format); the only text
+// put into a statement is the schema name, validated ([a-z_][a-z0-9_]*, at
+// most 63 bytes) and quoted by libpq.
+//
+// Errors (see keel/detail/pg_connection.hpp for the mapping):
+//
+//   keel::store_unavailable_error   cannot connect, every connection busy past
+//                                   acquire_timeout, or a statement that failed
+//                                   and was rolled back: nothing applied, safe to repeat
+//   keel::unknown_outcome_error     a write whose connection dropped, whose server
+//                                   shut down, or that timed out after being sent:
+//                                   it may have committed; repeat it (rule 7 of
+//                                   docs/stores.md makes repeats safe) or begin again
+//   Unavailable / DeadlineExceeded  the same for a read (load_result)
+//   PermissionDenied                bad credentials, missing role, no privilege (permanent)
+//   FailedPrecondition              schema of another version, foreign schema,
+//                                   schema missing with create_schema off
+//
+// Duplicates waiting for an in-flight request are polled by keel::once with
+// jittered exponential backoff (poll_initial .. poll_max), never past the
+// holder's lease or the caller's deadline — one short statement per poll.
+//
+// Example:
+//
+//   absl::StatusOr<std::unique_ptr<keel::postgres_store>> store = keel::postgres_store::open(
+//       {.conninfo = "host=db.internal dbname=inference user=svc", .schema = "keel", .pool_size = 16});
+//   if (!store.ok()) return store.status();
+//   keel::once decide(**store, {.lease = std::chrono::seconds(30), .policy_revision = "receipts-v4"});
+//
+// Thread-safety: every operation may be called from any number of threads;
+// at most pool_size statements run at once, the others wait for a
+// connection (up to acquire_timeout). Do not carry a store across fork():
+// open a new one in the child.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "keel/clock.hpp"
+#include "keel/detail/client_pool.hpp"
+#include "keel/detail/pg_connection.hpp"
+#include "keel/digest.hpp"
+#include "keel/idempotency.hpp"
+#include "keel/lease.hpp"
+#include "keel/ownership.hpp"
+#include "keel/result_store.hpp"
+#include "keel/status.hpp"
+
+namespace keel {
+
+// The schema version this keel reads and writes (table keel_meta).
+inline constexpr int postgres_schema_version = 1;
+
+struct postgres_options {
+  // libpq connection string or URI ("host=... port=... dbname=... user=...").
+  std::string conninfo{};
+  // The PostgreSQL schema keel's tables live in: [a-z_][a-z0-9_]*, 1-63 bytes.
+  // One schema per keel namespace (service, environment, test run).
+  std::string schema = "keel";
+  // Connections at most; in [1, 1000].
+  int pool_size = 8;
+  // Connecting, per attempt; in [1 s, 1 h] (libpq counts whole seconds, at least 2).
+  duration connect_timeout = std::chrono::seconds(5);
+  // Every statement, from send to result (also the server's
+  // statement_timeout); in [1 ms, 1 h].
+  duration command_timeout = std::chrono::seconds(5);
+  // Waiting for a free connection when all pool_size are lent; in [0, 1 h].
+  duration acquire_timeout = std::chrono::seconds(5);
+  // Create the schema and tables when missing. Off: a missing schema is FailedPrecondition.
+  bool create_schema = true;
+  // Tests only: nanoseconds added to the server's clock inside every
+  // statement, shared by every store given the same pointer (the
+  // conformance suite's `advance`). Leave empty in production.
+  std::shared_ptr<std::atomic<std::int64_t>> testing_clock_offset{};
+
+  [[nodiscard]] absl::Status validate() const {
+    constexpr std::string_view who = "postgres_options";
+    if (conninfo.empty()) return detail::invalid_field(who, "conninfo", "not be empty", "\"\"");
+    if (schema.empty() || schema.size() > 63)
+      return detail::invalid_field(who, "schema", "be 1-63 bytes", schema.size());
+    for (std::size_t i = 0; i < schema.size(); ++i) {
+      const char c = schema[i];
+      const bool ok = (c >= 'a' && c <= 'z') || c == '_' || (i > 0 && c >= '0' && c <= '9');
+      if (!ok) return detail::invalid_field(who, "schema", "match [a-z_][a-z0-9_]*", absl::StrCat("\"", schema, "\""));
+    }
+    if (pool_size < 1 || pool_size > 1000) return detail::invalid_field(who, "pool_size", "be in [1, 1000]", pool_size);
+    if (connect_timeout < std::chrono::seconds(1) || connect_timeout > std::chrono::hours(1))
+      return detail::invalid_field(who, "connect_timeout", "be in [1s, 1h]", connect_timeout);
+    if (command_timeout < std::chrono::milliseconds(1) || command_timeout > std::chrono::hours(1))
+      return detail::invalid_field(who, "command_timeout", "be in [1ms, 1h]", command_timeout);
+    if (acquire_timeout < duration::zero() || acquire_timeout > std::chrono::hours(1))
+      return detail::invalid_field(who, "acquire_timeout", "be in [0, 1h]", acquire_timeout);
+    return absl::OkStatus();
+  }
+};
+
+namespace detail {
+
+// Durations sent to the server are capped at ~126 years so that now +
+// duration stays inside int8.
+[[nodiscard]] constexpr std::int64_t pg_ns(duration d) noexcept {
+  return std::min<std::int64_t>(to_ns(d), 4'000'000'000'000'000'000);
+}
+
+// The statements, with $S for the quoted schema and NOW for the statement's
+// one reading of the server clock (plus the test offset, the last parameter).
+struct pg_sql {
+  static constexpr const char* clock =
+      "clk AS MATERIALIZED (SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::int8 * 1000 + $OFF::int8 AS now)";
+
+  // $1 tenant $2 endpoint $3 key $4 request $5 owner $6 lease $7 retention $8 supersede $9 offset
+  static constexpr const char* begin =
+      "WITH CLOCK, up AS ("
+      " INSERT INTO $S.idempotency AS r (tenant, endpoint, key, request, state, owner, fence, lease_expires,"
+      "  record_expires, claim_kind)"
+      " SELECT $1, $2, $3, $4, 0, $5, 1, clk.now + $6, clk.now + $7, 0 FROM clk"
+      " ON CONFLICT (tenant, endpoint, key) DO UPDATE SET"
+      "  claim_kind = CASE WHEN r.record_expires <= NOW OR r.state = 2 THEN 0"
+      "    WHEN r.state = 0 AND r.owner = excluded.owner THEN 3 WHEN r.state = 0 THEN 1 ELSE 2 END,"
+      "  fence = CASE WHEN r.record_expires > NOW AND r.state = 0 AND r.owner = excluded.owner"
+      "    THEN r.fence ELSE r.fence + 1 END,"
+      "  lease_expires = CASE WHEN r.record_expires > NOW AND r.state = 0 AND r.owner = excluded.owner"
+      "    THEN greatest(r.lease_expires, excluded.lease_expires) ELSE excluded.lease_expires END,"
+      "  record_expires = CASE WHEN r.record_expires > NOW AND r.state = 0 AND r.owner = excluded.owner"
+      "    THEN greatest(r.record_expires, r.lease_expires, excluded.lease_expires) ELSE excluded.record_expires END,"
+      "  request = excluded.request, state = 0, owner = excluded.owner, decision_id = NULL, model_digest = NULL,"
+      "  policy_revision = NULL, result = NULL, error_code = 0, error_message = NULL, committed_at = 0"
+      " WHERE r.record_expires <= NOW OR r.state = 2"
+      "  OR (r.request = excluded.request AND r.state = 0 AND (r.owner = excluded.owner OR r.lease_expires <= NOW))"
+      "  OR (r.request = excluded.request AND r.state = 1 AND length($8) > 0"
+      "      AND r.policy_revision IS DISTINCT FROM $8)"
+      " RETURNING r.fence, r.lease_expires, r.claim_kind)"
+      " SELECT 0::int4, up.fence, up.lease_expires - NOW, up.claim_kind::int4, NULL::bool, NULL::int8, NULL::bool,"
+      "  NULL::bytea, NULL::bytea, NULL::bytea, NULL::bytea, NULL::int8, NULL::bytea, NULL::int8 FROM up"
+      " UNION ALL"
+      " SELECT 1, r.fence, r.lease_expires - NOW, r.state::int4, r.request = $4, r.record_expires - NOW,"
+      "  r.owner = $5, r.decision_id, r.model_digest, r.policy_revision, r.result, r.error_code, r.error_message,"
+      "  r.committed_at"
+      " FROM $S.idempotency r WHERE r.tenant = $1 AND r.endpoint = $2 AND r.key = $3"
+      "  AND NOT EXISTS (SELECT 1 FROM up)";
+
+  // The fenced record writes answer (k, state, same owner, fence, ns left
+  // on the record): k = 0 applied; k = 1 not applied, with the row as this
+  // statement's snapshot saw it (to tell a repeat from lost ownership).
+  static constexpr const char* record_tail =
+      " SELECT 0::int4, NULL::int4, NULL::bool, NULL::int8, NULL::int8 FROM up"
+      " UNION ALL"
+      " SELECT 1, r.state::int4, r.owner = $4, r.fence, r.record_expires - NOW"
+      " FROM $S.idempotency r WHERE r.tenant = $1 AND r.endpoint = $2 AND r.key = $3"
+      "  AND NOT EXISTS (SELECT 1 FROM up)";
+  static constexpr const char* record_match =
+      " WHERE r.tenant = $1 AND r.endpoint = $2 AND r.key = $3 AND r.state = 0 AND r.owner = $4 AND r.fence = $5"
+      "  AND r.record_expires > NOW RETURNING 1)";
+
+  // $1-3 identity $4 owner $5 fence $6 ttl $7 offset
+  static constexpr const char* extend_head =
+      "WITH CLOCK, up AS (UPDATE $S.idempotency r SET lease_expires = greatest(r.lease_expires, NOW + $6),"
+      " record_expires = greatest(r.record_expires, r.lease_expires, NOW + $6)";
+  // $1-3 identity $4 owner $5 fence $6 id $7 model $8 revision $9 result $10 code $11 message $12 retention $13 offset
+  static constexpr const char* commit_head =
+      "WITH CLOCK, up AS (UPDATE $S.idempotency r SET state = 1, decision_id = $6, model_digest = $7,"
+      " policy_revision = $8, result = $9, error_code = $10, error_message = $11, committed_at = NOW,"
+      " record_expires = NOW + $12";
+  // $1-3 identity $4 owner $5 fence $6 offset
+  static constexpr const char* abandon_head =
+      "WITH CLOCK, up AS (UPDATE $S.idempotency r SET state = 2, decision_id = NULL, model_digest = NULL,"
+      " policy_revision = NULL, result = NULL, error_code = 0, error_message = NULL";
+
+  // $1 key $2 owner $3 ttl $4 offset
+  static constexpr const char* claim =
+      "WITH CLOCK, up AS ("
+      " INSERT INTO $S.lease AS l (work_key, owner, fence, expires, held, claim_kind)"
+      " SELECT $1, $2, 1, clk.now + $3, true, 0 FROM clk"
+      " ON CONFLICT (work_key) DO UPDATE SET"
+      "  fence = CASE WHEN l.held AND l.owner = excluded.owner THEN l.fence ELSE l.fence + 1 END,"
+      "  expires = CASE WHEN l.held AND l.owner = excluded.owner THEN greatest(l.expires, excluded.expires)"
+      "    ELSE excluded.expires END,"
+      "  claim_kind = CASE WHEN l.held AND l.owner = excluded.owner THEN 3 WHEN l.held THEN 1 ELSE 0 END,"
+      "  owner = excluded.owner, held = true"
+      " WHERE NOT l.held OR l.owner = excluded.owner OR l.expires <= NOW"
+      " RETURNING l.fence, l.expires, l.claim_kind)"
+      " SELECT 0::int4, up.fence, up.expires - NOW, up.claim_kind::int4, NULL::bool FROM up"
+      " UNION ALL"
+      " SELECT 1, l.fence, l.expires - NOW, l.held::int4, l.owner = $2 FROM $S.lease l"
+      " WHERE l.work_key = $1 AND NOT EXISTS (SELECT 1 FROM up)";
+
+  // Lease writes answer (k, held, same owner, fence).
+  static constexpr const char* lease_tail =
+      " SELECT 0::int4, NULL::bool, NULL::bool, NULL::int8 FROM up"
+      " UNION ALL"
+      " SELECT 1, l.held, l.owner = $2, l.fence FROM $S.lease l"
+      " WHERE l.work_key = $1 AND NOT EXISTS (SELECT 1 FROM up)";
+  // $1 key $2 owner $3 fence $4 ttl $5 offset
+  static constexpr const char* renew_head =
+      "WITH CLOCK, up AS (UPDATE $S.lease l SET expires = greatest(l.expires, NOW + $4)"
+      " WHERE l.work_key = $1 AND l.held AND l.owner = $2 AND l.fence = $3 RETURNING 1)";
+  // $1 key $2 owner $3 fence $4 offset
+  static constexpr const char* release_head =
+      "WITH CLOCK, up AS (UPDATE $S.lease l SET held = false, expires = NOW"
+      " WHERE l.work_key = $1 AND l.held AND l.owner = $2 AND l.fence = $3 RETURNING 1)";
+
+  // $1 key $2 value $3 retention (0: forever) $4 offset
+  static constexpr const char* save =
+      "WITH CLOCK INSERT INTO $S.result AS x (key, value, saved_at, expires)"
+      " SELECT $1, $2, clk.now, CASE WHEN $3 = 0 THEN 9223372036854775807 ELSE clk.now + $3 END FROM clk"
+      " ON CONFLICT (key) DO UPDATE SET value = excluded.value, saved_at = excluded.saved_at,"
+      "  expires = excluded.expires WHERE x.expires <= excluded.saved_at"
+      " RETURNING 1";
+  // $1 key $2 offset
+  static constexpr const char* load =
+      "WITH CLOCK SELECT x.value FROM $S.result x, clk WHERE x.key = $1 AND x.expires > clk.now";
+  // $1 key
+  static constexpr const char* erase = "DELETE FROM $S.result WHERE key = $1";
+  // $1 offset
+  static constexpr const char* purge =
+      "WITH CLOCK,"
+      " a AS (DELETE FROM $S.idempotency WHERE record_expires <= NOW RETURNING 1),"
+      " b AS (DELETE FROM $S.lease WHERE NOT held OR expires <= NOW RETURNING 1),"
+      " c AS (DELETE FROM $S.result WHERE expires <= NOW RETURNING 1)"
+      " SELECT (SELECT count(*) FROM a) + (SELECT count(*) FROM b) + (SELECT count(*) FROM c)";
+
+  static std::string make(std::string_view text, const std::string& schema, int offset_param) {
+    const std::string off = absl::StrCat("$", offset_param);
+    std::string clock_cte = absl::StrReplaceAll(clock, {{"$OFF", off}});
+    return absl::StrReplaceAll(to_absl(text), {{"CLOCK", clock_cte}, {"$S", schema}, {"NOW", "(SELECT now FROM clk)"}});
+  }
+};
+
+// Prepared statement names.
+inline constexpr const char* pg_begin = "keel_begin";
+inline constexpr const char* pg_extend = "keel_extend";
+inline constexpr const char* pg_commit = "keel_commit";
+inline constexpr const char* pg_abandon = "keel_abandon";
+inline constexpr const char* pg_claim = "keel_claim";
+inline constexpr const char* pg_renew = "keel_renew";
+inline constexpr const char* pg_release = "keel_release";
+inline constexpr const char* pg_save = "keel_save";
+inline constexpr const char* pg_load = "keel_load";
+inline constexpr const char* pg_erase = "keel_erase";
+inline constexpr const char* pg_purge = "keel_purge";
+
+}  // namespace detail
+
+class postgres_store {
+ public:
+  // Connects, checks (and if allowed creates) the schema, and keeps the
+  // connection for the pool.
+  //
+  //   InvalidArgument     invalid options
+  //   Unavailable         the server cannot be reached (not started)
+  //   PermissionDenied    credentials refused, or no privilege to create the schema
+  //   FailedPrecondition  a keel schema of another version, a schema holding other
+  //                       tables, or no schema and create_schema off
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<postgres_store>> open(postgres_options o) {
+    if (absl::Status v = o.validate(); !v.ok()) return v;
+    std::unique_ptr<postgres_store> s(new postgres_store(std::move(o)));
+    if (absl::Status st = s->initialise(); !st.ok()) return st;
+    return s;
+  }
+
+  postgres_store(const postgres_store&) = delete;
+  postgres_store& operator=(const postgres_store&) = delete;
+  ~postgres_store() = default;
+
+  [[nodiscard]] const postgres_options& options() const noexcept { return options_; }
+  // Statements sent for store operations (each one round trip), over the
+  // store's life: what benchmarks divide by operations.
+  [[nodiscard]] std::uint64_t round_trips() const noexcept { return round_trips_.load(std::memory_order_relaxed); }
+  // Connections open now.
+  [[nodiscard]] std::size_t connections() const { return pool_.open(); }
+
+  // ---- idempotency_store ---------------------------------------------------
+
+  [[nodiscard]] absl::StatusOr<begin_outcome> begin(const request_identity& id, const digest& request,
+                                                    const owner_id& owner, const begin_options& o) {
+    if (absl::Status v = id.validate(); !v.ok()) return v;
+    if (absl::Status v = o.validate(); !v.ok()) return v;
+    if (owner.is_nil()) return absl::InvalidArgumentError("keel: owner must not be nil");
+    detail::pg_params<9> p;
+    p.add(id.tenant).add(id.endpoint).add(id.key).add(request.view()).add(owner);
+    p.add(detail::pg_ns(o.lease)).add(detail::pg_ns(o.retention)).add(o.supersede_revision).add(offset());
+    for (int attempt = 0; attempt < max_races; ++attempt) {
+      absl::StatusOr<detail::pg_result> r = run(detail::pg_begin, p, detail::pg_effect::write, "begin");
+      if (!r.ok()) return r.status();
+      if (r->rows() == 0) continue;  // a concurrent first insert: look again
+      const detail::pg_result& x = *r;
+      const std::int64_t fence = x.integer(0, 1);
+      const duration lease_left = detail::from_ns(x.integer(0, 2));
+      const std::int64_t kind = x.integer(0, 3);
+      if (x.integer(0, 0) == 0) {  // claimed
+        begin_outcome out{.state = begin_state::claimed, .ownership = {owner, fence}};
+        out.took_over = kind == 1;
+        out.superseded = kind == 2;
+        out.lease_remaining = kind == 3 ? lease_left : o.lease;
+        return out;
+      }
+      // Not applied: the row as the statement's snapshot saw it.
+      const std::int64_t state = kind;
+      const bool same_request = x.integer(0, 4) != 0;
+      const bool live = x.integer(0, 5) > 0;
+      const bool same_owner = x.integer(0, 6) != 0;
+      if (!live || state == abandoned) continue;  // claimable: it changed under us
+      if (!same_request) {
+        begin_outcome out{.state = begin_state::conflict};
+        out.conflict_in_flight = state == in_flight;
+        return out;
+      }
+      if (state == in_flight) {
+        if (same_owner || lease_left <= duration::zero()) continue;
+        return begin_outcome{.state = begin_state::in_flight,
+                             .ownership = {.owner = {}, .fence = fence},
+                             .lease_remaining = lease_left};
+      }
+      const std::string_view revision = x.bytes(0, 9);
+      if (!o.supersede_revision.empty() && (x.is_null(0, 9) || revision != o.supersede_revision)) continue;
+      begin_outcome out{.state = begin_state::replay, .ownership = {.owner = {}, .fence = fence}};
+      out.decision.id = std::string(x.bytes(0, 7));
+      out.decision.model_digest = std::string(x.bytes(0, 8));
+      out.decision.policy_revision = std::string(revision);
+      out.decision.result = std::string(x.bytes(0, 10));
+      out.decision.error_code = static_cast<absl::StatusCode>(x.integer(0, 11));
+      out.decision.error_message = std::string(x.bytes(0, 12));
+      out.committed_at_ns = x.integer(0, 13);
+      return out;
+    }
+    return raced("begin");
+  }
+
+  [[nodiscard]] absl::Status extend(const request_identity& id, const ownership& token, duration ttl) {
+    if (absl::Status v = id.validate(); !v.ok()) return v;
+    if (ttl <= duration::zero()) return detail::invalid_field("extend", "ttl", "be > 0", ttl);
+    detail::pg_params<7> p;
+    p.add(id.tenant).add(id.endpoint).add(id.key).add(token.owner).add(token.fence).add(detail::pg_ns(ttl)).add(offset());
+    return fenced_record(detail::pg_extend, p, token, "extend", -1);
+  }
+
+  [[nodiscard]] absl::Status commit(const request_identity& id, const ownership& token, const decision& d,
+                                    duration retention) {
+    if (absl::Status v = id.validate(); !v.ok()) return v;
+    if (absl::Status v = d.validate(); !v.ok()) return v;
+    if (retention <= duration::zero()) return detail::invalid_field("commit", "retention", "be > 0", retention);
+    detail::pg_params<13> p;
+    p.add(id.tenant).add(id.endpoint).add(id.key).add(token.owner).add(token.fence);
+    p.add(d.id).add(d.model_digest).add(d.policy_revision).add(d.result);
+    p.add(static_cast<std::int64_t>(d.error_code)).add(d.error_message).add(detail::pg_ns(retention)).add(offset());
+    return fenced_record(detail::pg_commit, p, token, "commit", committed);
+  }
+
+  [[nodiscard]] absl::Status abandon(const request_identity& id, const ownership& token) {
+    if (absl::Status v = id.validate(); !v.ok()) return v;
+    detail::pg_params<6> p;
+    p.add(id.tenant).add(id.endpoint).add(id.key).add(token.owner).add(token.fence).add(offset());
+    return fenced_record(detail::pg_abandon, p, token, "abandon", abandoned);
+  }
+
+  // ---- lease_store ---------------------------------------------------------
+
+  [[nodiscard]] absl::StatusOr<lease_claim> claim(std::string_view work_key, const owner_id& owner, duration ttl) {
+    if (absl::Status v = validate_key("work key", work_key); !v.ok()) return v;
+    if (ttl <= duration::zero()) return detail::invalid_field("claim", "ttl", "be > 0", ttl);
+    if (owner.is_nil()) return absl::InvalidArgumentError("keel: owner must not be nil");
+    detail::pg_params<4> p;
+    p.add(work_key).add(owner).add(detail::pg_ns(ttl)).add(offset());
+    for (int attempt = 0; attempt < max_races; ++attempt) {
+      absl::StatusOr<detail::pg_result> r = run(detail::pg_claim, p, detail::pg_effect::write, "claim");
+      if (!r.ok()) return r.status();
+      if (r->rows() == 0) continue;
+      const detail::pg_result& x = *r;
+      const std::int64_t fence = x.integer(0, 1);
+      const duration left = detail::from_ns(x.integer(0, 2));
+      const std::int64_t kind = x.integer(0, 3);
+      if (x.integer(0, 0) == 0) {
+        return lease_claim{.acquired = true,
+                           .ownership = {owner, fence},
+                           .took_over = kind == 1,
+                           .remaining = kind == 3 ? left : ttl};
+      }
+      const bool held = kind != 0;
+      const bool same_owner = x.integer(0, 4) != 0;
+      if (!held || same_owner || left <= duration::zero()) continue;  // changed under us
+      return lease_claim{.acquired = false, .ownership = {.owner = {}, .fence = fence}, .remaining = left};
+    }
+    return raced("claim");
+  }
+
+  [[nodiscard]] absl::Status renew(std::string_view work_key, const ownership& token, duration ttl) {
+    if (absl::Status v = validate_key("work key", work_key); !v.ok()) return v;
+    if (ttl <= duration::zero()) return detail::invalid_field("renew", "ttl", "be > 0", ttl);
+    detail::pg_params<5> p;
+    p.add(work_key).add(token.owner).add(token.fence).add(detail::pg_ns(ttl)).add(offset());
+    return fenced_lease(detail::pg_renew, p, token, "renew", false);
+  }
+
+  [[nodiscard]] absl::Status release(std::string_view work_key, const ownership& token) {
+    if (absl::Status v = validate_key("work key", work_key); !v.ok()) return v;
+    detail::pg_params<4> p;
+    p.add(work_key).add(token.owner).add(token.fence).add(offset());
+    return fenced_lease(detail::pg_release, p, token, "release", true);
+  }
+
+  // ---- result_store --------------------------------------------------------
+
+  [[nodiscard]] absl::StatusOr<bool> save_result(std::string_view key, std::string_view value, duration retention) {
+    if (absl::Status v = validate_key("result key", key); !v.ok()) return v;
+    if (retention < duration::zero())
+      return detail::invalid_field("save_result", "retention", "be >= 0", retention);
+    detail::pg_params<4> p;
+    p.add(key).add(value).add(detail::pg_ns(retention)).add(offset());
+    absl::StatusOr<detail::pg_result> r = run(detail::pg_save, p, detail::pg_effect::write, "save_result");
+    if (!r.ok()) return r.status();
+    return r->rows() == 1;
+  }
+
+  [[nodiscard]] absl::StatusOr<std::optional<std::string>> load_result(std::string_view key) {
+    if (absl::Status v = validate_key("result key", key); !v.ok()) return v;
+    detail::pg_params<2> p;
+    p.add(key).add(offset());
+    absl::StatusOr<detail::pg_result> r = run(detail::pg_load, p, detail::pg_effect::read, "load_result");
+    if (!r.ok()) return r.status();
+    if (r->rows() == 0) return std::optional<std::string>();
+    return std::optional<std::string>(std::string(r->bytes(0, 0)));
+  }
+
+  [[nodiscard]] absl::Status erase_result(std::string_view key) {
+    if (absl::Status v = validate_key("result key", key); !v.ok()) return v;
+    detail::pg_params<1> p;
+    p.add(key);
+    absl::StatusOr<detail::pg_result> r = run(detail::pg_erase, p, detail::pg_effect::write, "erase_result");
+    return r.ok() ? absl::OkStatus() : r.status();
+  }
+
+  // ---- housekeeping --------------------------------------------------------
+
+  // Deletes expired records, free or expired leases and expired results
+  // (their fences start again at 1; owners are random, so stale tokens still
+  // fail). Returns how many rows went. Run it periodically from one replica.
+  absl::StatusOr<std::int64_t> purge_expired() {
+    detail::pg_params<1> p;
+    p.add(offset());
+    absl::StatusOr<detail::pg_result> r = run(detail::pg_purge, p, detail::pg_effect::write, "purge_expired");
+    if (!r.ok()) return r.status();
+    return r->integer(0, 0);
+  }
+
+ private:
+  static constexpr std::int64_t in_flight = 0, committed = 1, abandoned = 2;
+  static constexpr int max_races = 8;
+
+  explicit postgres_store(postgres_options o)
+      : options_(std::move(o)),
+        who_(absl::StrCat("postgres store '", options_.schema, "'")),
+        pool_(static_cast<std::size_t>(options_.pool_size), [this] { return connect(); }) {}
+
+  [[nodiscard]] std::int64_t offset() const noexcept {
+    return options_.testing_clock_offset ? options_.testing_clock_offset->load(std::memory_order_relaxed) : 0;
+  }
+
+  absl::Status raced(std::string_view op) const {
+    return store_unavailable_error(
+        absl::StrCat(who_, ": ", detail::to_absl(op), ": the row kept changing under the statement; nothing applied"));
+  }
+
+  // A new pooled connection: statement timeout, then every statement prepared.
+  absl::StatusOr<std::unique_ptr<detail::pg_connection>> connect() {
+    absl::StatusOr<std::unique_ptr<detail::pg_connection>> c =
+        detail::pg_connection::connect(options_.conninfo, options_.connect_timeout, who_);
+    if (!c.ok()) return c.status();
+    detail::pg_connection& conn = **c;
+    const std::string timeout = absl::StrCat(std::chrono::duration_cast<std::chrono::milliseconds>(options_.command_timeout).count(), "ms");
+    detail::pg_params<1> t;
+    t.add(timeout);
+    if (auto r = conn.exec("SELECT set_config('statement_timeout', $1::text, false)", t, detail::pg_effect::read,
+                           options_.command_timeout);
+        !r.ok())
+      return r.status();
+    const std::string schema = conn.quote_identifier(options_.schema);
+    using S = detail::pg_sql;
+    constexpr unsigned b = detail::pg_bytea_oid, i = detail::pg_int8_oid;
+    struct item {
+      const char* name;
+      std::string sql;
+      std::vector<unsigned> types;
+    };
+    const std::string rec_match = S::record_match;
+    const item items[] = {
+        {detail::pg_begin, S::make(S::begin, schema, 9), {b, b, b, b, b, i, i, b, i}},
+        {detail::pg_extend, S::make(absl::StrCat(S::extend_head, rec_match, S::record_tail), schema, 7),
+         {b, b, b, b, i, i, i}},
+        {detail::pg_commit, S::make(absl::StrCat(S::commit_head, rec_match, S::record_tail), schema, 13),
+         {b, b, b, b, i, b, b, b, b, i, b, i, i}},
+        {detail::pg_abandon, S::make(absl::StrCat(S::abandon_head, rec_match, S::record_tail), schema, 6),
+         {b, b, b, b, i, i}},
+        {detail::pg_claim, S::make(S::claim, schema, 4), {b, b, i, i}},
+        {detail::pg_renew, S::make(absl::StrCat(S::renew_head, S::lease_tail), schema, 5), {b, b, i, i, i}},
+        {detail::pg_release, S::make(absl::StrCat(S::release_head, S::lease_tail), schema, 4), {b, b, i, i}},
+        {detail::pg_save, S::make(S::save, schema, 4), {b, b, i, i}},
+        {detail::pg_load, S::make(S::load, schema, 2), {b, i}},
+        {detail::pg_erase, S::make(S::erase, schema, 0), {b}},
+        {detail::pg_purge, S::make(S::purge, schema, 1), {i}},
+    };
+    for (const item& it : items) {
+      if (absl::Status s = conn.prepare(it.name, it.sql, static_cast<int>(it.types.size()), it.types.data()); !s.ok())
+        return annotate(s, absl::StrCat("keel: ", who_, ": preparing ", it.name));
+    }
+    return c;
+  }
+
+  // Creates or checks the schema, in one transaction under an advisory lock
+  // so that replicas starting together do not race.
+  absl::Status initialise() {
+    absl::StatusOr<std::unique_ptr<detail::pg_connection>> made =
+        detail::pg_connection::connect(options_.conninfo, options_.connect_timeout, who_);
+    if (!made.ok()) return made.status();
+    detail::pg_connection& c = **made;
+    const duration t = std::max<duration>(options_.command_timeout, std::chrono::seconds(30));
+    const std::string schema = c.quote_identifier(options_.schema);
+    auto exec = [&](std::string_view sql) -> absl::Status {
+      auto r = c.exec(sql, detail::pg_effect::write, t);
+      return r.ok() ? absl::OkStatus() : r.status();
+    };
+    if (absl::Status s = exec("BEGIN"); !s.ok()) return s;
+    absl::Status s = [&]() -> absl::Status {
+      detail::pg_params<1> name;
+      name.add(options_.schema);
+      if (auto r = c.exec("SELECT pg_advisory_xact_lock(1801807212, hashtext($1::text))", name,
+                          detail::pg_effect::write, t);
+          !r.ok())
+        return r.status();
+      const std::string meta = absl::StrCat(schema, ".keel_meta");
+      detail::pg_params<2> q;
+      q.add(options_.schema).add(meta);
+      auto look = c.exec(
+          "SELECT (SELECT count(*) FROM pg_namespace WHERE nspname = $1::text),"
+          " to_regclass($2::text) IS NOT NULL,"
+          " (SELECT count(*) FROM pg_class k JOIN pg_namespace n ON n.oid = k.relnamespace WHERE n.nspname = $1::text)",
+          q, detail::pg_effect::read, t);
+      if (!look.ok()) return look.status();
+      const bool schema_exists = look->integer(0, 0) > 0;
+      const bool has_meta = look->integer(0, 1) != 0;
+      const std::int64_t relations = look->integer(0, 2);
+      if (has_meta) {
+        auto v = c.exec(absl::StrCat("SELECT schema_version::int8 FROM ", schema, ".keel_meta"), detail::pg_effect::read, t);
+        if (!v.ok()) return v.status();
+        if (v->rows() != 1 || v->integer(0, 0) != postgres_schema_version)
+          return absl::FailedPreconditionError(absl::StrCat(
+              "keel: ", who_, ": the schema holds keel schema version ",
+              v->rows() == 1 ? absl::StrCat(v->integer(0, 0)) : std::string("(none)"), "; this keel uses version ",
+              postgres_schema_version, ". Nothing was changed."));
+        return absl::OkStatus();
+      }
+      if (relations > 0)
+        return absl::FailedPreconditionError(absl::StrCat(
+            "keel: ", who_, ": the schema exists and holds ", relations,
+            " relations but no keel_meta table: it is not a keel store. Nothing was changed."));
+      if (!options_.create_schema)
+        return absl::FailedPreconditionError(
+            absl::StrCat("keel: ", who_, ": no keel schema here and create_schema is off"));
+      const std::string ddl[] = {
+          schema_exists ? std::string() : absl::StrCat("CREATE SCHEMA ", schema),
+          absl::StrCat("CREATE TABLE ", schema,
+                       ".keel_meta (singleton bool PRIMARY KEY DEFAULT true CHECK (singleton),"
+                       " schema_version int NOT NULL, created_at timestamptz NOT NULL DEFAULT now())"),
+          absl::StrCat("INSERT INTO ", schema, ".keel_meta (schema_version) VALUES (", postgres_schema_version, ")"),
+          absl::StrCat("CREATE TABLE ", schema,
+                       ".idempotency (tenant bytea NOT NULL, endpoint bytea NOT NULL, key bytea NOT NULL,"
+                       " request bytea NOT NULL, state smallint NOT NULL, owner bytea NOT NULL, fence int8 NOT NULL,"
+                       " lease_expires int8 NOT NULL, record_expires int8 NOT NULL, claim_kind smallint NOT NULL,"
+                       " decision_id bytea, model_digest bytea, policy_revision bytea, result bytea,"
+                       " error_code int8 NOT NULL DEFAULT 0, error_message bytea, committed_at int8 NOT NULL DEFAULT 0,"
+                       " PRIMARY KEY (tenant, endpoint, key))"),
+          absl::StrCat("CREATE TABLE ", schema,
+                       ".lease (work_key bytea PRIMARY KEY, owner bytea NOT NULL, fence int8 NOT NULL,"
+                       " expires int8 NOT NULL, held bool NOT NULL, claim_kind smallint NOT NULL)"),
+          absl::StrCat("CREATE TABLE ", schema,
+                       ".result (key bytea PRIMARY KEY, value bytea NOT NULL, saved_at int8 NOT NULL,"
+                       " expires int8 NOT NULL)"),
+      };
+      for (const std::string& stmt : ddl) {
+        if (stmt.empty()) continue;
+        if (absl::Status e = exec(stmt); !e.ok()) return e;
+      }
+      return absl::OkStatus();
+    }();
+    if (!s.ok()) {
+      (void)exec("ROLLBACK");
+      return s;
+    }
+    if (absl::Status e = exec("COMMIT"); !e.ok()) return e;
+    // The setup connection is not prepared for operations; let it go and
+    // make the pool's first connection now, so open() reports a broken setup.
+    absl::StatusOr<detail::client_pool<detail::pg_connection>::handle> h = pool_.acquire(options_.acquire_timeout, who_);
+    return h.ok() ? absl::OkStatus() : h.status();
+  }
+
+  // One operation: a connection from the pool (replaced if the server
+  // closed it while idle), one statement.
+  template <int N>
+  absl::StatusOr<detail::pg_result> run(const char* stmt, const detail::pg_params<N>& p, detail::pg_effect effect,
+                                        std::string_view op) {
+    absl::StatusOr<detail::client_pool<detail::pg_connection>::handle> h = pool_.acquire(options_.acquire_timeout, who_);
+    if (!h.ok()) return h.status();
+    if (!(*h)->idle_and_alive()) {
+      absl::StatusOr<std::unique_ptr<detail::pg_connection>> fresh = pool_.make();
+      if (!fresh.ok()) {
+        h->mark_broken();
+        return fresh.status();
+      }
+      h->replace(std::move(*fresh));
+    }
+    round_trips_.fetch_add(1, std::memory_order_relaxed);
+    absl::StatusOr<detail::pg_result> r = (*h)->exec_prepared(stmt, p, effect, options_.command_timeout);
+    if ((*h)->broken()) h->mark_broken();
+    (void)op;
+    return r;
+  }
+
+  // A fenced write on a record; `done_state` is the state a repeat of it
+  // finds (-1: none, extend is not repeatable-by-state).
+  template <int N>
+  absl::Status fenced_record(const char* stmt, const detail::pg_params<N>& p, const ownership& token,
+                             std::string_view op, std::int64_t done_state) {
+    for (int attempt = 0; attempt < max_races; ++attempt) {
+      absl::StatusOr<detail::pg_result> r = run(stmt, p, detail::pg_effect::write, op);
+      if (!r.ok()) return r.status();
+      if (r->rows() == 0)
+        return lost_ownership_error(absl::StrCat(detail::to_absl(op), " by fence ", token.fence,
+                                                 ": no live record for this key (expired or never claimed)"));
+      const detail::pg_result& x = *r;
+      if (x.integer(0, 0) == 0) return absl::OkStatus();
+      const std::int64_t state = x.integer(0, 1);
+      const bool same_owner = x.integer(0, 2) != 0;
+      const std::int64_t fence = x.integer(0, 3);
+      const bool live = x.integer(0, 4) > 0;
+      if (!live)
+        return lost_ownership_error(absl::StrCat(detail::to_absl(op), " by fence ", token.fence,
+                                                 ": no live record for this key (expired or never claimed)"));
+      const bool holder = same_owner && fence == token.fence;
+      if (holder && state == in_flight) continue;  // it matched in the snapshot: it changed under us
+      if (holder && state == done_state) return absl::OkStatus();  // a repeat
+      const std::string_view name = state == in_flight ? "in flight" : state == committed ? "committed" : "abandoned";
+      return lost_ownership_error(absl::StrCat(detail::to_absl(op), " by fence ", token.fence, ": the record is ",
+                                               detail::to_absl(name), " under fence ", fence,
+                                               fence == token.fence ? " and another owner" : ""));
+    }
+    return raced(op);
+  }
+
+  template <int N>
+  absl::Status fenced_lease(const char* stmt, const detail::pg_params<N>& p, const ownership& token,
+                            std::string_view op, bool release) {
+    for (int attempt = 0; attempt < max_races; ++attempt) {
+      absl::StatusOr<detail::pg_result> r = run(stmt, p, detail::pg_effect::write, op);
+      if (!r.ok()) return r.status();
+      if (r->rows() == 0)
+        return lost_ownership_error(
+            absl::StrCat(detail::to_absl(op), " by fence ", token.fence, ": no lease for this key"));
+      const detail::pg_result& x = *r;
+      if (x.integer(0, 0) == 0) return absl::OkStatus();
+      const bool held = x.integer(0, 1) != 0;
+      const bool holder = x.integer(0, 2) != 0 && x.integer(0, 3) == token.fence;
+      if (holder && held) continue;  // changed under us
+      if (holder && !held && release) return absl::OkStatus();  // a repeated release
+      return lost_ownership_error(absl::StrCat(detail::to_absl(op), " by fence ", token.fence, ": the lease is ",
+                                               held ? "held" : "free", " at fence ", x.integer(0, 3),
+                                               held && x.integer(0, 3) == token.fence ? " by another owner" : ""));
+    }
+    return raced(op);
+  }
+
+  postgres_options options_;
+  std::string who_;
+  detail::client_pool<detail::pg_connection> pool_;
+  std::atomic<std::uint64_t> round_trips_{0};
+};
+
+static_assert(idempotency_store<postgres_store>);
+static_assert(lease_store<postgres_store>);
+static_assert(result_store<postgres_store>);
+
+}  // namespace keel
