@@ -122,7 +122,7 @@ struct log_linear_layout {
   }
 };
 
-[[nodiscard]] inline std::uint64_t to_ns(duration d) noexcept {
+[[nodiscard]] inline std::uint64_t histogram_ns(duration d) noexcept {
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
   return ns < 0 ? 0 : static_cast<std::uint64_t>(ns);  // a clock step backwards is recorded as 0
 }
@@ -139,7 +139,7 @@ class latency_histogram_snapshot {
   latency_histogram_snapshot() = default;
   // An empty snapshot with this layout. Throws keel::invalid_options.
   explicit latency_histogram_snapshot(const latency_histogram_options& o)
-      : layout_((detail::require_valid(o.validate()), o.precision_bits), detail::to_ns(o.highest)),
+      : layout_((detail::require_valid(o.validate()), o.precision_bits), detail::histogram_ns(o.highest)),
         counts_(layout_.slots(), 0) {}
 
   [[nodiscard]] std::uint64_t count() const noexcept { return count_; }
@@ -265,7 +265,7 @@ class latency_histogram {
   // Allocates every bucket up front. Throws keel::invalid_options.
   explicit latency_histogram(const latency_histogram_options& o = {})
       : options_((detail::require_valid(o.validate()), o)),
-        layout_(o.precision_bits, detail::to_ns(o.highest)),
+        layout_(o.precision_bits, detail::histogram_ns(o.highest)),
         counts_(std::make_unique<std::atomic<std::uint64_t>[]>(layout_.slots())) {}
   latency_histogram(const latency_histogram&) = delete;
   latency_histogram& operator=(const latency_histogram&) = delete;
@@ -275,7 +275,7 @@ class latency_histogram {
   // Records one value (negative: as zero). Lock-free, no allocation: one
   // bucket increment, one add to this thread's share of the sum, and a
   // compare for min and max (a CAS only when either moves).
-  void record(duration d) noexcept { record_ns(detail::to_ns(d)); }
+  void record(duration d) noexcept { record_ns(detail::histogram_ns(d)); }
 
   void record_ns(std::uint64_t v) noexcept {
     counts_[layout_.slot(v)].fetch_add(1, std::memory_order_relaxed);

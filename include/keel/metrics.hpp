@@ -106,7 +106,7 @@ namespace detail {
   return t == metric_type::histogram ? "le" : t == metric_type::summary ? "quantile" : "";
 }
 
-[[nodiscard]] inline std::string quoted(std::string_view s) { return absl::StrCat("\"", to_absl(s), "\""); }
+[[nodiscard]] inline std::string quote_text(std::string_view s) { return absl::StrCat("\"", to_absl(s), "\""); }
 
 }  // namespace detail
 
@@ -125,19 +125,19 @@ struct metric_options {
   [[nodiscard]] absl::Status validate_as(metric_type t) const {
     constexpr std::string_view who = "metric_options";
     if (!detail::valid_metric_name(name))
-      return detail::invalid_field(who, "name", "match [a-zA-Z_:][a-zA-Z0-9_:]*", detail::quoted(name));
-    if (help.empty()) return detail::invalid_field(who, "help", "not be empty", detail::quoted(name));
+      return detail::invalid_field(who, "name", "match [a-zA-Z_:][a-zA-Z0-9_:]*", detail::quote_text(name));
+    if (help.empty()) return detail::invalid_field(who, "help", "not be empty", detail::quote_text(name));
     for (std::size_t i = 0; i < labels.size(); ++i) {
       if (!detail::valid_label_name(labels[i]))
         return detail::invalid_field(who, "labels", "match [a-zA-Z_][a-zA-Z0-9_]* and not start with __",
-                                     detail::quoted(labels[i]));
+                                     detail::quote_text(labels[i]));
       if (labels[i] == detail::reserved_label(t))
         return detail::invalid_field(who, "labels", absl::StrCat("not contain \"", detail::to_absl(detail::reserved_label(t)),
                                                                  "\" in a ", detail::to_absl(to_string(t))),
-                                     detail::quoted(labels[i]));
+                                     detail::quote_text(labels[i]));
       if (std::find(labels.begin(), labels.begin() + static_cast<std::ptrdiff_t>(i), labels[i]) !=
           labels.begin() + static_cast<std::ptrdiff_t>(i))
-        return detail::invalid_field(who, "labels", "be unique", detail::quoted(labels[i]));
+        return detail::invalid_field(who, "labels", "be unique", detail::quote_text(labels[i]));
     }
     if (t != metric_type::histogram && !buckets.empty())
       return detail::invalid_field(who, "buckets", absl::StrCat("be empty for a ", detail::to_absl(to_string(t))), buckets.size());
@@ -460,7 +460,7 @@ class metrics_registry {
       if (f.type() != type || f.options().labels != o.labels || f.options().buckets != o.buckets) {
         throw invalid_options(detail::invalid_field(
             "metric_options", "name", "be unique across definitions",
-            absl::StrCat(detail::quoted(o.name), ", already a ", detail::to_absl(to_string(f.type())), " with labels {",
+            absl::StrCat(detail::quote_text(o.name), ", already a ", detail::to_absl(to_string(f.type())), " with labels {",
                          absl::StrJoin(f.options().labels, ","), "}")));
       }
       return static_cast<metric_family<Series>&>(*it->second);

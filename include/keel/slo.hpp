@@ -353,7 +353,7 @@ class slo_tracker {
         detail::require_valid(annotate(s, absl::StrCat("work class \"", c.name, "\"")));
       }
       if (classes_.contains(c.name)) {
-        detail::require_valid(detail::invalid_field("slo_class", "name", "be unique", detail::quoted(c.name)));
+        detail::require_valid(detail::invalid_field("slo_class", "name", "be unique", detail::quote_text(c.name)));
       }
       auto slo = std::make_unique<work_class_slo>(c.name, c.options);
       classes_.emplace(std::move(c.name), std::move(slo));

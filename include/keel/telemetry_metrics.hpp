@@ -83,7 +83,7 @@ struct metrics_listener_options {
   [[nodiscard]] absl::Status validate() const {
     if (!prefix.empty() && !detail::valid_metric_name(prefix + "x"))
       return detail::invalid_field("metrics_listener_options", "prefix", "make valid metric names",
-                                   detail::quoted(prefix));
+                                   detail::quote_text(prefix));
     metric_options buckets{.name = "x", .help = "x", .buckets = retry_wait_buckets};
     if (absl::Status s = buckets.validate_as(metric_type::histogram); !s.ok())
       return detail::invalid_field("metrics_listener_options", "retry_wait_buckets",
