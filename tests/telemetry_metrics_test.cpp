@@ -7,6 +7,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "keel/backoff.hpp"
@@ -401,4 +402,15 @@ TEST_CASE("idempotent begins are counted by what the store answered", "[telemetr
   CHECK(counter(s, "keel_idempotency_begins_total", "replay") == 1);
   CHECK(counter(s, "keel_idempotency_begins_total", "conflict") == 1);
   CHECK(counter(s, "keel_idempotency_begins_total", "in-flight") == 0);
+}
+
+TEST_CASE("the default sink is no sink: observing null_listener changes nothing", "[telemetry]") {
+  auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}));
+  // The same type, so the same code: the events are never built.
+  STATIC_REQUIRE(std::is_same_v<decltype(pipe), decltype(pipe.observe(keel::null_listener{}))>);
+  STATIC_REQUIRE_FALSE(keel::wants<keel::null_listener, keel::events::retry_scheduled>);
+  STATIC_REQUIRE(keel::wants<keel::metrics_listener, keel::events::retry_scheduled>);
+  STATIC_REQUIRE(keel::wants<keel::metrics_listener, keel::events::breaker_state_changed>);
+  STATIC_REQUIRE(keel::wants<keel::metrics_listener, keel::events::lease_lost>);
+  STATIC_REQUIRE(std::is_nothrow_copy_constructible_v<keel::metrics_listener>);
 }
