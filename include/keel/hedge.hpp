@@ -276,12 +276,16 @@ inline void give_back_primary_stop(std::stop_source& s) noexcept {
   if (s.stop_possible() && !s.stop_requested()) spare_primary_stop = std::move(s);
 }
 
+// OK when `r` is an acceptable answer; otherwise why not. A failure's status
+// is moved out of `r` (no reference count is shared with the attempt's
+// thread: Debian's libabsl counts references where TSan cannot see it).
 template <class R, class Accept>
-[[nodiscard]] absl::Status judge(const R& r, const Accept& accept) {
+[[nodiscard]] absl::Status judge(R& r, const Accept& accept) {
   if constexpr (std::same_as<R, absl::Status>) {
-    return r;
+    if (r.ok()) return absl::OkStatus();
+    return std::exchange(r, absl::OkStatus());
   } else {
-    if (!r.ok()) return r.status();
+    if (!r.ok()) return std::move(r).status();
     using verdict = std::invoke_result_t<const Accept&, const typename R::value_type&>;
     if constexpr (std::same_as<std::remove_cvref_t<verdict>, absl::Status>) {
       return accept(*r);

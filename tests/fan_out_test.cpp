@@ -1,0 +1,632 @@
+// keel::fan_out on the in-memory store: saved as they arrive, reruns pay
+// only for what is missing, completion rules cancel the rest, the report and
+// the progress callback tell the truth.
+#include "keel/fan_out.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "keel/call.hpp"
+#include "keel/digest.hpp"
+#include "keel/executor.hpp"
+#include "keel/pipeline.hpp"
+#include "keel/store/memory.hpp"
+#include "keel/testing/manual_clock.hpp"
+#include "keel/testing/scripted_provider.hpp"
+#include "keel/time_limit.hpp"
+#include "support/catch.hpp"
+
+using namespace std::chrono_literals;
+using keel::testing::manual_clock;
+namespace kt = keel::testing;
+using text_provider = kt::scripted_provider<std::string>;
+using store_t = keel::memory_store<manual_clock>;
+using panel_t = keel::fan_out<std::string, store_t, keel::bounded_pool, manual_clock>;
+constexpr auto sleep_mode = text_provider::mode::sleep;
+
+namespace {
+
+keel::digest unit_key(std::string_view facts, std::string_view model, std::string_view rubric) {
+  return keel::digest_builder().field("facts", facts).field("model", model).field("rubric", rubric).finish();
+}
+
+std::vector<keel::unit> panel_units(std::initializer_list<std::string_view> models,
+                                    std::string_view rubric = "rubric-v1") {
+  std::vector<keel::unit> out;
+  for (std::string_view m : models) {
+    out.push_back({.name = std::string(m), .key = unit_key("product 42: 3 facts", m, rubric), .labels = {.model = m}});
+  }
+  return out;
+}
+
+// A valid answer carries a score: "score:80".
+absl::Status has_score(const std::string& r) {
+  int score = 0;
+  if (r.rfind("score:", 0) != 0 || !absl::SimpleAtoi(r.substr(6), &score))
+    return absl::InvalidArgumentError(absl::StrCat("invalid result \"", r, "\": no score"));
+  return absl::OkStatus();
+}
+
+template <class Pred>
+bool eventually(Pred pred) {
+  const auto give_up = std::chrono::steady_clock::now() + 20s;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > give_up) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
+template <class R>
+class async_call {
+ public:
+  template <class F>
+  explicit async_call(F f) : thread_([this, f = std::move(f)]() mutable { result_.emplace(f()); }) {}
+  async_call(const async_call&) = delete;
+  async_call& operator=(const async_call&) = delete;
+  ~async_call() {
+    if (thread_.joinable()) thread_.join();
+  }
+  R get() {
+    thread_.join();
+    return std::move(*result_);
+  }
+
+ private:
+  std::optional<R> result_;
+  std::thread thread_;
+};
+
+// Scripted providers by unit name, each behind its own pipeline and call.
+struct providers {
+  manual_clock clock;
+  std::map<std::string, std::unique_ptr<text_provider>> by_name;
+  std::mutex mu;
+  std::vector<std::string> stop_seen;  // units whose worker saw its stop token requested
+
+  void add(const std::string& name, std::vector<kt::step<std::string>> script) {
+    by_name[name] = std::make_unique<text_provider>(clock, std::move(script), sleep_mode);
+  }
+  int calls(const std::string& name) { return by_name.at(name)->calls(); }
+  std::vector<std::string> saw_stop() {
+    std::lock_guard lock(mu);
+    return stop_seen;
+  }
+
+  // The worker: the unit's own call and pipeline, as a service would run it.
+  auto worker(keel::duration per_attempt = 1s) {
+    return [this, per_attempt](const keel::unit_context& u) -> absl::StatusOr<std::string> {
+      keel::call c(clock.now(), u.call_options());
+      auto pipe = keel::pipeline(keel::time_limit({.at_most = per_attempt})).on(clock);
+      absl::StatusOr<std::string> r = pipe.run(c, *by_name.at(u.unit.name));
+      if (u.stop.stop_requested()) {
+        std::lock_guard lock(mu);
+        stop_seen.push_back(u.unit.name);
+      }
+      return r;
+    };
+  }
+};
+
+}  // namespace
+
+TEST_CASE("the seed's panel: B times out, A and C are saved; the rerun calls only B", "[fan_out][seed]") {
+  providers p;
+  store_t store(p.clock);
+  keel::bounded_pool pool({.threads = 3, .queue_capacity = 16});
+  panel_t panel({.width = 3, .validator = has_score}, store, pool, p.clock);
+  const std::vector<keel::unit> units = panel_units({"A", "B", "C"});
+
+  p.add("A", {kt::answer(std::string("score:80"), 100ms)});
+  p.add("B", {kt::stall(), kt::answer(std::string("score:81"), 100ms)});
+  p.add("C", {kt::answer(std::string("score:78"), 200ms)});
+
+  {
+    keel::call call(p.clock.now(), {.timeout = 5s});
+    async_call<keel::fan_out_report<std::string>> run([&] { return panel.run(call, units, p.worker(1s)); });
+    p.clock.await_sleepers(4);  // the collector and three workers
+    p.clock.advance(1s);        // A and C answer; B times out
+    const keel::fan_out_report<std::string> r = run.get();
+    CHECK(r.units[0].state == keel::unit_state::succeeded);
+    CHECK(r.units[1].state == keel::unit_state::failed);
+    CHECK(r.units[2].state == keel::unit_state::succeeded);
+    CHECK(r.units[0].saved);
+    CHECK(r.units[2].saved);
+    CHECK(r.units[1].kind == keel::outcome_kind::transient);
+    CHECK(r.units[1].status.code() == absl::StatusCode::kDeadlineExceeded);
+    CHECK_FALSE(r.complete());
+    CHECK(r.missing() == std::vector<std::string_view>{"B"});
+    const absl::Status s = r.status();
+    CHECK(s.code() == absl::StatusCode::kUnavailable);
+    CHECK(s.message().find("1 of 3 missing: B (failed, transient") != absl::string_view::npos);
+    CHECK(call.record().missing == 1);
+    // Saved at once, under their keys; B has nothing.
+    CHECK(store.load_result(panel.key_of(units[0])).value() == "score:80");
+    CHECK(store.load_result(panel.key_of(units[2])).value() == "score:78");
+    CHECK_FALSE(store.load_result(panel.key_of(units[1])).value().has_value());
+  }
+  {
+    keel::call call(p.clock.now(), {.timeout = 5s});
+    async_call<keel::fan_out_report<std::string>> run([&] { return panel.run(call, units, p.worker(1s)); });
+    p.clock.await_sleepers(2);  // the collector and B: nobody else was called
+    p.clock.advance(100ms);
+    const keel::fan_out_report<std::string> r = run.get();
+    REQUIRE(r.status().ok());
+    CHECK(r.complete());
+    CHECK(r.units[0].state == keel::unit_state::cached);
+    CHECK(r.units[1].state == keel::unit_state::succeeded);
+    CHECK(r.units[2].state == keel::unit_state::cached);
+    CHECK(*r.units[0].value == "score:80");
+    CHECK(*r.units[1].value == "score:81");
+    CHECK(p.calls("A") == 1);
+    CHECK(p.calls("B") == 2);
+    CHECK(p.calls("C") == 1);
+  }
+  const keel::fan_out_figures f = panel.figures();
+  CHECK(f.cached == 2);
+  CHECK(f.started == 4);
+  CHECK(f.saved == 3);
+}
+
+TEST_CASE("an invalid answer is a failure, like a timeout, and is never saved", "[fan_out][validate]") {
+  providers p;
+  store_t store(p.clock);
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 16});
+  panel_t panel({.width = 2, .validator = has_score}, store, pool, p.clock);
+  const std::vector<keel::unit> units = panel_units({"A", "B"});
+  p.add("A", {kt::answer(std::string("score:80"), 10ms)});
+  p.add("B", {kt::answer(std::string("I think it's fine"), 10ms), kt::answer(std::string("score:60"), 10ms)});
+
+  keel::call call(p.clock.now(), {.timeout = 5s});
+  async_call<keel::fan_out_report<std::string>> run([&] { return panel.run(call, units, p.worker()); });
+  p.clock.await_sleepers(3);
+  p.clock.advance(10ms);
+  const keel::fan_out_report<std::string> r = run.get();
+  CHECK(r.units[1].state == keel::unit_state::failed);
+  CHECK(r.units[1].status.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(r.units[1].status.message() == "invalid result \"I think it's fine\": no score");
+  CHECK_FALSE(r.units[1].value.has_value());
+  CHECK_FALSE(store.load_result(panel.key_of(units[1])).value().has_value());
+
+  keel::call again(p.clock.now(), {.timeout = 5s});
+  async_call<keel::fan_out_report<std::string>> rerun([&] { return panel.run(again, units, p.worker()); });
+  p.clock.await_sleepers(2);
+  p.clock.advance(10ms);
+  const keel::fan_out_report<std::string> r2 = rerun.get();
+  CHECK(r2.status().ok());
+  CHECK(r2.units[0].state == keel::unit_state::cached);
+  CHECK(*r2.units[1].value == "score:60");
+  CHECK(p.calls("B") == 2);
+}
+
+TEST_CASE("a stored result that no longer passes validation is reported, not used", "[fan_out][validate]") {
+  manual_clock clock;
+  store_t store(clock);
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 16});
+  const std::vector<keel::unit> units = panel_units({"A"});
+  std::atomic<int> calls{0};
+  auto worker = [&](const keel::unit_context&) -> absl::StatusOr<std::string> {
+    ++calls;
+    return std::string("score:70");
+  };
+
+  SECTION("reported as a failure, the store left alone") {
+    panel_t panel({.validator = has_score}, store, pool, clock);
+    REQUIRE(store.save_result(panel.key_of(units[0]), "legacy verdict: good", {}).value());
+    keel::call call(clock.now(), {.timeout = 5s});
+    const keel::fan_out_report<std::string> r = panel.run(call, units, worker);
+    CHECK(r.units[0].state == keel::unit_state::failed);
+    CHECK(r.units[0].status.message().find("stored result fails validation") != absl::string_view::npos);
+    CHECK(calls == 0);
+    CHECK(store.load_result(panel.key_of(units[0])).value() == "legacy verdict: good");
+  }
+  SECTION("or replaced when the options say so") {
+    panel_t panel({.replace_invalid_cached = true, .validator = has_score}, store, pool, clock);
+    REQUIRE(store.save_result(panel.key_of(units[0]), "legacy verdict: good", {}).value());
+    keel::call call(clock.now(), {.timeout = 5s});
+    const keel::fan_out_report<std::string> r = panel.run(call, units, worker);
+    CHECK(r.units[0].state == keel::unit_state::succeeded);
+    CHECK(calls == 1);
+    CHECK(store.load_result(panel.key_of(units[0])).value() == "score:70");
+  }
+}
+
+TEST_CASE("unit keys are digests of what determines the result", "[fan_out][keys]") {
+  manual_clock clock;
+  store_t store(clock);
+  keel::bounded_pool pool({.threads = 1, .queue_capacity = 4});
+  panel_t panel({}, store, pool, clock);
+  const auto v1 = panel_units({"A"}, "rubric-v1");
+  const auto v1_again = panel_units({"A"}, "rubric-v1");
+  const auto v2 = panel_units({"A"}, "rubric-v2");
+  CHECK(panel.key_of(v1[0]) == panel.key_of(v1_again[0]));
+  CHECK(panel.key_of(v1[0]) == "fanout:" + unit_key("product 42: 3 facts", "A", "rubric-v1").hex());
+  CHECK(panel.key_of(v1[0]) != panel.key_of(v2[0]));
+  std::atomic<int> calls{0};
+  auto worker = [&](const keel::unit_context&) -> absl::StatusOr<std::string> {
+    ++calls;
+    return std::string("score:1");
+  };
+  keel::call a(clock.now(), {.timeout = 5s});
+  REQUIRE(panel.run(a, v1, worker).status().ok());
+  keel::call b(clock.now(), {.timeout = 5s});
+  REQUIRE(panel.run(b, v1_again, worker).status().ok());
+  CHECK(calls == 1);  // same facts, model and rubric: cached
+  keel::call c(clock.now(), {.timeout = 5s});
+  REQUIRE(panel.run(c, v2, worker).status().ok());
+  CHECK(calls == 2);  // a new rubric is new work
+}
+
+TEST_CASE("a quorum cancels the rest; the workers observe it; outstanding work is counted", "[fan_out][quorum]") {
+  providers p;
+  store_t store(p.clock);
+  keel::bounded_pool pool({.threads = 4, .queue_capacity = 16});
+  std::mutex log_mu;
+  std::vector<std::string> log;
+  panel_t panel({.width = 4,
+                 .complete_when = keel::completion::quorum(2),
+                 .validator = has_score,
+                 .on_progress =
+                     [&](const keel::unit_progress& e) {
+                       std::lock_guard lock(log_mu);
+                       if (e.state == keel::unit_state::cancelled)
+                         log.push_back(e.unit.name + (e.outstanding ? " cancelled, outstanding" : " cancelled"));
+                     }},
+                store, pool, p.clock);
+  const std::vector<keel::unit> units = panel_units({"A", "B", "C", "D"});
+  p.add("A", {kt::answer(std::string("score:70"), 100ms)});
+  p.add("B", {kt::answer(std::string("score:75"), 200ms)});
+  p.add("C", {kt::stall()});
+  p.add("D", {kt::stall()});
+
+  keel::call call(p.clock.now(), {.timeout = 5s});
+  const keel::time_point t0 = p.clock.now();
+  async_call<keel::fan_out_report<std::string>> run([&] { return panel.run(call, units, p.worker(3s)); });
+  p.clock.await_sleepers(5);
+  p.clock.advance(100ms);
+  p.clock.await_sleepers(4);
+  p.clock.advance(100ms);  // B answers: two results, the quorum is met
+  const keel::fan_out_report<std::string> r = run.get();
+  REQUIRE(r.status().ok());
+  CHECK(r.rule_met);
+  CHECK(r.units[2].state == keel::unit_state::cancelled);
+  CHECK(r.units[3].state == keel::unit_state::cancelled);
+  CHECK(r.units[2].outstanding);
+  CHECK(r.units[3].outstanding);
+  CHECK(r.outstanding() == 2);
+  CHECK(panel.figures().outstanding == 2);
+  CHECK(panel.figures().cancelled == 2);
+  std::vector<std::string> saw = p.saw_stop();
+  std::sort(saw.begin(), saw.end());
+  CHECK(saw == std::vector<std::string>{"C", "D"});  // both workers saw their stop token
+  CHECK(p.clock.now() - t0 == std::chrono::duration_cast<keel::duration>(200ms));  // no wait for C's or D's timeout
+  std::sort(log.begin(), log.end());
+  CHECK(log == std::vector<std::string>{"C cancelled, outstanding", "D cancelled, outstanding"});
+}
+
+TEST_CASE("first acceptable: an invalid answer does not count; units not started are never started",
+          "[fan_out][first]") {
+  providers p;
+  store_t store(p.clock);
+  keel::bounded_pool pool({.threads = 3, .queue_capacity = 16});
+  panel_t panel({.width = 3, .complete_when = keel::completion::first_acceptable(), .validator = has_score}, store,
+                pool, p.clock);
+  const std::vector<keel::unit> units = panel_units({"A", "B", "C", "D"});
+  p.add("A", {kt::stall()});
+  p.add("B", {kt::answer(std::string("no idea"), 30ms)});
+  p.add("C", {kt::answer(std::string("score:90"), 60ms)});
+  p.add("D", {kt::answer(std::string("score:99"), 1ms)});
+
+  keel::call call(p.clock.now(), {.timeout = 5s});
+  async_call<keel::fan_out_report<std::string>> run([&] { return panel.run(call, units, p.worker(3s)); });
+  p.clock.await_sleepers(4);  // the collector and A, B, C (width 3)
+  p.clock.advance(30ms);      // B answers, invalid: D takes its place
+  REQUIRE(eventually([&] { return p.calls("D") == 1; }));
+  p.clock.await_sleepers(4);  // the collector, A, C and D
+  p.clock.advance(1ms);       // D answers first among the valid ones
+  const keel::fan_out_report<std::string> r = run.get();
+  REQUIRE(r.status().ok());
+  REQUIRE(r.best.has_value());
+  CHECK(*r.best == 3);
+  CHECK(*r.units[*r.best].value == "score:99");
+  CHECK(r.units[1].state == keel::unit_state::failed);
+  CHECK(r.units[0].state == keel::unit_state::cancelled);
+  CHECK(r.units[2].state == keel::unit_state::cancelled);
+  CHECK(r.units[0].outstanding);
+
+  SECTION("with width 1, units after the winner are never started") {
+    providers q;
+    store_t fresh(q.clock);
+    panel_t narrow({.width = 1, .complete_when = keel::completion::first_acceptable(), .validator = has_score},
+                   fresh, pool, q.clock);
+    q.add("A", {kt::answer(std::string("score:50"), 10ms)});
+    q.add("B", {kt::answer(std::string("score:60"), 10ms)});
+    q.add("C", {kt::answer(std::string("score:70"), 10ms)});
+    q.add("D", {kt::answer(std::string("score:80"), 10ms)});
+    keel::call c2(q.clock.now(), {.timeout = 5s});
+    async_call<keel::fan_out_report<std::string>> run2([&] { return narrow.run(c2, units, q.worker()); });
+    q.clock.await_sleepers(2);
+    q.clock.advance(10ms);
+    const keel::fan_out_report<std::string> r2 = run2.get();
+    CHECK(*r2.best == 0);
+    CHECK(r2.units[1].state == keel::unit_state::cancelled);
+    CHECK_FALSE(r2.units[1].outstanding);
+    CHECK(q.calls("B") + q.calls("C") + q.calls("D") == 0);
+  }
+}
+
+namespace {
+struct verdict {
+  int score = 0;
+  std::string model;
+};
+}  // namespace
+
+TEST_CASE("best of n by a user score, with a result type of its own", "[fan_out][best]") {
+  manual_clock clock;
+  keel::memory_store<manual_clock> store(clock);
+  keel::bounded_pool pool({.threads = 3, .queue_capacity = 16});
+  keel::fan_out<verdict, store_t, keel::bounded_pool, manual_clock> panel(
+      {.width = 3,
+       .complete_when = keel::completion::best_of(2),
+       .score = [](const verdict& v) { return static_cast<double>(v.score); },
+       .encode = [](const verdict& v) { return absl::StrCat(v.score, "|", v.model); },
+       .decode = [](std::string_view s) -> absl::StatusOr<verdict> {
+         const auto bar = s.find('|');
+         verdict v;
+         if (bar == std::string_view::npos || !absl::SimpleAtoi(keel::detail::to_absl(s.substr(0, bar)), &v.score))
+           return absl::DataLossError("bad verdict bytes");
+         v.model = std::string(s.substr(bar + 1));
+         return v;
+       }},
+      store, pool, clock);
+  const std::vector<keel::unit> units = panel_units({"A", "B", "C"});
+  std::atomic<int> c_saw_stop{0};
+  auto worker = [&](const keel::unit_context& u) -> absl::StatusOr<verdict> {
+    if (u.unit.name == "A") {
+      clock.sleep_until(u.start + 50ms, u.stop);
+      return verdict{70, "A"};
+    }
+    if (u.unit.name == "B") {
+      clock.sleep_until(u.start + 100ms, u.stop);
+      return verdict{90, "B"};
+    }
+    if (!clock.sleep_until(u.deadline.when(), u.stop)) ++c_saw_stop;
+    return absl::CancelledError("C stopped");
+  };
+  keel::call call(clock.now(), {.timeout = 5s});
+  async_call<keel::fan_out_report<verdict>> run([&] { return panel.run(call, units, worker); });
+  clock.await_sleepers(4);
+  clock.advance(100ms);
+  const keel::fan_out_report<verdict> r = run.get();
+  REQUIRE(r.status().ok());
+  REQUIRE(r.best.has_value());
+  CHECK(r.units[*r.best].value->model == "B");
+  CHECK(r.units[2].state == keel::unit_state::cancelled);
+  CHECK(c_saw_stop == 1);
+  CHECK(store.load_result(panel.key_of(units[1])).value() == "90|B");
+
+  // The rerun decodes what was saved.
+  keel::call again(clock.now(), {.timeout = 5s});
+  async_call<keel::fan_out_report<verdict>> rerun([&] { return panel.run(again, units, worker); });
+  const keel::fan_out_report<verdict> r2 = rerun.get();
+  CHECK(r2.units[0].state == keel::unit_state::cached);
+  CHECK(r2.units[1].state == keel::unit_state::cached);
+  CHECK(r2.units[*r2.best].value->score == 90);
+}
+
+TEST_CASE("the call's deadline bounds the fan-out: units with no time left are missing", "[fan_out][deadline]") {
+  providers p;
+  store_t store(p.clock);
+  keel::bounded_pool pool({.threads = 1, .queue_capacity = 16});
+  panel_t panel({.width = 1, .validator = has_score}, store, pool, p.clock);
+  const std::vector<keel::unit> units = panel_units({"A", "B", "C"});
+  p.add("A", {kt::answer(std::string("score:70"), 100ms)});
+  p.add("B", {kt::stall()});  // runs into the call's deadline
+  p.add("C", {kt::answer(std::string("score:70"), 100ms)});
+
+  keel::call call(p.clock.now(), {.timeout = 1s, .response_reserve = 100ms});
+  async_call<keel::fan_out_report<std::string>> run([&] { return panel.run(call, units, p.worker(5s)); });
+  p.clock.await_sleepers(2);
+  p.clock.advance(100ms);
+  REQUIRE(eventually([&] { return p.calls("B") == 1; }));
+  p.clock.await_sleepers(2);
+  CHECK(p.by_name.at("B")->attempts()[0].deadline == call.work_deadline());  // never a fresh deadline
+  p.clock.advance(800ms);  // the work deadline (900 ms)
+  const keel::fan_out_report<std::string> r = run.get();
+  CHECK(r.units[0].state == keel::unit_state::succeeded);
+  CHECK(r.units[1].state == keel::unit_state::failed);
+  CHECK(r.units[1].status.code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(r.units[2].state == keel::unit_state::missing);
+  CHECK(keel::not_started(r.units[2].status));
+  CHECK(p.calls("C") == 0);
+  CHECK(r.missing() == std::vector<std::string_view>{"B", "C"});
+  CHECK(r.status().message().find("C (missing: keel: not started: no time left)") != absl::string_view::npos);
+  CHECK(call.record().missing == 2);
+}
+
+TEST_CASE("a partial panel may be accepted: OK, degraded, and it names what is missing", "[fan_out][partial]") {
+  manual_clock clock;
+  store_t store(clock);
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 16});
+  panel_t panel({.width = 2, .require_complete = false, .validator = has_score}, store, pool, clock);
+  const std::vector<keel::unit> units = panel_units({"A", "B", "C"});
+  auto worker = [](const keel::unit_context& u) -> absl::StatusOr<std::string> {
+    if (u.unit.name == "B") return absl::UnauthenticatedError("B: invalid API key");
+    return std::string("score:60");
+  };
+  keel::call call(clock.now(), {.timeout = 5s});
+  const keel::fan_out_report<std::string> r = panel.run(call, units, worker);
+  CHECK(r.status().ok());
+  CHECK_FALSE(r.complete());
+  CHECK(r.missing() == std::vector<std::string_view>{"B"});
+  CHECK(r.units[1].kind == keel::outcome_kind::permanent);
+  CHECK(call.record().degraded);
+  CHECK(call.record().missing == 1);
+
+  keel::call strict_call(clock.now(), {.timeout = 5s});
+  panel_t strict({.width = 2, .validator = has_score}, store, pool, clock);
+  const keel::fan_out_report<std::string> r2 = strict.run(strict_call, units, worker);
+  CHECK(r2.status().code() == absl::StatusCode::kFailedPrecondition);  // every failure is permanent
+  CHECK(r2.status().message().find("B (failed, permanent: B: invalid API key)") != absl::string_view::npos);
+}
+
+TEST_CASE("the progress callback reports each unit's real state changes, in order", "[fan_out][progress]") {
+  manual_clock clock;
+  store_t store(clock);
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 16});
+  std::vector<std::string> log;  // written under the collector's lock
+  panel_t panel({.width = 1,
+                 .validator = has_score,
+                 .on_progress = [&](const keel::unit_progress& e) {
+                   log.push_back(e.unit.name + " " + std::string(keel::to_string(e.state)));
+                 }},
+                store, pool, clock);
+  const std::vector<keel::unit> units = panel_units({"A", "B", "C"});
+  REQUIRE(store.save_result(panel.key_of(units[0]), "score:10", {}).value());
+  auto worker = [](const keel::unit_context& u) -> absl::StatusOr<std::string> {
+    if (u.unit.name == "C") return absl::UnavailableError("C is down");
+    return std::string("score:20");
+  };
+  keel::call call(clock.now(), {.timeout = 5s});
+  const keel::fan_out_report<std::string> r = panel.run(call, units, worker);
+  CHECK(log == std::vector<std::string>{"A cached", "B running", "B succeeded", "C running", "C failed"});
+  CHECK(r.count(keel::unit_state::cached) == 1);
+  CHECK(r.count(keel::unit_state::succeeded) == 1);
+  CHECK(r.count(keel::unit_state::failed) == 1);
+}
+
+TEST_CASE("cancelling the call cancels running units; those not started are missing", "[fan_out][cancel]") {
+  providers p;
+  store_t store(p.clock);
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 16});
+  panel_t panel({.width = 2}, store, pool, p.clock);
+  const std::vector<keel::unit> units = panel_units({"A", "B", "C"});
+  p.add("A", {kt::stall()});
+  p.add("B", {kt::stall()});
+  p.add("C", {kt::stall()});
+  std::stop_source caller;
+  keel::call call(p.clock.now(), {.timeout = 5s, .stop = caller.get_token()});
+  async_call<keel::fan_out_report<std::string>> run([&] { return panel.run(call, units, p.worker(3s)); });
+  p.clock.await_sleepers(3);
+  caller.request_stop();
+  const keel::fan_out_report<std::string> r = run.get();
+  CHECK(r.units[0].state == keel::unit_state::cancelled);
+  CHECK(r.units[1].state == keel::unit_state::cancelled);
+  CHECK(r.units[2].state == keel::unit_state::missing);
+  CHECK(r.units[2].status.code() == absl::StatusCode::kCancelled);
+  CHECK(p.calls("C") == 0);
+  CHECK(p.saw_stop().size() == 2);
+}
+
+TEST_CASE("a full executor delays units but never loses them", "[fan_out][executor]") {
+  keel::memory_store<> store;
+  keel::bounded_pool pool({.threads = 1, .queue_capacity = 1});
+  keel::fan_out<std::string, keel::memory_store<>, keel::bounded_pool> panel({.width = 6}, store, pool);
+  const std::vector<keel::unit> units = panel_units({"A", "B", "C", "D", "E", "F"});
+  std::atomic<int> calls{0};
+  auto worker = [&](const keel::unit_context& u) -> absl::StatusOr<std::string> {
+    ++calls;
+    return "score:" + u.unit.name;
+  };
+  keel::call call(keel::real_clock{}.now(), {.timeout = 30s});
+  const keel::fan_out_report<std::string> r = panel.run(call, units, worker);
+  CHECK(r.status().ok());
+  CHECK(r.count(keel::unit_state::succeeded) == 6);
+  CHECK(calls == 6);
+}
+
+TEST_CASE("concurrent fan-outs on one pool and store stay consistent", "[fan_out][stress]") {
+  keel::memory_store<> store;
+  keel::bounded_pool pool({.threads = 4, .queue_capacity = 64});
+  keel::fan_out<std::string, keel::memory_store<>, keel::bounded_pool> panel(
+      {.width = 3, .complete_when = keel::completion::quorum(3), .validator = has_score}, store, pool);
+  std::atomic<int> worker_calls{0};
+  constexpr int callers = 4;
+  constexpr int rounds = 25;
+  std::vector<int> ok(callers, 0);
+  std::vector<int> consistent(callers, 0);
+  {
+    std::vector<std::thread> threads;
+    for (int t = 0; t < callers; ++t) {
+      threads.emplace_back([&, t] {
+        std::minstd_rand rng(static_cast<unsigned>(t) + 7);
+        for (int round = 0; round < rounds; ++round) {
+          // Callers share half their units, so saves race on the same keys.
+          std::vector<keel::unit> units;
+          for (int u = 0; u < 6; ++u) {
+            const std::string model = absl::StrCat("m", u);
+            const std::string facts = u % 2 == 0 ? absl::StrCat("shared-", round) : absl::StrCat("own-", t, "-", round);
+            units.push_back({.name = model, .key = unit_key(facts, model, "r")});
+          }
+          std::vector<std::chrono::microseconds> waits;
+          for (int u = 0; u < 6; ++u) waits.emplace_back(static_cast<int>(rng() % 500));
+          keel::call call(keel::real_clock{}.now(), {.timeout = 10s});
+          const keel::fan_out_report<std::string> r =
+              panel.run(call, units, [&](const keel::unit_context& u) -> absl::StatusOr<std::string> {
+                ++worker_calls;
+                const auto wait = waits[u.index];
+                if (!keel::real_clock{}.sleep_until(keel::real_clock{}.now() + wait, u.stop))
+                  return keel::mark_not_started(absl::CancelledError("stopped before sending"));
+                if (u.index == 5) return std::string("garbage");
+                return absl::StrCat("score:", u.index);
+              });
+          int accounted = 0;
+          for (const auto& u : r.units) {
+            accounted += u.state == keel::unit_state::cached || u.state == keel::unit_state::succeeded ||
+                                 u.state == keel::unit_state::failed || u.state == keel::unit_state::cancelled ||
+                                 u.state == keel::unit_state::missing
+                             ? 1
+                             : 0;
+          }
+          if (r.status().ok()) ++ok[static_cast<std::size_t>(t)];
+          if (accounted == 6 && r.results() >= 3) ++consistent[static_cast<std::size_t>(t)];
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  for (int t = 0; t < callers; ++t) {
+    CHECK(ok[static_cast<std::size_t>(t)] == rounds);
+    CHECK(consistent[static_cast<std::size_t>(t)] == rounds);
+  }
+  // Every stored value is the one valid answer for its unit.
+  const keel::fan_out_figures f = panel.figures();
+  CHECK(f.save_errors == 0);
+  CHECK(worker_calls.load() <= f.started);  // a unit cancelled before it ran never calls the worker
+  CHECK(f.started + f.cached >= callers * rounds * 3);
+}
+
+TEST_CASE("invalid fan-out options and rules are refused naming the field", "[fan_out][options]") {
+  using opts = keel::fan_out_options<std::string>;
+  CHECK(opts{.width = 0}.validate().message() == "fan_out_options.width must be in [1, 1024] (got 0)");
+  CHECK(opts{.complete_when = keel::completion::quorum(0)}.validate().message() ==
+        "fan_out_options.complete_when.k must be >= 1 for quorum and best_of (got 0)");
+  CHECK(opts{.complete_when = keel::completion::best_of(2)}.validate().message() ==
+        "fan_out_options.score must be set for completion::best_of (got empty)");
+  CHECK(keel::fan_out_options<int>{}.validate().message() ==
+        "fan_out_options.encode must be set for a result type other than std::string (got empty)");
+  manual_clock clock;
+  store_t store(clock);
+  keel::bounded_pool pool({.threads = 1});
+  CHECK_THROWS_AS(panel_t({.width = -3}, store, pool, clock), keel::invalid_options);
+
+  panel_t quorum({.complete_when = keel::completion::quorum(4)}, store, pool, clock);
+  keel::call call(clock.now(), {.timeout = 5s});
+  const auto r = quorum.run(call, panel_units({"A", "B"}),
+                            [](const keel::unit_context&) -> absl::StatusOr<std::string> { return std::string("x"); });
+  CHECK(r.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(r.status().message() == "fan_out.complete_when.k must be at most the number of units (got 4 > 2)");
+}
