@@ -192,6 +192,27 @@ TEST_CASE("histogram buckets are cumulative, end with +Inf and agree with _count
         "lat_seconds_count 11\n");
 }
 
+TEST_CASE("valid UTF-8 passes through; invalid bytes become U+FFFD", "[prometheus]") {
+  keel::metrics_snapshot s;
+  s.families.push_back({.name = "u",
+                        .help = "caf\xc3\xa9 \xff help",
+                        .type = keel::metric_type::gauge,
+                        .label_names = {"v"},
+                        .series = {{.labels = {"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"}, .value = 1},
+                                   {.labels = {"bad\xff"}, .value = 2},
+                                   {.labels = {"cut\xe2\x82"}, .value = 3},
+                                   {.labels = {"overlong\xc0\xaf"}, .value = 4},
+                                   {.labels = {"surrogate\xed\xa0\x80"}, .value = 5}}});
+  CHECK(*keel::to_prometheus_text(s) ==
+        "# HELP u caf\xc3\xa9 \xef\xbf\xbd help\n"
+        "# TYPE u gauge\n"
+        "u{v=\"bad\xef\xbf\xbd\"} 2\n"
+        "u{v=\"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80\"} 1\n"
+        "u{v=\"cut\xef\xbf\xbd\xef\xbf\xbd\"} 3\n"
+        "u{v=\"overlong\xef\xbf\xbd\xef\xbf\xbd\"} 4\n"
+        "u{v=\"surrogate\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd\"} 5\n");
+}
+
 TEST_CASE("an invalid snapshot is refused and nothing is written", "[prometheus]") {
   keel::metrics_snapshot s;
   s.families.push_back({.name = "bad-name", .help = "h", .type = keel::metric_type::gauge});

@@ -261,6 +261,8 @@ class latency_histogram_snapshot {
 };
 
 class latency_histogram {
+  static_assert(std::atomic<std::uint64_t>::is_always_lock_free, "recording must be lock-free");
+
  public:
   // Allocates every bucket up front. Throws keel::invalid_options.
   explicit latency_histogram(const latency_histogram_options& o = {})
