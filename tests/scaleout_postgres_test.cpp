@@ -10,6 +10,11 @@
 #include <thread>
 #include <vector>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <libpq-fe.h>
 
 #include "keel/testing/store_conformance.hpp"
@@ -71,4 +76,293 @@ TEST_CASE("the PostgreSQL store passes the conformance suite", "[scaleout][postg
       }
     }
   }
+}
+
+namespace {
+
+// A plain libpq session for the test's own SQL (locks, catalog queries).
+class raw_pg {
+ public:
+  raw_pg() : c_(PQconnectdb(keel_scaleout::pg_conninfo().c_str())) {
+    if (PQstatus(c_) != CONNECTION_OK) throw std::runtime_error(PQerrorMessage(c_));
+  }
+  ~raw_pg() { PQfinish(c_); }
+  raw_pg(const raw_pg&) = delete;
+  raw_pg& operator=(const raw_pg&) = delete;
+
+  // Runs `sql`; the first column of the first row ("" if none).
+  std::string exec(const std::string& sql) {
+    PGresult* r = PQexec(c_, sql.c_str());
+    const ExecStatusType st = PQresultStatus(r);
+    std::string out = (st == PGRES_TUPLES_OK && PQntuples(r) > 0) ? PQgetvalue(r, 0, 0) : "";
+    const std::string err = PQresultErrorMessage(r);
+    PQclear(r);
+    if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) throw std::runtime_error(sql + ": " + err);
+    return out;
+  }
+
+ private:
+  PGconn* c_;
+};
+
+// Polls (real time, bounded) until pred() holds: how a test learns that the
+// server reached a state (a statement blocked on a lock, a session gone).
+template <class Pred>
+bool eventually(Pred pred, std::chrono::milliseconds limit = 10s) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(2ms);
+  }
+  return true;
+}
+
+int blocked_sessions(raw_pg& admin, const keel::postgres_store& s) {
+  return std::stoi(admin.exec("SELECT count(*) FROM pg_stat_activity WHERE application_name = '" +
+                              s.application_name() + "' AND wait_event_type = 'Lock'"));
+}
+
+const keel::request_identity receipt{.tenant = "merchant-82", .endpoint = "receipts", .key = "key-47"};
+keel::digest receipt_a() { return keel::digest_builder().field("receipt", "A").finish(); }
+const keel::begin_options bo{.lease = 10s, .retention = 60s};
+keel::decision decided(std::string id) {
+  return keel::decision{.id = std::move(id), .model_digest = "m-large", .result = "approve"};
+}
+
+int free_port() {
+  // Bind to port 0 and close: a port nothing listens on (for a moment).
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+}  // namespace
+
+TEST_CASE("postgres options are validated, naming the field", "[scaleout][postgres]") {
+  const std::pair<keel::postgres_options, std::string> bad[] = {
+      {{.conninfo = ""}, "postgres_options.conninfo"},
+      {{.conninfo = "host=x", .schema = "Bad-Name"}, "postgres_options.schema"},
+      {{.conninfo = "host=x", .schema = "x'; DROP SCHEMA public; --"}, "postgres_options.schema"},
+      {{.conninfo = "host=x", .schema = "9lives"}, "postgres_options.schema"},
+      {{.conninfo = "host=x", .schema = std::string(64, 's')}, "postgres_options.schema"},
+      {{.conninfo = "host=x", .pool_size = 0}, "postgres_options.pool_size"},
+      {{.conninfo = "host=x", .command_timeout = 0ms}, "postgres_options.command_timeout"},
+      {{.conninfo = "host=x", .connect_timeout = 10ms}, "postgres_options.connect_timeout"},
+      {{.conninfo = "host=x", .acquire_timeout = -1ms}, "postgres_options.acquire_timeout"},
+  };
+  for (const auto& [o, field] : bad) {
+    const absl::Status v = o.validate();
+    CHECK(v.code() == absl::StatusCode::kInvalidArgument);
+    CHECK(std::string(v.message()).find(field) != std::string::npos);
+    auto s = keel::postgres_store::open(o);
+    CHECK(s.status().code() == absl::StatusCode::kInvalidArgument);
+  }
+  CHECK(keel::postgres_options{.conninfo = "host=x", .schema = "_ok_9"}.validate().ok());
+}
+
+TEST_CASE("postgres: a server nobody listens on is unavailable and nothing started", "[scaleout][postgres][faults]") {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto s = keel::postgres_store::open(
+      {.conninfo = "host=127.0.0.1 port=" + std::to_string(free_port()) + " user=keel dbname=postgres",
+       .schema = keel_scaleout::fresh_name("down")});
+  REQUIRE_FALSE(s.ok());
+  INFO(s.status().ToString());
+  CHECK(s.status().code() == absl::StatusCode::kUnavailable);
+  CHECK(keel::not_started(s.status()));
+  CHECK(keel::default_classifier{}(s.status(), {.effect = keel::effect::write}) == keel::outcome_kind::transient);
+  CHECK(std::chrono::steady_clock::now() - t0 < 5s);  // refused at once, not after the connect timeout
+}
+
+TEST_CASE("postgres: refused credentials are permanent, a missing database is a precondition",
+          "[scaleout][postgres][faults]") {
+  const std::string base = keel_scaleout::pg_conninfo();
+  auto role = keel::postgres_store::open({.conninfo = base + " user=keel_no_such_role", .schema = "k"});
+  REQUIRE_FALSE(role.ok());
+  INFO(role.status().ToString());
+  CHECK(role.status().code() == absl::StatusCode::kPermissionDenied);
+  CHECK(keel::default_classifier{}(role.status(), {}) == keel::outcome_kind::permanent);
+  auto db = keel::postgres_store::open({.conninfo = base + " dbname=keel_no_such_db", .schema = "k"});
+  REQUIRE_FALSE(db.ok());
+  INFO(db.status().ToString());
+  CHECK(db.status().code() == absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_CASE("postgres: another schema version, a foreign schema, or a missing one with create off is refused untouched",
+          "[scaleout][postgres][faults]") {
+  raw_pg admin;
+  SECTION("another keel schema version") {
+    const std::string schema = keel_scaleout::fresh_name("ver");
+    {
+      auto s = open_pg(pg_options(schema));
+      REQUIRE(s->save_result("kept", "v", 0s).value_or(false));
+    }
+    admin.exec("UPDATE " + schema + ".keel_meta SET schema_version = 99");
+    auto again = keel::postgres_store::open(pg_options(schema));
+    REQUIRE_FALSE(again.ok());
+    INFO(again.status().ToString());
+    CHECK(again.status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(std::string(again.status().message()).find("version 99") != std::string::npos);
+    CHECK(admin.exec("SELECT value FROM " + schema + ".result WHERE key = 'kept'") == "\\x76");
+  }
+  SECTION("a schema holding someone else's tables") {
+    const std::string schema = keel_scaleout::fresh_name("foreign");
+    admin.exec("CREATE SCHEMA " + schema + "; CREATE TABLE " + schema + ".orders (id int); INSERT INTO " + schema +
+               ".orders VALUES (7)");
+    auto s = keel::postgres_store::open(pg_options(schema));
+    REQUIRE_FALSE(s.ok());
+    INFO(s.status().ToString());
+    CHECK(s.status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(admin.exec("SELECT count(*) FROM pg_tables WHERE schemaname = '" + schema + "'") == "1");
+    CHECK(admin.exec("SELECT id FROM " + schema + ".orders") == "7");
+  }
+  SECTION("no schema and create_schema off") {
+    keel::postgres_options o = pg_options(keel_scaleout::fresh_name("absent"));
+    o.create_schema = false;
+    auto s = keel::postgres_store::open(o);
+    REQUIRE_FALSE(s.ok());
+    CHECK(s.status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(admin.exec("SELECT count(*) FROM pg_namespace WHERE nspname = '" + o.schema + "'") == "0");
+  }
+  SECTION("replicas opening a new schema at once all succeed") {
+    const std::string schema = keel_scaleout::fresh_name("race");
+    std::vector<absl::Status> got(6);
+    {
+      std::vector<std::jthread> threads;
+      for (std::size_t i = 0; i < got.size(); ++i)
+        threads.emplace_back([&, i] { got[i] = keel::postgres_store::open(pg_options(schema)).status(); });
+    }
+    for (const absl::Status& s : got) CHECK(s.ok());
+  }
+}
+
+TEST_CASE("postgres: SQL in keys and values is data, never code", "[scaleout][postgres]") {
+  auto s = open_pg(pg_options(keel_scaleout::fresh_name("inject")));
+  const std::string evil = "x'); DROP TABLE idempotency; --";
+  const keel::request_identity id{.tenant = evil, .endpoint = "$1 ' \" \\", .key = "'; DELETE FROM result; --"};
+  auto b = s->begin(id, receipt_a(), keel::owner_id::random(), bo);
+  REQUIRE(b.ok());
+  REQUIRE(b->state == keel::begin_state::claimed);
+  keel::decision d = decided("dec-'; --");
+  d.result = evil;
+  REQUIRE(s->commit(id, b->ownership, d, 60s).ok());
+  REQUIRE(s->save_result(evil, evil, 0s).value_or(false));
+  auto r = s->begin(id, receipt_a(), keel::owner_id::random(), bo);
+  REQUIRE(r.ok());
+  CHECK(r->state == keel::begin_state::replay);
+  CHECK(r->decision == d);
+  auto l = s->load_result(evil);
+  REQUIRE(l.ok());
+  CHECK(l->value_or("") == evil);
+}
+
+TEST_CASE("postgres: an idle connection the server closed is replaced before use", "[scaleout][postgres][faults]") {
+  keel::postgres_options o = pg_options(keel_scaleout::fresh_name("idle"));
+  o.pool_size = 1;
+  auto s = open_pg(o);
+  REQUIRE(s->save_result("before", "v", 0s).value_or(false));
+  raw_pg admin;
+  const std::string mine = "application_name = '" + s->application_name() + "'";
+  CHECK(admin.exec("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE " + mine) == "1");
+  REQUIRE(eventually([&] { return admin.exec("SELECT count(*) FROM pg_stat_activity WHERE " + mine) == "0"; }));
+  const std::uint64_t before = s->round_trips();
+  auto l = s->load_result("before");
+  REQUIRE(l.ok());
+  CHECK(l->value_or("") == "v");
+  CHECK(s->round_trips() == before + 1);  // no failed attempt: the dead session was noticed before sending
+}
+
+TEST_CASE("postgres: a commit whose connection drops is an unknown outcome, and repeating it settles it",
+          "[scaleout][postgres][faults]") {
+  const std::string schema = keel_scaleout::fresh_name("drop");
+  keel::postgres_options o = pg_options(schema);
+  o.pool_size = 1;
+  auto s = open_pg(o);
+  auto b = s->begin(receipt, receipt_a(), keel::owner_id::random(), bo);
+  REQUIRE(b.ok());
+  raw_pg locker, admin;
+  locker.exec("BEGIN; SELECT 1 FROM " + schema + ".idempotency FOR UPDATE");
+  absl::Status commit;
+  std::jthread t([&] { commit = s->commit(receipt, b->ownership, decided("dec-1"), 60s); });
+  REQUIRE(eventually([&] { return blocked_sessions(admin, *s) == 1; }));
+  admin.exec("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = '" +
+             s->application_name() + "'");
+  t.join();
+  locker.exec("ROLLBACK");
+  INFO(commit.ToString());
+  CHECK(keel::is_unknown_outcome(commit));
+  CHECK(keel::default_classifier{}(commit, {.effect = keel::effect::write}) == keel::outcome_kind::ambiguous);
+  // The truth: the killed statement did not commit; the record is still ours.
+  auto other = s->begin(receipt, receipt_a(), keel::owner_id::random(), bo);
+  REQUIRE(other.ok());
+  CHECK(other->state == keel::begin_state::in_flight);
+  CHECK(s->commit(receipt, b->ownership, decided("dec-1"), 60s).ok());
+  CHECK(s->commit(receipt, b->ownership, decided("dec-1"), 60s).ok());  // and again: a repeat
+  auto r = s->begin(receipt, receipt_a(), keel::owner_id::random(), bo);
+  REQUIRE(r.ok());
+  CHECK((r->state == keel::begin_state::replay && r->decision.id == "dec-1"));
+}
+
+TEST_CASE("postgres: past the command timeout a write is an unknown outcome and a read is transient",
+          "[scaleout][postgres][faults]") {
+  const std::string schema = keel_scaleout::fresh_name("slow");
+  keel::postgres_options o = pg_options(schema);
+  o.command_timeout = 300ms;
+  auto s = open_pg(o);
+  auto b = s->begin(receipt, receipt_a(), keel::owner_id::random(), bo);
+  REQUIRE(b.ok());
+  REQUIRE(s->save_result("r", "v", 0s).value_or(false));
+  raw_pg locker;
+  locker.exec("BEGIN; SELECT 1 FROM " + schema + ".idempotency FOR UPDATE");
+  const absl::Status commit = s->commit(receipt, b->ownership, decided("dec-1"), 60s);
+  INFO(commit.ToString());
+  CHECK(keel::is_unknown_outcome(commit));
+  CHECK(std::string(commit.message()).find("timeout") != std::string::npos);  // the client's or the server's
+  locker.exec("ROLLBACK");
+  REQUIRE(s->load_result("r").ok());  // a fresh session, prepared before the table is locked
+  locker.exec("BEGIN; LOCK TABLE " + schema + ".result IN ACCESS EXCLUSIVE MODE");
+  auto l = s->load_result("r");
+  INFO(l.status().ToString());
+  CHECK(l.status().code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK_FALSE(keel::is_unknown_outcome(l.status()));
+  CHECK(keel::default_classifier{}(l.status(), {.effect = keel::effect::read}) == keel::outcome_kind::transient);
+  locker.exec("ROLLBACK");
+  // The timed-out sessions were discarded; the store carries on.
+  CHECK(s->commit(receipt, b->ownership, decided("dec-1"), 60s).ok());
+  CHECK(s->load_result("r").value_or(std::nullopt) == std::optional<std::string>("v"));
+}
+
+TEST_CASE("postgres: the pool never exceeds pool_size and refuses after acquire_timeout",
+          "[scaleout][postgres][faults]") {
+  const std::string schema = keel_scaleout::fresh_name("pool");
+  keel::postgres_options o = pg_options(schema);
+  o.pool_size = 2;
+  o.acquire_timeout = 200ms;
+  auto s = open_pg(o);
+  auto b = s->begin(receipt, receipt_a(), keel::owner_id::random(), bo);
+  REQUIRE(b.ok());
+  raw_pg locker, admin;
+  locker.exec("BEGIN; SELECT 1 FROM " + schema + ".idempotency FOR UPDATE");
+  std::vector<absl::Status> extended(2);
+  {
+    std::vector<std::jthread> holders;
+    for (int i = 0; i < 2; ++i) holders.emplace_back([&, i] { extended[i] = s->extend(receipt, b->ownership, 20s); });
+    REQUIRE(eventually([&] { return blocked_sessions(admin, *s) == 2; }));
+    CHECK(s->connections() == 2);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto l = s->load_result("anything");
+    INFO(l.status().ToString());
+    CHECK(l.status().code() == absl::StatusCode::kUnavailable);
+    CHECK(keel::not_started(l.status()));
+    CHECK(std::chrono::steady_clock::now() - t0 >= 200ms);
+    locker.exec("ROLLBACK");
+  }
+  CHECK(extended[0].ok());
+  CHECK(extended[1].ok());
+  CHECK(s->connections() == 2);
 }

@@ -7,7 +7,15 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <hiredis/hiredis.h>
 
 #include "keel/testing/store_conformance.hpp"
 #include "scaleout_support.hpp"
@@ -54,4 +62,250 @@ TEST_CASE("the Redis store passes the conformance suite", "[scaleout][redis][con
       }
     }
   }
+}
+
+namespace {
+
+// A plain hiredis connection for the test's own commands (CLIENT PAUSE, ACL...).
+class raw_redis {
+ public:
+  raw_redis() : c_(redisConnect("127.0.0.1", keel_scaleout::redis_port())) {
+    if (c_ == nullptr || c_->err) throw std::runtime_error("raw redis connect failed");
+  }
+  ~raw_redis() { redisFree(c_); }
+  raw_redis(const raw_redis&) = delete;
+  raw_redis& operator=(const raw_redis&) = delete;
+
+  // Runs a command (arguments as given); the reply as text ("" for nil/arrays).
+  std::string run(std::vector<std::string> args) {
+    std::vector<const char*> argv;
+    std::vector<std::size_t> lens;
+    for (const std::string& a : args) {
+      argv.push_back(a.data());
+      lens.push_back(a.size());
+    }
+    redisReply* r = static_cast<redisReply*>(redisCommandArgv(c_, static_cast<int>(argv.size()), argv.data(), lens.data()));
+    if (r == nullptr) throw std::runtime_error("raw redis command failed");
+    std::string out;
+    if (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS || r->type == REDIS_REPLY_ERROR)
+      out.assign(r->str, r->len);
+    if (r->type == REDIS_REPLY_INTEGER) out = std::to_string(r->integer);
+    freeReplyObject(r);
+    return out;
+  }
+
+ private:
+  redisContext* c_;
+};
+
+template <class Pred>
+bool eventually(Pred pred, std::chrono::milliseconds limit = 10s) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(2ms);
+  }
+  return true;
+}
+
+const keel::request_identity receipt{.tenant = "merchant-82", .endpoint = "receipts", .key = "key-47"};
+keel::digest receipt_a() { return keel::digest_builder().field("receipt", "A").finish(); }
+const keel::begin_options bo{.lease = 10s, .retention = 60s};
+keel::decision decided(std::string id) {
+  return keel::decision{.id = std::move(id), .model_digest = "m-large", .result = "approve"};
+}
+
+int unused_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Commands the server is holding back (CLIENT PAUSE) show up as clients
+// blocked in "postpone".
+int paused_clients(raw_redis& admin) {
+  const std::string list = admin.run({"CLIENT", "LIST"});
+  int n = 0;
+  for (std::size_t p = list.find("flags="); p != std::string::npos; p = list.find("flags=", p + 1)) {
+    const std::size_t end = list.find(' ', p);
+    if (list.substr(p, end - p).find('b') != std::string::npos) ++n;
+  }
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("redis options are validated, naming the field", "[scaleout][redis]") {
+  const std::pair<keel::redis_options, std::string> bad[] = {
+      {{.host = ""}, "redis_options.host"},
+      {{.port = 0}, "redis_options.port"},
+      {{.database = -1}, "redis_options.database"},
+      {{.key_prefix = "a{b"}, "redis_options.key_prefix"},
+      {{.key_prefix = std::string(129, 'p')}, "redis_options.key_prefix"},
+      {{.pool_size = 0}, "redis_options.pool_size"},
+      {{.command_timeout = 0ms}, "redis_options.command_timeout"},
+      {{.acquire_timeout = -1ms}, "redis_options.acquire_timeout"},
+      {{.forget_after = 10ms}, "redis_options.forget_after"},
+  };
+  for (const auto& [o, field] : bad) {
+    const absl::Status v = o.validate();
+    CHECK(v.code() == absl::StatusCode::kInvalidArgument);
+    CHECK(std::string(v.message()).find(field) != std::string::npos);
+    CHECK(keel::redis_store::open(o).status().code() == absl::StatusCode::kInvalidArgument);
+  }
+}
+
+TEST_CASE("redis: a server nobody listens on is unavailable and nothing started", "[scaleout][redis][faults]") {
+  auto s = keel::redis_store::open({.port = unused_port(), .key_prefix = keel_scaleout::fresh_name("down")});
+  REQUIRE_FALSE(s.ok());
+  INFO(s.status().ToString());
+  CHECK(s.status().code() == absl::StatusCode::kUnavailable);
+  CHECK(keel::not_started(s.status()));
+  CHECK(keel::default_classifier{}(s.status(), {.effect = keel::effect::write}) == keel::outcome_kind::transient);
+}
+
+TEST_CASE("redis: a refused password is permanent; the right one works", "[scaleout][redis][faults]") {
+  raw_redis admin;
+  const std::string user = keel_scaleout::fresh_name("user");
+  REQUIRE(admin.run({"ACL", "SETUSER", user, "on", ">s3cret", "~*", "+@all"}) == "OK");
+  keel::redis_options o = redis_options(keel_scaleout::fresh_name("auth"));
+  o.username = user;
+  o.password = "wrong";
+  auto refused = keel::redis_store::open(o);
+  REQUIRE_FALSE(refused.ok());
+  INFO(refused.status().ToString());
+  CHECK(refused.status().code() == absl::StatusCode::kPermissionDenied);
+  CHECK(keel::default_classifier{}(refused.status(), {}) == keel::outcome_kind::permanent);
+  o.password = "s3cret";
+  auto ok = keel::redis_store::open(o);
+  REQUIRE(ok.ok());
+  CHECK((*ok)->save_result("k", "v", 0s).value_or(false));
+  admin.run({"ACL", "DELUSER", user});
+}
+
+TEST_CASE("redis: durability is read from the server and can be required", "[scaleout][redis][faults]") {
+  raw_redis admin;
+  keel::redis_options o = redis_options(keel_scaleout::fresh_name("dur"));
+  o.require_aof_always = true;
+  auto s = keel::redis_store::open(o);
+  REQUIRE(s.ok());  // the fixture runs AOF with appendfsync always
+  CHECK((*s)->durability() == keel::redis_durability::aof_always);
+  REQUIRE(admin.run({"CONFIG", "SET", "appendfsync", "everysec"}) == "OK");
+  auto weak = keel::redis_store::open(o);
+  REQUIRE(admin.run({"CONFIG", "SET", "appendfsync", "always"}) == "OK");
+  REQUIRE_FALSE(weak.ok());
+  INFO(weak.status().ToString());
+  CHECK(weak.status().code() == absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_CASE("redis: keys and values are arguments, never script text", "[scaleout][redis]") {
+  auto s = open_redis(redis_options(keel_scaleout::fresh_name("inject")));
+  const std::string evil = "']) redis.call('FLUSHALL') --[[ {x} \r\n*1\r\n$8\r\nFLUSHALL\r\n";
+  const keel::request_identity id{.tenant = "t{1}", .endpoint = "}{", .key = "k"};
+  auto b = s->begin(id, receipt_a(), keel::owner_id::random(), bo);
+  REQUIRE(b.ok());
+  REQUIRE(b->state == keel::begin_state::claimed);
+  keel::decision d = decided("dec-1");
+  d.result = evil;
+  REQUIRE(s->commit(id, b->ownership, d, 60s).ok());
+  REQUIRE(s->save_result("r{", evil, 0s).value_or(false));
+  auto r = s->begin(id, receipt_a(), keel::owner_id::random(), bo);
+  REQUIRE(r.ok());
+  CHECK(r->state == keel::begin_state::replay);
+  CHECK(r->decision == d);
+  CHECK(s->load_result("r{").value_or(std::nullopt) == std::optional<std::string>(evil));
+}
+
+TEST_CASE("redis: a flushed script cache is answered by sending the script again", "[scaleout][redis][faults]") {
+  auto s = open_redis(redis_options(keel_scaleout::fresh_name("noscript")));
+  REQUIRE(s->save_result("a", "1", 0s).value_or(false));
+  const std::uint64_t warm = s->round_trips();
+  REQUIRE(s->load_result("a").ok());
+  CHECK(s->round_trips() == warm + 1);  // EVALSHA hit
+  raw_redis admin;
+  REQUIRE(admin.run({"SCRIPT", "FLUSH"}) == "OK");
+  const std::uint64_t before = s->round_trips();
+  auto l = s->load_result("a");
+  REQUIRE(l.ok());
+  CHECK(l->value_or("") == "1");
+  CHECK(s->round_trips() == before + 2);  // NOSCRIPT, then EVAL with the source
+}
+
+TEST_CASE("redis: idle connections the server closed are replaced before use", "[scaleout][redis][faults]") {
+  keel::redis_options o = redis_options(keel_scaleout::fresh_name("idle"));
+  o.pool_size = 1;
+  auto s = open_redis(o);
+  REQUIRE(s->save_result("before", "v", 0s).value_or(false));
+  raw_redis admin;
+  CHECK(std::stoi(admin.run({"CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"})) >= 1);
+  const std::uint64_t before = s->round_trips();
+  auto l = s->load_result("before");
+  REQUIRE(l.ok());
+  CHECK(l->value_or("") == "v");
+  CHECK(s->round_trips() == before + 1);
+}
+
+TEST_CASE("redis: past the command timeout a write is an unknown outcome and a read is transient",
+          "[scaleout][redis][faults]") {
+  keel::redis_options o = redis_options(keel_scaleout::fresh_name("slow"));
+  o.command_timeout = 200ms;
+  auto s = open_redis(o);
+  auto b = s->begin(receipt, receipt_a(), keel::owner_id::random(), bo);
+  REQUIRE(b.ok());
+  REQUIRE(s->save_result("r", "v", 0s).value_or(false));
+  raw_redis admin;
+  REQUIRE(admin.run({"CLIENT", "PAUSE", "3000", "WRITE"}) == "OK");
+  const absl::Status commit = s->commit(receipt, b->ownership, decided("dec-1"), 60s);
+  auto l = s->load_result("r");
+  REQUIRE(admin.run({"CLIENT", "UNPAUSE"}) == "OK");
+  INFO(commit.ToString());
+  CHECK(keel::is_unknown_outcome(commit));
+  CHECK(keel::default_classifier{}(commit, {.effect = keel::effect::write}) == keel::outcome_kind::ambiguous);
+  INFO(l.status().ToString());
+  CHECK(l.status().code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK_FALSE(keel::is_unknown_outcome(l.status()));
+  CHECK(keel::default_classifier{}(l.status(), {.effect = keel::effect::read}) == keel::outcome_kind::transient);
+  // Whatever became of the paused commit, repeating it settles it (rule 7).
+  CHECK(s->commit(receipt, b->ownership, decided("dec-1"), 60s).ok());
+  auto r = s->begin(receipt, receipt_a(), keel::owner_id::random(), bo);
+  REQUIRE(r.ok());
+  CHECK((r->state == keel::begin_state::replay && r->decision.id == "dec-1"));
+}
+
+TEST_CASE("redis: the pool never exceeds pool_size and refuses after acquire_timeout", "[scaleout][redis][faults]") {
+  keel::redis_options o = redis_options(keel_scaleout::fresh_name("pool"));
+  o.pool_size = 2;
+  o.acquire_timeout = 200ms;
+  o.command_timeout = 5s;
+  auto s = open_redis(o);
+  auto b = s->begin(receipt, receipt_a(), keel::owner_id::random(), bo);
+  REQUIRE(b.ok());
+  raw_redis admin;
+  const int paused_before = paused_clients(admin);
+  REQUIRE(admin.run({"CLIENT", "PAUSE", "5000", "WRITE"}) == "OK");
+  std::vector<absl::Status> extended(2);
+  {
+    std::vector<std::jthread> holders;
+    for (int i = 0; i < 2; ++i) holders.emplace_back([&, i] { extended[i] = s->extend(receipt, b->ownership, 20s); });
+    const bool blocked = eventually([&] { return paused_clients(admin) == paused_before + 2; });
+    CHECK(blocked);
+    CHECK(s->connections() == 2);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto l = s->load_result("anything");
+    const auto waited = std::chrono::steady_clock::now() - t0;
+    admin.run({"CLIENT", "UNPAUSE"});
+    INFO(l.status().ToString());
+    CHECK(l.status().code() == absl::StatusCode::kUnavailable);
+    CHECK(keel::not_started(l.status()));
+    CHECK(waited >= 200ms);
+  }
+  CHECK(extended[0].ok());
+  CHECK(extended[1].ok());
+  CHECK(s->connections() == 2);
 }

@@ -153,14 +153,16 @@ class pg_connection {
  public:
   // Connects with libpq's `conninfo` (a connection string or URI); the
   // connect timeout is rounded up to whole seconds (libpq's unit, at least 2).
+  // application_name shows which store a session belongs to (pg_stat_activity).
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<pg_connection>> connect(const std::string& conninfo,
                                                                              duration connect_timeout,
+                                                                             const std::string& application_name,
                                                                              std::string_view who) {
     const auto secs = std::max<std::int64_t>(
         2, std::chrono::duration_cast<std::chrono::seconds>(connect_timeout + std::chrono::milliseconds(999)).count());
     const std::string timeout = std::to_string(secs);
     const char* keys[] = {"dbname", "connect_timeout", "application_name", nullptr};
-    const char* values[] = {conninfo.c_str(), timeout.c_str(), "keel", nullptr};
+    const char* values[] = {conninfo.c_str(), timeout.c_str(), application_name.c_str(), nullptr};
     std::unique_ptr<PGconn, pg_conn_closer> c(PQconnectdbParams(keys, values, /*expand_dbname=*/1));
     if (c == nullptr || PQstatus(c.get()) != CONNECTION_OK) return pg_connect_error(who, c.get());
     if (PQsetnonblocking(c.get(), 1) != 0) return pg_connect_error(who, c.get());
@@ -305,16 +307,13 @@ class pg_connection {
     const char* code = PQresultErrorField(r.get(), PG_DIAG_SQLSTATE);
     const std::string_view sqlstate = code ? code : "";
     const std::string_view cls = sqlstate.substr(0, 2);
-    const std::string message =
-        absl::StrCat(to_absl(who_), ": ", to_absl(what), ": ",
-                     absl::StripTrailingAsciiWhitespace(PQresultErrorMessage(r.get())),
+    const std::string detail =
+        absl::StrCat(absl::StripTrailingAsciiWhitespace(PQresultErrorMessage(r.get())),
                      sqlstate.empty() ? "" : " (SQLSTATE ", to_absl(sqlstate), sqlstate.empty() ? "" : ")");
+    const std::string message = absl::StrCat("keel: ", to_absl(who_), ": ", to_absl(what), ": ", detail);
     if (PQstatus(c_.get()) != CONNECTION_OK || sqlstate.empty() || cls == "08" || cls == "57" || cls == "58" ||
         cls == "XX") {
-      broken_ = true;
-      const absl::Status cause = absl::UnavailableError(message);
-      if (effect == pg_effect::write) return unknown_outcome_error(absl::StrCat(to_absl(who_), ": ", to_absl(what)), cause);
-      return cause;
+      return failed(absl::StatusCode::kUnavailable, effect, what, detail);
     }
     absl::Status s;
     if (cls == "28" || sqlstate == "42501") {
@@ -330,13 +329,19 @@ class pg_connection {
     return mark_not_started(std::move(s));
   }
 
-  absl::Status lost(pg_effect effect, std::string_view what, std::string_view when) {
+  // A statement whose fate is unknown: for a write, keel's unknown outcome
+  // (it may have committed); for a read, `code` (transient).
+  absl::Status failed(absl::StatusCode code, pg_effect effect, std::string_view what, std::string_view detail) {
     broken_ = true;
-    const absl::Status cause = absl::UnavailableError(
-        absl::StrCat(to_absl(who_), ": ", to_absl(what), ": connection lost while ", to_absl(when), ": ",
-                     absl::StripTrailingAsciiWhitespace(PQerrorMessage(c_.get()))));
-    if (effect == pg_effect::write) return unknown_outcome_error(absl::StrCat(to_absl(who_), ": ", to_absl(what)), cause);
-    return cause;
+    if (effect == pg_effect::write)
+      return unknown_outcome_error(absl::StrCat(to_absl(who_), ": ", to_absl(what)), absl::Status(code, to_absl(detail)));
+    return absl::Status(code, absl::StrCat("keel: ", to_absl(who_), ": ", to_absl(what), ": ", to_absl(detail)));
+  }
+
+  absl::Status lost(pg_effect effect, std::string_view what, std::string_view when) {
+    return failed(absl::StatusCode::kUnavailable, effect, what,
+                  absl::StrCat("connection lost while ", to_absl(when), ": ",
+                               absl::StripTrailingAsciiWhitespace(PQerrorMessage(c_.get()))));
   }
 
   absl::Status timed_out(pg_effect effect, std::string_view what, duration timeout) {
@@ -347,12 +352,8 @@ class pg_connection {
       (void)PQcancel(k, err, sizeof err);
       PQfreeCancel(k);
     }
-    broken_ = true;
-    const absl::Status cause = absl::DeadlineExceededError(
-        absl::StrCat(to_absl(who_), ": ", to_absl(what), ": no answer within the command timeout of ",
-                     describe(timeout)));
-    if (effect == pg_effect::write) return unknown_outcome_error(absl::StrCat(to_absl(who_), ": ", to_absl(what)), cause);
-    return cause;
+    return failed(absl::StatusCode::kDeadlineExceeded, effect, what,
+                  absl::StrCat("no answer within the command timeout of ", describe(timeout)));
   }
 
   std::unique_ptr<PGconn, pg_conn_closer> c_;

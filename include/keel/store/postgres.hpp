@@ -307,6 +307,9 @@ class postgres_store {
   [[nodiscard]] std::uint64_t round_trips() const noexcept { return round_trips_.load(std::memory_order_relaxed); }
   // Connections open now.
   [[nodiscard]] std::size_t connections() const { return pool_.open(); }
+  // "keel/<schema>", the application_name of this store's sessions: how an
+  // operator tells them apart in pg_stat_activity.
+  [[nodiscard]] std::string application_name() const { return absl::StrCat("keel/", options_.schema); }
 
   // ---- idempotency_store ---------------------------------------------------
 
@@ -502,7 +505,7 @@ class postgres_store {
   // A new pooled connection: statement timeout, then every statement prepared.
   absl::StatusOr<std::unique_ptr<detail::pg_connection>> connect() {
     absl::StatusOr<std::unique_ptr<detail::pg_connection>> c =
-        detail::pg_connection::connect(options_.conninfo, options_.connect_timeout, who_);
+        detail::pg_connection::connect(options_.conninfo, options_.connect_timeout, application_name(), who_);
     if (!c.ok()) return c.status();
     detail::pg_connection& conn = **c;
     const std::string timeout = absl::StrCat(std::chrono::duration_cast<std::chrono::milliseconds>(options_.command_timeout).count(), "ms");
@@ -539,7 +542,7 @@ class postgres_store {
     };
     for (const item& it : items) {
       if (absl::Status s = conn.prepare(it.name, it.sql, static_cast<int>(it.types.size()), it.types.data()); !s.ok())
-        return annotate(s, absl::StrCat("keel: ", who_, ": preparing ", it.name));
+        return s;
     }
     return c;
   }
@@ -548,7 +551,7 @@ class postgres_store {
   // so that replicas starting together do not race.
   absl::Status initialise() {
     absl::StatusOr<std::unique_ptr<detail::pg_connection>> made =
-        detail::pg_connection::connect(options_.conninfo, options_.connect_timeout, who_);
+        detail::pg_connection::connect(options_.conninfo, options_.connect_timeout, application_name(), who_);
     if (!made.ok()) return made.status();
     detail::pg_connection& c = **made;
     const duration t = std::max<duration>(options_.command_timeout, std::chrono::seconds(30));
