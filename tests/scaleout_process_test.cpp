@@ -1,0 +1,258 @@
+// Real processes against one PostgreSQL and one Redis: K processes x N
+// threads sending the same keys at once (exactly one execution per key,
+// counted in the server), and an owner SIGKILLed while it holds a lease and
+// an in-flight record (taken over after expiry with a higher fence; its late
+// writes refused).
+//
+// Children are this test binary re-executed, running only the hidden test
+// case "scaleout child process" (see scaleout_support.hpp).
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <latch>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "keel/call.hpp"
+#include "keel/digest.hpp"
+#include "keel/idempotency.hpp"
+#include "keel/lease.hpp"
+#include "scaleout_backends.hpp"
+#include "scaleout_support.hpp"
+#include "support/catch.hpp"
+
+using namespace std::chrono_literals;
+using keel_scaleout::backend;
+using keel_scaleout::child_env;
+
+namespace {
+
+keel::request_identity identity_of(const std::string& key) { return {.tenant = "t-1", .endpoint = "decide", .key = key}; }
+keel::digest digest_of(const std::string& key) { return keel::digest_builder().field("request", key).finish(); }
+const keel::request_identity held_record{.tenant = "merchant-82", .endpoint = "receipts", .key = "key-47"};
+constexpr const char* held_lease = "nightly-report";
+
+// ---- child roles ------------------------------------------------------------
+
+// N threads, each deciding every key once through keel::once. The provider
+// records its execution in the server, then takes 30 ms so that duplicates
+// from every process arrive while it holds the key. Output: one line per
+// call, "key decision-id replayed" or "key error <status>".
+template <class Store>
+int child_duplicates() {
+  const std::string ns = child_env("NS");
+  const int threads = std::stoi(child_env("THREADS"));
+  const int keys = std::stoi(child_env("KEYS"));
+  auto store = backend<Store>::open(ns, {}, threads);
+  {  // the start gate: the parent closes its end when every child is ready
+    const int gate = std::stoi(child_env("GATE"));
+    char c;
+    while (::read(gate, &c, 1) > 0) {
+    }
+    ::close(gate);
+  }
+  std::vector<std::string> lines(static_cast<std::size_t>(threads));
+  {
+    std::vector<std::jthread> workers;
+    for (int t = 0; t < threads; ++t)
+      workers.emplace_back([&, t] {
+        typename backend<Store>::counter executions(ns);
+        keel::once<Store> decide(*store, {.lease = 30s,
+                                          .retention = 2h,
+                                          .retry_window = 1h,
+                                          .poll_initial = 2ms,
+                                          .poll_max = 20ms});
+        std::ostringstream out;
+        for (int k = 0; k < keys; ++k) {
+          const std::string key = "key-" + std::to_string(k);
+          keel::call call(keel::real_clock{}.now(), {.timeout = 30s});
+          auto r = decide.run(call, identity_of(key), digest_of(key),
+                              [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
+                                executions.record(key);
+                                std::this_thread::sleep_for(30ms);
+                                return keel::decision{.model_digest = "m-large", .result = "approve " + key};
+                              });
+          if (r.ok()) {
+            out << key << " " << r->decision.id << " " << (r->replayed ? 1 : 0) << "\n";
+          } else {
+            out << key << " error " << r.status().ToString() << "\n";
+          }
+        }
+        lines[static_cast<std::size_t>(t)] = out.str();
+      });
+  }
+  std::ofstream out(child_env("OUT"), std::ios::trunc);
+  for (const std::string& l : lines) out << l;
+  return out.good() ? 0 : 3;
+}
+
+// Claims a lease and begins a record, reports its owner and fences, then
+// waits to be killed.
+template <class Store>
+int child_hold() {
+  auto store = backend<Store>::open(child_env("NS"));
+  const keel::owner_id me = keel::owner_id::random();
+  auto lease = store->claim(held_lease, me, 10s);
+  auto record = store->begin(held_record, digest_of("receipt"), me, {.lease = 10s, .retention = 1h});
+  if (!lease.ok() || !lease->acquired || !record.ok() || record->state != keel::begin_state::claimed) return 4;
+  {
+    std::ofstream out(child_env("OUT"), std::ios::trunc);
+    out << me.hex() << " " << lease->ownership.fence << " " << record->ownership.fence << "\n";
+  }
+  std::this_thread::sleep_for(120s);  // the parent kills this process long before
+  return 5;
+}
+
+template <class Store>
+int run_child(const std::string& role) {
+  if (role == "duplicates") return child_duplicates<Store>();
+  if (role == "hold") return child_hold<Store>();
+  return 64;
+}
+
+}  // namespace
+
+TEST_CASE("scaleout child process", "[.]") {
+  const std::string role = child_env("ROLE");
+  if (role.empty()) return;  // run by hand: nothing to do
+  int rc = 64;
+  try {
+    rc = child_env("BACKEND") == "postgres" ? run_child<keel::postgres_store>(role)
+                                            : run_child<keel::redis_store>(role);
+  } catch (const std::exception& e) {
+    std::ofstream(child_env("OUT") + ".error") << e.what() << "\n";
+    rc = 70;
+  }
+  std::fflush(nullptr);
+  std::_Exit(rc);
+}
+
+TEMPLATE_TEST_CASE("K processes x N threads send the same keys: exactly one execution per key, counted in the server",
+                   "[scaleout][processes]", keel::postgres_store, keel::redis_store) {
+  using B = backend<TestType>;
+  constexpr int processes = 3, threads = 4, keys = 4;
+  const std::string ns = keel_scaleout::fresh_name("dup");
+  { auto create = B::open(ns); }  // the namespace (schema) exists before the race
+  typename B::counter executions(ns);
+  executions.prepare();
+
+  int gate[2];
+  REQUIRE(::pipe(gate) == 0);
+  std::vector<pid_t> children;
+  std::vector<std::string> outs;
+  for (int p = 0; p < processes; ++p) {
+    outs.push_back(keel_scaleout::temp_path("dup-out"));
+    children.push_back(keel_scaleout::spawn_child("duplicates",
+                                                  {{"BACKEND", B::name},
+                                                   {"NS", ns},
+                                                   {"THREADS", std::to_string(threads)},
+                                                   {"KEYS", std::to_string(keys)},
+                                                   {"GATE", std::to_string(gate[0])},
+                                                   {"OUT", outs.back()}},
+                                                  {gate[1]}));
+  }
+  ::close(gate[0]);
+  ::close(gate[1]);  // every child starts now
+  std::vector<int> codes;
+  for (pid_t pid : children) codes.push_back(keel_scaleout::wait_child(pid));
+
+  std::map<std::string, std::set<std::string>> ids;
+  std::map<std::string, int> calls, fresh;
+  std::vector<std::string> errors;
+  for (const std::string& path : outs) {
+    std::istringstream in(keel_scaleout::read_file(path));
+    std::string key, id, rest;
+    while (in >> key >> id) {
+      std::getline(in, rest);
+      ++calls[key];
+      if (id == "error") {
+        errors.push_back(key + rest);
+        continue;
+      }
+      ids[key].insert(id);
+      if (rest == " 0") ++fresh[key];
+    }
+    std::remove(path.c_str());
+  }
+  for (int c : codes) CHECK(c == 0);
+  for (const std::string& e : errors) FAIL_CHECK(e);
+  for (int k = 0; k < keys; ++k) {
+    const std::string key = "key-" + std::to_string(k);
+    INFO(B::name << " " << key);
+    CHECK(executions.count(key) == 1);             // one provider execution, in the server's count
+    CHECK(calls[key] == processes * threads);      // every caller answered
+    CHECK(ids[key].size() == 1);                   // ... with the same decision id
+    CHECK(fresh[key] == 1);                        // one decided it, the rest replayed it
+  }
+}
+
+TEMPLATE_TEST_CASE("a SIGKILLed owner is taken over after expiry with a higher fence; its stale writes are refused",
+                   "[scaleout][processes]", keel::postgres_store, keel::redis_store) {
+  using B = backend<TestType>;
+  const std::string ns = keel_scaleout::fresh_name("kill");
+  auto offset = std::make_shared<std::atomic<std::int64_t>>(0);
+  auto store = B::open(ns, offset);
+  const std::string out = keel_scaleout::temp_path("hold-out");
+  const pid_t child = keel_scaleout::spawn_child("hold", {{"BACKEND", B::name}, {"NS", ns}, {"OUT", out}});
+  const std::string line = keel_scaleout::await_line(out);
+  std::remove(out.c_str());
+  REQUIRE_FALSE(line.empty());
+  REQUIRE(::kill(child, SIGKILL) == 0);
+  CHECK(keel_scaleout::wait_child(child) == 128 + SIGKILL);
+
+  std::istringstream in(line);
+  std::string owner_hex;
+  std::int64_t lease_fence = 0, record_fence = 0;
+  in >> owner_hex >> lease_fence >> record_fence;
+  const std::optional<keel::owner_id> dead = keel::owner_id::from_hex(owner_hex);
+  REQUIRE(dead.has_value());
+  REQUIRE(lease_fence == 1);
+  REQUIRE(record_fence == 1);
+  const keel::ownership dead_lease{*dead, lease_fence}, dead_record{*dead, record_fence};
+  const keel::begin_options bo{.lease = 10s, .retention = 1h};
+
+  // Before expiry the dead owner still holds both: others wait.
+  auto early = store->claim(held_lease, keel::owner_id::random(), 10s);
+  REQUIRE(early.ok());
+  CHECK_FALSE(early->acquired);
+  auto early_begin = store->begin(held_record, digest_of("receipt"), keel::owner_id::random(), bo);
+  REQUIRE(early_begin.ok());
+  CHECK(early_begin->state == keel::begin_state::in_flight);
+
+  offset->fetch_add(keel::detail::to_ns(11s));  // past the dead owner's leases, on the server's clock
+
+  const keel::owner_id me = keel::owner_id::random();
+  auto lease = store->claim(held_lease, me, 10s);
+  REQUIRE(lease.ok());
+  CHECK(lease->acquired);
+  CHECK(lease->took_over);
+  CHECK(lease->ownership.fence == 2);
+  auto record = store->begin(held_record, digest_of("receipt"), me, bo);
+  REQUIRE(record.ok());
+  CHECK(record->state == keel::begin_state::claimed);
+  CHECK(record->took_over);
+  CHECK(record->ownership.fence == 2);
+
+  // The dead owner's late writes (a zombie that woke up) change nothing.
+  CHECK(keel::is_lost_ownership(store->renew(held_lease, dead_lease, 10s)));
+  CHECK(keel::is_lost_ownership(store->release(held_lease, dead_lease)));
+  CHECK(keel::is_lost_ownership(
+      store->commit(held_record, dead_record, keel::decision{.id = "stale", .result = "stale"}, 1h)));
+  CHECK(keel::is_lost_ownership(store->extend(held_record, dead_record, 10s)));
+  CHECK(keel::is_lost_ownership(store->abandon(held_record, dead_record)));
+
+  REQUIRE(store->commit(held_record, record->ownership, keel::decision{.id = "fresh", .result = "ok"}, 1h).ok());
+  REQUIRE(store->release(held_lease, lease->ownership).ok());
+  auto replay = store->begin(held_record, digest_of("receipt"), keel::owner_id::random(), bo);
+  REQUIRE(replay.ok());
+  CHECK(replay->state == keel::begin_state::replay);
+  CHECK(replay->decision.id == "fresh");
+  CHECK(replay->ownership.fence == 2);
+}
