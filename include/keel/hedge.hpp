@@ -386,9 +386,12 @@ class hedge {
     race(hedge& o, Ctx& c, Next& n, const attempt_plan& p) : owner(o), ctx(c), next(n), plan(p) {}
     race(const race&) = delete;
     race& operator=(const race&) = delete;
+    ~race() {
+      for (int j = 0; j < launched; ++j) std::destroy_at(&at(j));
+    }
 
     R run(duration delay) {
-      slot& primary = slots[0];
+      slot& primary = *std::construct_at(&slots[0].s);
       primary.stop = detail::take_primary_stop();
       if (plan.stop.stop_possible()) primary.link.emplace(plan.stop, detail::forward_stop{&primary.stop});
       primary.start = plan.now;
@@ -401,17 +404,18 @@ class hedge {
       attempt_plan first = plan;
       first.stop = primary.stop.get_token();
       first.hedge = 0;
-      finish(0, invoke(first));
-      {
+      if (!finish(0, invoke(first))) {
         std::unique_lock lock(mu);
         done.wait(lock, [&] { return decided && returned == launched; });
       }
       owner.disarm(*this);
-      for (slot& s : slots) s.link.reset();  // before any source goes away
+      for (int j = 0; j < launched; ++j) at(j).link.reset();  // before any source goes away
       detail::give_back_primary_stop(primary.stop);
       if (winner >= 0) return std::move(*answer);
       return R(std::move(last_failure));
     }
+
+    slot& at(int i) { return slots[static_cast<std::size_t>(i)].s; }
 
     R invoke(const attempt_plan& p) {
       try {
@@ -427,19 +431,21 @@ class hedge {
     void run_hedge(int i) {
       attempt_plan p = plan;
       p.now = ctx.clock.now();
-      p.stop = slots[static_cast<std::size_t>(i)].stop.get_token();
+      p.stop = at(i).stop.get_token();
       p.hedge = i;
       finish(i, invoke(p));
     }
 
-    // Records attempt i's result; decides the race when it can.
-    void finish(int i, R&& r) {
+    // Records attempt i's result; decides the race when it can. Returns
+    // true when the race is over (decided, every attempt returned).
+    bool finish(int i, R&& r) {
       const bool timed = owner.tracker_ != nullptr;
       const time_point end = timed ? ctx.clock.now() : time_point{};
       int start_next = -1;
+      bool over = false;
       {
         std::lock_guard lock(mu);
-        slot& s = slots[static_cast<std::size_t>(i)];
+        slot& s = at(i);
         s.running = false;
         ++returned;
         if (s.cancelled) owner.outstanding_.fetch_sub(1, std::memory_order_relaxed);
@@ -464,15 +470,18 @@ class hedge {
             }
           }
         }
-        if (decided && returned == launched) done.notify_all();
+        over = decided && returned == launched;
+        // The caller (attempt 0) only waits after its own finish: nobody to wake then.
+        if (over && i != 0) done.notify_all();
       }
       if (start_next >= 0) start(start_next);
+      return over;
     }
 
     void cancel_losers_locked(int won, time_point now) {
       int outstanding = 0;
       for (int j = 0; j < launched; ++j) {
-        slot& s = slots[static_cast<std::size_t>(j)];
+        slot& s = at(j);
         if (j == won || !s.running || s.cancelled) continue;
         s.cancelled = true;
         ++outstanding;
@@ -511,7 +520,7 @@ class hedge {
         return -1;
       }
       const int i = launched;
-      slot& s = slots[static_cast<std::size_t>(i)];
+      slot& s = *std::construct_at(&slots[static_cast<std::size_t>(i)].s);
       s.stop = std::stop_source();
       if (plan.stop.stop_possible()) s.link.emplace(plan.stop, detail::forward_stop{&s.stop});
       s.start = now;
@@ -526,7 +535,7 @@ class hedge {
     // return at any moment, so nothing of the race is touched afterwards
     // (unless the timer lock holds the caller back: see on_timer).
     void start(int i) {
-      observe(ctx.listener, events::hedge_started{ctx.call, i, slots[static_cast<std::size_t>(i)].start - plan.now});
+      observe(ctx.listener, events::hedge_started{ctx.call, i, at(i).start - plan.now});
       hedge& o = owner;
       absl::Status refused = o.executor_.try_execute([this, i] { run_hedge(i); });
       if (refused.ok()) {
@@ -565,7 +574,14 @@ class hedge {
     const attempt_plan plan;
     std::mutex mu;
     std::condition_variable done;
-    std::array<slot, hedge_options::max_hedges_limit + 1> slots{};
+    // Raw storage, constructed as attempts start (slots [0, launched)): the
+    // primary-wins path builds one slot and clears no memory for the others.
+    union slot_storage {
+      slot s;
+      slot_storage() noexcept {}  // NOLINT: deliberately leaves `s` unconstructed
+      ~slot_storage() {}
+    };
+    std::array<slot_storage, hedge_options::max_hedges_limit + 1> slots;
     int launched = 0;   // attempts started, the primary included
     int returned = 0;   // attempts that have returned
     int hedges = 0;     // hedges reserved
