@@ -55,6 +55,7 @@
 #include <vector>
 
 #include <sqlite3.h>
+#include <unistd.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -486,8 +487,17 @@ class sqlite_store {
     const std::string msg = db_ ? sqlite3_errmsg(db_.get()) : sqlite3_errstr(rc);
     absl::StatusCode code = detail::sqlite_code(rc);
     if ((rc & 0xff) == SQLITE_CANTOPEN) {
-      if (sys == EACCES || sys == EPERM || sys == EROFS) code = absl::StatusCode::kPermissionDenied;
-      else if (sys == ENOENT) code = absl::StatusCode::kNotFound;
+      if (sys == EACCES || sys == EPERM || sys == EROFS) {
+        code = absl::StatusCode::kPermissionDenied;
+      } else if (sys == ENOENT) {
+        // SQLite retries a create it may not make as a read-only open, which
+        // then fails with ENOENT: a directory this process may not write is
+        // PermissionDenied, a missing one NotFound.
+        const std::size_t slash = path_.rfind('/');
+        const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path_.substr(0, slash);
+        const bool unwritable = ::access(dir.c_str(), F_OK) == 0 && ::access(dir.c_str(), W_OK) != 0;
+        code = options_.create && unwritable ? absl::StatusCode::kPermissionDenied : absl::StatusCode::kNotFound;
+      }
     }
     return absl::Status(code, absl::StrCat("keel: sqlite store '", path_, "': ", detail::to_absl(what), ": ", msg,
                                            sys != 0 ? absl::StrCat(" (errno ", sys, ")") : std::string()));
