@@ -48,7 +48,6 @@
 #include <utility>
 #include <vector>
 
-#include "absl/hash/hash.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "keel/call.hpp"
@@ -192,7 +191,8 @@ class breaker_registry {
       return {std::string(d.endpoint), std::string(d.model), std::string(d.region), std::string(d.tenant)};
     }
     [[nodiscard]] bool equals(const failure_domain& d) const noexcept {
-      return endpoint == d.endpoint && model == d.model && region == d.region && tenant == d.tenant;
+      return detail::key_equals(endpoint, d.endpoint) && detail::key_equals(model, d.model) &&
+             detail::key_equals(region, d.region) && detail::key_equals(tenant, d.tenant);
     }
   };
 
@@ -202,8 +202,7 @@ class breaker_registry {
             s.region ? d.region : std::string_view{}, s.tenant ? d.tenant : std::string_view{}};
   }
   [[nodiscard]] static std::size_t hash(const failure_domain& d) noexcept {
-    return absl::HashOf(detail::to_absl(d.endpoint), detail::to_absl(d.model), detail::to_absl(d.region),
-                        detail::to_absl(d.tenant));
+    return detail::key_hash(d.tenant, detail::key_hash(d.region, detail::key_hash(d.model, detail::key_hash(d.endpoint))));
   }
   [[nodiscard]] circuit_breaker_options named(std::string name) const {
     circuit_breaker_options o = options_.breaker;

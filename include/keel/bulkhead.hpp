@@ -271,6 +271,8 @@ class bulkhead_permit {
   [[nodiscard]] std::size_t work_class() const noexcept { return cls_; }
   // True when the slot is borrowed from another class.
   [[nodiscard]] bool borrowed() const noexcept { return lender_ != cls_; }
+  // The class whose slot this is: work_class(), or the lender when borrowed.
+  [[nodiscard]] std::size_t slot_owner() const noexcept { return lender_; }
   // How long the caller waited in the queue; waited() is false when it
   // got a slot at once.
   [[nodiscard]] duration queue_delay() const noexcept { return delay_; }

@@ -1,7 +1,7 @@
 // keel/rate_limiter.hpp — a lock-free token bucket.
 //
 // keel::rate_limiter admits at most `burst` units at once and `rate` units per
-// second sustained. It is the generic cell rate algorithm (GCRA): one atomic
+// `per` (a second by default) sustained. It is the generic cell rate algorithm (GCRA): one atomic
 // word holds the "theoretical arrival time" (TAT) of the next unit, and
 // taking n units is one compare-and-swap that moves it n intervals forward
 // if it stays within `burst` intervals of now. There is no refill thread and
@@ -10,7 +10,7 @@
 //
 // keel uses it for request rate (one unit per request) and, in
 // keel/admission.hpp, for compute budgets (units = model tokens, with
-// `rate = budget / window` and `burst = budget`).
+// `rate = budget`, `per = window` and `burst = budget`).
 //
 // Example:
 //
@@ -41,20 +41,24 @@
 namespace keel {
 
 struct rate_limiter_options {
-  // Units per second, sustained; > 0 and at most 1e9 (one per nanosecond).
+  // Units per `per`, sustained; > 0, and at most one unit per nanosecond.
   double rate = 100.0;
+  duration per = std::chrono::seconds(1);  // > 0
   // Units that may be taken at once from a full bucket; >= 1.
   double burst = 1.0;
 
   [[nodiscard]] absl::Status validate() const {
-    if (!(rate > 0.0) || !(rate <= 1e9)) {
-      return detail::invalid_field("rate_limiter_options", "rate", "be in (0, 1e9] units per second", rate);
+    if (per <= duration::zero()) return detail::invalid_field("rate_limiter_options", "per", "be > 0", per);
+    const double per_ns = std::chrono::duration<double, std::nano>(per).count();
+    if (!(rate > 0.0) || !(rate <= per_ns)) {
+      return detail::invalid_field("rate_limiter_options", "rate",
+                                   "be in (0, 1e9] units per second", rate * 1e9 / per_ns);
     }
     if (!(burst >= 1.0) || !std::isfinite(burst)) {
       return detail::invalid_field("rate_limiter_options", "burst", "be a finite number >= 1", burst);
     }
     // The bucket's depth in nanoseconds must fit comfortably in 64 bits.
-    if (burst / rate > 1e8) {
+    if (burst * per_ns / rate > 1e17) {
       return detail::invalid_field("rate_limiter_options", "burst", "be at most 1e8 seconds of rate", burst);
     }
     return absl::OkStatus();
@@ -73,8 +77,9 @@ class rate_limiter {
  public:
   // Throws keel::invalid_options if `o` is invalid. The bucket starts full.
   explicit rate_limiter(const rate_limiter_options& o = {})
-      : interval_ns_((detail::require_valid(o.validate()), 1e9 / o.rate)),
+      : interval_ns_((detail::require_valid(o.validate()), std::chrono::duration<double, std::nano>(o.per).count() / o.rate)),
         depth_ns_(static_cast<std::int64_t>(std::llround(o.burst * interval_ns_))),
+        unit_ns_(static_cast<std::int64_t>(std::llround(interval_ns_))),
         options_(o) {}
   rate_limiter(const rate_limiter&) = delete;
   rate_limiter& operator=(const rate_limiter&) = delete;
@@ -118,11 +123,13 @@ class rate_limiter {
 
  private:
   [[nodiscard]] std::int64_t cost_ns(double units) const noexcept {
+    if (units == 1.0) return unit_ns_;  // one request: the common case, no rounding call
     return static_cast<std::int64_t>(std::llround(units * interval_ns_));
   }
 
   double interval_ns_;      // nanoseconds per unit
   std::int64_t depth_ns_;   // burst * interval
+  std::int64_t unit_ns_;    // interval, rounded
   rate_limiter_options options_;
   // Theoretical arrival time of the next unit, ns since the clock's epoch.
   // Zero: long ago, so the bucket starts full.

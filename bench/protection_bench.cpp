@@ -1,0 +1,142 @@
+// The protection components' costs: the closed breaker's allow + record,
+// a bulkhead slot beside a bare std::counting_semaphore, the token bucket,
+// admission across two levels, and the full protection pipeline around a
+// trivial provider. Names are stable; see docs/benchmarks.md.
+#include <chrono>
+#include <semaphore>
+
+#include <benchmark/benchmark.h>
+
+#include "keel/adaptive_timeout.hpp"
+#include "keel/admission.hpp"
+#include "keel/bulkhead.hpp"
+#include "keel/call.hpp"
+#include "keel/circuit_breaker.hpp"
+#include "keel/pipeline.hpp"
+#include "keel/rate_limiter.hpp"
+#include "keel/retry.hpp"
+#include "keel/retry_budget.hpp"
+#include "keel/time_limit.hpp"
+#include "support/alloc_counter.hpp"
+
+using namespace std::chrono_literals;
+
+namespace {
+
+struct provider {
+  absl::StatusOr<int> operator()(const keel::attempt& a) const { return a.number; }
+};
+
+// The unit a pipeline pays per clock read.
+void BM_Baseline_SteadyClockNow(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  for (auto _ : state) benchmark::DoNotOptimize(keel::real_clock{}.now());
+}
+BENCHMARK(BM_Baseline_SteadyClockNow);
+
+// A closed breaker: admit, then record a success (count window, 100 calls).
+void BM_Breaker_Closed_AllowRecord(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  static keel::circuit_breaker breaker({.name = "bench"});
+  const keel::time_point now = keel::real_clock{}.now();
+  for (auto _ : state) {
+    keel::breaker_permit p = breaker.try_acquire(now);
+    p.record(keel::outcome_kind::success, now);
+    benchmark::DoNotOptimize(p);
+  }
+}
+BENCHMARK(BM_Breaker_Closed_AllowRecord)->Threads(1)->Threads(2);
+
+// The baseline: a bare counting semaphore, acquire + release.
+void BM_Baseline_CountingSemaphore(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  static std::counting_semaphore<1 << 20> sem(1 << 20);
+  for (auto _ : state) {
+    sem.acquire();
+    benchmark::ClobberMemory();
+    sem.release();
+  }
+}
+BENCHMARK(BM_Baseline_CountingSemaphore)->Threads(1)->Threads(2);
+
+// A bulkhead slot taken and given back (the permit's constructor and
+// destructor), with the completed count the semaphore does not keep.
+void BM_Bulkhead_AcquireRelease(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  static keel::bulkhead pools({.classes = {{.name = "interactive", .capacity = 24}, {.name = "batch", .capacity = 8}}});
+  for (auto _ : state) {
+    keel::bulkhead_permit p = pools.try_acquire(0);
+    benchmark::DoNotOptimize(p);
+  }
+}
+BENCHMARK(BM_Bulkhead_AcquireRelease)->Threads(1)->Threads(2);
+
+// One token from a bucket that always has one (one CAS).
+void BM_RateLimiter_TryAcquire(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  static keel::rate_limiter limiter({.rate = 1e9, .burst = 1e12});
+  const keel::time_point now = keel::real_clock{}.now();
+  for (auto _ : state) benchmark::DoNotOptimize(limiter.try_acquire(now));
+}
+BENCHMARK(BM_RateLimiter_TryAcquire)->Threads(1)->Threads(2);
+
+// Admission at two levels (tenant rate + in flight, model in flight),
+// looked up by key, then released.
+void BM_Admission_AdmitRelease(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  static keel::admission quotas({.tenant_defaults = {.rate = 1e9, .burst = 1e12, .max_in_flight = 1000},
+                                 .model_defaults = {.max_in_flight = 1000}});
+  const keel::time_point now = keel::real_clock{}.now();
+  for (auto _ : state) {
+    keel::admission::refusal_reason why;
+    keel::admission_ticket t = quotas.try_admit({.tenant = "acme", .model = "m-large"}, now, why);
+    benchmark::DoNotOptimize(t);
+  }
+}
+BENCHMARK(BM_Admission_AdmitRelease)->Threads(1)->Threads(2);
+
+// Admission + bulkhead + breaker as pipeline policies, without the
+// time-reading policies: the protection layer's own share of the full
+// pipeline (one clock read, by the pipeline, plus the call's construction).
+void BM_Pipeline_Protection_Success(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  static keel::admission quotas({.tenant_defaults = {.rate = 1e9, .burst = 1e12, .max_in_flight = 1000},
+                                 .model_defaults = {.max_in_flight = 1000}});
+  static keel::bulkhead pools({.classes = {{.name = "interactive", .capacity = 24}, {.name = "batch", .capacity = 8}}});
+  static keel::circuit_breaker breaker({.name = "llm"});
+  auto pipe = keel::pipeline(quotas, pools, breaker);
+  const keel::labels labels{.tenant = "acme", .model = "m-large", .work_class = "interactive"};
+  const keel::time_point now = keel::real_clock{}.now();
+  for (auto _ : state) {
+    keel::call call(now, {.timeout = 3s, .response_reserve = 200ms, .labels = labels});
+    absl::StatusOr<int> r = pipe.run(call, provider{});
+    benchmark::DoNotOptimize(r);
+  }
+}
+BENCHMARK(BM_Pipeline_Protection_Success)->Threads(1)->Threads(2);
+
+// The figure: deadline (time_limit) + quota (tenant and model) +
+// bulkhead + breaker + retry with budget + adaptive timeout around a trivial
+// provider; a new call per request, as in a service. Compare with
+// BM_Pipeline_RetryTimeout_Success (keel_bench_core), the same without the
+// three protection policies.
+void BM_Pipeline_Full_Success(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  static keel::admission quotas({.tenant_defaults = {.rate = 1e9, .burst = 1e12, .max_in_flight = 1000},
+                                 .model_defaults = {.max_in_flight = 1000}});
+  static keel::bulkhead pools({.classes = {{.name = "interactive", .capacity = 24}, {.name = "batch", .capacity = 8}}});
+  static keel::circuit_breaker breaker({.name = "llm"});
+  static keel::retry_budget budget({.ratio = 0.1});
+  static keel::adaptive_timeout timeouts;
+  auto pipe = keel::pipeline(keel::time_limit({.at_most = 2s}), quotas, pools, breaker,
+                             keel::retry({.max_attempts = 3, .budget = &budget}), timeouts);
+  const keel::labels labels{.tenant = "acme", .model = "m-large", .work_class = "interactive"};
+  for (auto _ : state) {
+    keel::call call(keel::real_clock{}.now(), {.timeout = 3s, .response_reserve = 200ms, .labels = labels});
+    absl::StatusOr<int> r = pipe.run(call, provider{});
+    benchmark::DoNotOptimize(r);
+  }
+}
+BENCHMARK(BM_Pipeline_Full_Success)->Threads(1)->Threads(2);
+
+}  // namespace

@@ -1,0 +1,313 @@
+// keel::rate_limiter and keel::admission: the token bucket's arithmetic
+// and its bound under contention; multi-level, all-or-nothing admission
+// with rollback, compute reservations reconciled after the work, replays,
+// queued work, refusal payloads, the pipeline policy, and bad options.
+#include "keel/admission.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "keel/call.hpp"
+#include "keel/pipeline.hpp"
+#include "keel/rate_limiter.hpp"
+#include "keel/testing/manual_clock.hpp"
+#include "support/catch.hpp"
+
+using namespace std::chrono_literals;
+using keel::testing::manual_clock;
+
+namespace {
+std::string refused_by(const absl::Status& s) { return keel::refused_by(s).value_or("(none)"); }
+}  // namespace
+
+// --- token bucket --------------------------------------------------------------
+
+TEST_CASE("the token bucket admits its burst, then its rate", "[rate_limiter]") {
+  manual_clock clock;
+  keel::rate_limiter limiter({.rate = 2, .burst = 3});  // one every 500 ms, three at once
+  for (int i = 0; i < 3; ++i) CHECK(limiter.try_acquire(clock.now()));
+  const keel::rate_decision refused = limiter.try_acquire(clock.now());
+  CHECK(!refused);
+  CHECK(refused.retry_after == 500ms);
+  clock.advance(499ms);
+  CHECK(!limiter.try_acquire(clock.now()));
+  clock.advance(1ms);
+  CHECK(limiter.try_acquire(clock.now()));
+  CHECK(!limiter.try_acquire(clock.now()));
+
+  clock.advance(10s);  // idle: full again, never more than the burst
+  CHECK(limiter.available(clock.now()) == 3.0);
+  for (int i = 0; i < 3; ++i) CHECK(limiter.try_acquire(clock.now()));
+  CHECK(!limiter.try_acquire(clock.now()));
+
+  limiter.refund(2);  // an all-or-nothing admission rolled back
+  CHECK(limiter.available(clock.now()) == 2.0);
+  CHECK(limiter.try_acquire(clock.now(), 2));
+  CHECK(!limiter.try_acquire(clock.now()));
+}
+
+TEST_CASE("charging past the bucket leaves a debt later callers wait off", "[rate_limiter]") {
+  manual_clock clock;
+  keel::rate_limiter compute({.rate = 100, .burst = 1000});  // 1000 units, refilling 100/s
+  CHECK(compute.try_acquire(clock.now(), 800));
+  compute.charge(clock.now(), 500);  // the work cost 500 more than reserved
+  CHECK(compute.available(clock.now()) == -300.0);
+  const keel::rate_decision d = compute.try_acquire(clock.now(), 100);
+  CHECK(!d);
+  CHECK(d.retry_after == 4s);  // 300 of debt + 100 wanted, at 100 per second
+  clock.advance(4s);
+  CHECK(compute.try_acquire(clock.now(), 100));
+  // An idle, full bucket charged from now, not from long ago.
+  clock.advance(1h);
+  compute.charge(clock.now(), 250);
+  CHECK(compute.available(clock.now()) == 750.0);
+}
+
+TEST_CASE("concurrent callers never take more than the bucket holds", "[rate_limiter][concurrency]") {
+  const keel::time_point frozen = manual_clock().now();
+  keel::rate_limiter limiter({.rate = 1, .burst = 1000});  // no refill worth speaking of at a frozen time
+  std::atomic<int> granted{0};
+  {
+    std::vector<std::jthread> threads;
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&] {
+        for (int i = 0; i < 2000; ++i)
+          if (limiter.try_acquire(frozen)) granted.fetch_add(1);
+      });
+    }
+  }
+  CHECK(granted.load() == 1000);
+}
+
+TEST_CASE("invalid rate limiter options are refused with the field named", "[rate_limiter][options]") {
+  CHECK(std::string(keel::rate_limiter_options{.rate = 0}.validate().message()) ==
+        "rate_limiter_options.rate must be in (0, 1e9] units per second (got 0)");
+  CHECK(std::string(keel::rate_limiter_options{.rate = -5}.validate().message()) ==
+        "rate_limiter_options.rate must be in (0, 1e9] units per second (got -5)");
+  CHECK(std::string(keel::rate_limiter_options{.rate = 10, .burst = 0.5}.validate().message()) ==
+        "rate_limiter_options.burst must be a finite number >= 1 (got 0.5)");
+  CHECK_THROWS_AS(keel::rate_limiter({.rate = 0}), keel::invalid_options);
+}
+
+// --- admission ------------------------------------------------------------------
+
+TEST_CASE("a request is admitted only if every level admits it; a refusal keeps nothing", "[admission]") {
+  manual_clock clock;
+  keel::admission quotas({.tenant_defaults = {.rate = 10, .burst = 10, .max_in_flight = 5},
+                          .model_defaults = {.max_in_flight = 1}});
+  absl::StatusOr<keel::admission_ticket> first = quotas.admit({.tenant = "acme", .model = "m"}, clock.now());
+  REQUIRE(first.ok());
+  CHECK(quotas.tenant_usage("acme", clock.now())->in_flight == 1);
+  CHECK(quotas.tenant_usage("acme", clock.now())->rate_available == 9.0);
+
+  // The model level refuses: the tenant's slot and rate token are given back.
+  const absl::StatusOr<keel::admission_ticket> second = quotas.admit({.tenant = "acme", .model = "m"}, clock.now());
+  REQUIRE(!second.ok());
+  CHECK(second.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK(refused_by(second.status()) == "model:m:in_flight");
+  CHECK(second.status().message() == "keel: model 'm' is over its in_flight quota");
+  CHECK(keel::retry_after(second.status()) == std::optional<keel::duration>(100ms));
+  CHECK(keel::not_started(second.status()));
+  CHECK(quotas.tenant_usage("acme", clock.now())->in_flight == 1);
+  CHECK(quotas.tenant_usage("acme", clock.now())->rate_available == 9.0);
+
+  // Another model is a separate key at the model level.
+  absl::StatusOr<keel::admission_ticket> other = quotas.admit({.tenant = "acme", .model = "n"}, clock.now());
+  CHECK(other.ok());
+  CHECK(quotas.tenant_usage("acme", clock.now())->in_flight == 2);
+  first->cancel();
+  *other = keel::admission_ticket();
+  CHECK(quotas.tenant_usage("acme", clock.now())->in_flight == 0);
+  CHECK(quotas.model_usage("m", clock.now())->in_flight == 0);
+}
+
+TEST_CASE("the rate level refuses with when to come back", "[admission]") {
+  manual_clock clock;
+  keel::admission quotas({.tenant_defaults = {.rate = 5, .burst = 2}, .tenants = {{"vip", {.rate = 100, .burst = 100}}}});
+  CHECK(quotas.admit({.tenant = "acme"}, clock.now()).ok());
+  CHECK(quotas.admit({.tenant = "acme"}, clock.now()).ok());
+  const absl::Status s = quotas.admit({.tenant = "acme"}, clock.now()).status();
+  CHECK(refused_by(s) == "tenant:acme:rate");
+  CHECK(keel::retry_after(s) == std::optional<keel::duration>(200ms));
+  for (int i = 0; i < 50; ++i) CHECK(quotas.admit({.tenant = "vip"}, clock.now()).ok());  // its override
+  clock.advance(200ms);
+  CHECK(quotas.admit({.tenant = "acme"}, clock.now()).ok());
+}
+
+TEST_CASE("compute is reserved up front and reconciled with the actual cost", "[admission][compute]") {
+  manual_clock clock;
+  keel::admission quotas({.tenant_defaults = {.compute_budget = 1000, .compute_window = 60s}});
+  absl::StatusOr<keel::admission_ticket> a = quotas.admit({.tenant = "acme", .estimate = 600}, clock.now());
+  REQUIRE(a.ok());
+  const absl::Status over = quotas.admit({.tenant = "acme", .estimate = 600}, clock.now()).status();
+  CHECK(refused_by(over) == "tenant:acme:compute");
+  CHECK(keel::retry_after(over) == std::optional<keel::duration>(12s));  // 200 units at 1000 per minute
+
+  a->reconcile(300, clock.now());  // the call used half its estimate: 300 come back
+  CHECK(quotas.tenant_usage("acme", clock.now())->compute_available == 700.0);
+  absl::StatusOr<keel::admission_ticket> b = quotas.admit({.tenant = "acme", .estimate = 600}, clock.now());
+  REQUIRE(b.ok());
+  b->reconcile(900, clock.now());  // and this one more than estimated: charged
+  CHECK(quotas.tenant_usage("acme", clock.now())->compute_available == -200.0);
+  a->reconcile(0, clock.now());  // settled once; later calls change nothing
+  CHECK(quotas.tenant_usage("acme", clock.now())->compute_available == -200.0);
+
+  // An estimate above the whole budget can never pass: refused as permanent.
+  const absl::Status never = quotas.admit({.tenant = "t2", .estimate = 5000}, clock.now()).status();
+  CHECK(refused_by(never) == "tenant:t2:compute");
+  CHECK(!keel::retry_after(never).has_value());
+  CHECK(keel::marked_outcome(never) == keel::outcome_kind::permanent);
+}
+
+TEST_CASE("a compute refusal at the model level gives back the tenant's reservation", "[admission][compute]") {
+  manual_clock clock;
+  keel::admission quotas({.tenant_defaults = {.rate = 10, .burst = 10, .max_in_flight = 4, .compute_budget = 10'000},
+                          .model_defaults = {.max_in_flight = 4, .compute_budget = 1000}});
+  absl::StatusOr<keel::admission_ticket> big = quotas.admit({.tenant = "a", .model = "m", .estimate = 900}, clock.now());
+  REQUIRE(big.ok());
+  const absl::Status s = quotas.admit({.tenant = "b", .model = "m", .estimate = 500}, clock.now()).status();
+  CHECK(refused_by(s) == "model:m:compute");
+  const keel::quota_usage b = *quotas.tenant_usage("b", clock.now());
+  CHECK(b.compute_available == 10'000.0);
+  CHECK(b.in_flight == 0);
+  CHECK(b.rate_available == 10.0);
+  CHECK(quotas.model_usage("m", clock.now())->in_flight == 1);
+}
+
+TEST_CASE("a replay counts toward the tenant's rate but spends no model capacity", "[admission][replay]") {
+  manual_clock clock;
+  keel::admission quotas({.tenant_defaults = {.rate = 1, .burst = 3, .max_in_flight = 1, .compute_budget = 100},
+                          .model_defaults = {.rate = 1, .burst = 1, .max_in_flight = 1}});
+  absl::StatusOr<keel::admission_ticket> fresh =
+      quotas.admit({.tenant = "acme", .model = "m", .estimate = 100}, clock.now());
+  REQUIRE(fresh.ok());
+  // The model and the tenant's in-flight and compute are all used up; a
+  // replay still passes, twice, until the tenant's rate runs out.
+  for (int i = 0; i < 2; ++i) {
+    absl::StatusOr<keel::admission_ticket> r = quotas.admit(
+        {.tenant = "acme", .model = "m", .estimate = 100, .kind = keel::request_kind::replay}, clock.now());
+    CHECK(r.ok());
+  }
+  const absl::Status s =
+      quotas.admit({.tenant = "acme", .model = "m", .kind = keel::request_kind::replay}, clock.now()).status();
+  CHECK(refused_by(s) == "tenant:acme:rate");
+  CHECK(quotas.model_usage("m", clock.now())->rate_available == 0.0);
+  CHECK(quotas.tenant_usage("acme", clock.now())->compute_available == 0.0);
+}
+
+TEST_CASE("queued work holds a queued slot until it starts", "[admission][queued]") {
+  manual_clock clock;
+  keel::admission quotas({.tenant_defaults = {.max_in_flight = 1, .max_queued = 1, .compute_budget = 1000}});
+  absl::StatusOr<keel::admission_ticket> a = quotas.admit({.tenant = "t", .queued = true}, clock.now());
+  REQUIRE(a.ok());
+  CHECK(a->queued());
+  CHECK(refused_by(quotas.admit({.tenant = "t", .queued = true}, clock.now()).status()) == "tenant:t:queued");
+  CHECK(a->start().ok());
+  CHECK(!a->queued());
+  CHECK(quotas.tenant_usage("t", clock.now())->queued == 0);
+  CHECK(quotas.tenant_usage("t", clock.now())->in_flight == 1);
+
+  absl::StatusOr<keel::admission_ticket> c = quotas.admit({.tenant = "t", .estimate = 400, .queued = true}, clock.now());
+  REQUIRE(c.ok());
+  const absl::Status busy = c->start();  // in flight is full: stays queued
+  CHECK(refused_by(busy) == "tenant:t:in_flight");
+  CHECK(c->queued());
+  CHECK(quotas.tenant_usage("t", clock.now())->queued == 1);
+  *a = keel::admission_ticket();  // the running one finishes
+  CHECK(c->start().ok());
+  CHECK(quotas.tenant_usage("t", clock.now())->in_flight == 1);
+  CHECK(quotas.tenant_usage("t", clock.now())->compute_available == 600.0);
+
+  // A queued ticket dropped before it started gives its estimate back.
+  {
+    absl::StatusOr<keel::admission_ticket> d =
+        quotas.admit({.tenant = "t", .estimate = 300, .queued = true}, clock.now());
+    REQUIRE(d.ok());
+    CHECK(quotas.tenant_usage("t", clock.now())->compute_available == 300.0);
+  }
+  CHECK(quotas.tenant_usage("t", clock.now())->compute_available == 600.0);
+  CHECK(quotas.tenant_usage("t", clock.now())->queued == 0);
+}
+
+TEST_CASE("keys are bounded: new keys beyond max_keys share one overflow quota", "[admission]") {
+  manual_clock clock;
+  keel::admission quotas({.tenant_defaults = {.max_in_flight = 1}, .max_keys = 2});
+  std::vector<keel::admission_ticket> held;
+  for (const char* t : {"a", "b", "c"}) {
+    absl::StatusOr<keel::admission_ticket> r = quotas.admit({.tenant = t}, clock.now());
+    REQUIRE(r.ok());
+    held.push_back(std::move(*r));
+  }
+  // "d" lands in the same overflow quota as "c", whose one slot is taken.
+  CHECK(refused_by(quotas.admit({.tenant = "d"}, clock.now()).status()) == "tenant:(overflow):in_flight");
+  CHECK(quotas.overflowed() == 2);
+  CHECK(!quotas.tenant_usage("c", clock.now()).has_value());
+}
+
+TEST_CASE("as a policy: refusal before the work, compute reconciled with what attempts charged",
+          "[admission][pipeline]") {
+  manual_clock clock;
+  keel::admission quotas({.tenant_defaults = {.rate = 10, .burst = 2, .compute_budget = 10'000}});
+  struct refusals {
+    std::vector<std::string>* seen;
+    void operator()(const keel::events::admission_refused& e) const {
+      seen->push_back(std::string(e.level) + ":" + std::string(e.key) + ":" + std::string(keel::to_string(e.limit)));
+    }
+  };
+  std::vector<std::string> seen;
+  auto pipe = keel::pipeline(quotas.with_estimate([](const keel::call&) { return 2000; }))
+                  .on(clock)
+                  .observe(refusals{&seen});
+  int ran = 0;
+  auto provider = [&](const keel::attempt& a) -> absl::StatusOr<int> {
+    ++ran;
+    a.charge(500);  // tokens actually used
+    return 1;
+  };
+  const keel::labels acme{.tenant = "acme", .model = "m"};
+  for (int i = 0; i < 2; ++i) {
+    keel::call c(clock.now(), {.labels = acme});
+    CHECK(pipe.run(c, provider).ok());
+  }
+  CHECK(quotas.tenant_usage("acme", clock.now())->compute_available == 9000.0);  // 2 x 500, not 2 x 2000
+  keel::call third(clock.now(), {.labels = acme});
+  const absl::StatusOr<int> r = pipe.run(third, provider);
+  CHECK(refused_by(r.status()) == "tenant:acme:rate");
+  CHECK(ran == 2);  // refused before the work
+  CHECK(seen == std::vector<std::string>{"tenant:acme:rate"});
+
+  // A call already marked replayed is admitted as a replay.
+  keel::admission models({.model_defaults = {.max_in_flight = 1}});
+  absl::StatusOr<keel::admission_ticket> busy = models.admit({.model = "m"}, clock.now());
+  REQUIRE(busy.ok());
+  auto replay_pipe = keel::pipeline(models).on(clock);
+  keel::call fresh(clock.now(), {.labels = acme});
+  CHECK(refused_by(replay_pipe.run(fresh, provider).status()) == "model:m:in_flight");
+  keel::call replayed(clock.now(), {.labels = acme});
+  replayed.mark_replayed();
+  CHECK(replay_pipe.run(replayed, provider).ok());
+}
+
+TEST_CASE("invalid quota options are refused with the field named", "[admission][options]") {
+  auto message = [](keel::admission_options o) { return std::string(o.validate().message()); };
+  CHECK(message({.tenant_defaults = {.rate = 0}}) == "admission_options.tenant_defaults.rate must be in (0, 1e9] (got 0)");
+  CHECK(message({.tenant_defaults = {.burst = 3}}) ==
+        "admission_options.tenant_defaults.burst must come with a rate (got 3)");
+  CHECK(message({.model_defaults = {.max_in_flight = 0}}) ==
+        "admission_options.model_defaults.max_in_flight must be >= 1 (got 0)");
+  CHECK(message({.model_defaults = {.max_queued = -2}}) ==
+        "admission_options.model_defaults.max_queued must be >= 1 (got -2)");
+  CHECK(message({.tenant_defaults = {.compute_budget = -100}}) ==
+        "admission_options.tenant_defaults.compute_budget must be >= 1 (got -100)");
+  CHECK(message({.tenant_defaults = {.compute_budget = 10, .compute_window = keel::duration::zero()}}) ==
+        "admission_options.tenant_defaults.compute_window must be in (0, 1e8 s] (got 0s)");
+  CHECK(message({.tenants = {{"acme", {.max_in_flight = 0}}}}) ==
+        "admission_options.tenants[acme].max_in_flight must be >= 1 (got 0)");
+  CHECK(message({.tenants = {{"a", {}}, {"a", {}}}}) == "admission_options.tenants[1] must name its key once (got a)");
+  CHECK(message({.max_keys = 0}) == "admission_options.max_keys must be in [1, 1048576] (got 0)");
+  CHECK(message({.busy_retry_after = -1ms}) == "admission_options.busy_retry_after must be > 0 (got -1ms)");
+  CHECK_THROWS_AS(keel::admission({.tenant_defaults = {.rate = -1}}), keel::invalid_options);
+}
