@@ -16,6 +16,7 @@
 #include "keel/digest.hpp"
 #include "keel/executor.hpp"
 #include "keel/fallback.hpp"
+#include "keel/fan_out.hpp"
 #include "keel/hedge.hpp"
 #include "keel/idempotency.hpp"
 #include "keel/lease.hpp"
@@ -413,4 +414,38 @@ TEST_CASE("the default sink is no sink: observing null_listener changes nothing"
   STATIC_REQUIRE(keel::wants<keel::metrics_listener, keel::events::breaker_state_changed>);
   STATIC_REQUIRE(keel::wants<keel::metrics_listener, keel::events::lease_lost>);
   STATIC_REQUIRE(std::is_nothrow_copy_constructible_v<keel::metrics_listener>);
+}
+
+TEST_CASE("a fan-out's units, saves and outstanding work are reported", "[telemetry][fan_out]") {
+  keel::memory_store<> store;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  keel::fan_out<std::string, keel::memory_store<>, keel::bounded_pool> panel({.width = 3}, store, pool);
+  keel::metrics_registry registry;
+  keel::watch_fan_out(registry, "panel", panel);
+  std::vector<keel::unit> units;
+  for (const char* name : {"A", "B", "C"}) {
+    units.push_back({.name = name, .key = keel::digest_builder().field("model", name).finish()});
+  }
+  std::atomic<bool> b_fails{true};
+  auto worker = [&](const keel::unit_context& u) -> absl::StatusOr<std::string> {
+    if (u.unit.name == "B" && b_fails.load()) return absl::UnavailableError("B is down");
+    return "score:" + u.unit.name;
+  };
+  {
+    keel::call call(keel::real_clock{}.now(), {.timeout = 10s});
+    CHECK_FALSE(panel.run(call, units, worker).complete());
+  }
+  b_fails = false;
+  {
+    keel::call call(keel::real_clock{}.now(), {.timeout = 10s});
+    CHECK(panel.run(call, units, worker).complete());  // A and C from the store, B again
+  }
+  const auto s = registry.snapshot();
+  CHECK(value(s, "keel_fan_out_units_total", {"panel", "started"}) == 4);
+  CHECK(value(s, "keel_fan_out_units_total", {"panel", "succeeded"}) == 3);
+  CHECK(value(s, "keel_fan_out_units_total", {"panel", "failed"}) == 1);
+  CHECK(value(s, "keel_fan_out_units_total", {"panel", "cached"}) == 2);
+  CHECK(value(s, "keel_fan_out_saved_total", {"panel"}) == 3);
+  CHECK(value(s, "keel_fan_out_outstanding", {"panel"}) == 0);
+  CHECK(keel::to_prometheus_text(s).ok());
 }

@@ -27,6 +27,7 @@
 //     keel_hedge_losers_cancelled_total       attempts still running when the race was won
 //                                             (their upstream work may go on); the live
 //                                             count is keel_hedge_outstanding, see watch_hedge()
+//   fan-out (keel/fan_out.hpp reports figures, not events): see watch_fan_out()
 //   fallback (keel/fallback.hpp)
 //     keel_fallbacks_total{path}              answers served by an alternative (degraded)
 //     keel_fallback_skips_total{path,reason,gate}   alternatives not used: gate, deadline,
@@ -58,11 +59,13 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "keel/circuit_breaker.hpp"
 #include "keel/fallback.hpp"
+#include "keel/fan_out.hpp"
 #include "keel/hedge.hpp"
 #include "keel/idempotency.hpp"
 #include "keel/lease.hpp"
@@ -286,6 +289,20 @@ class metrics_listener {
   std::array<counter_metric*, detail::begin_states> idempotency_begins_{};
 };
 
+namespace detail {
+
+// The family `name` in `s`, added (labelled by `label`) if not there yet, so
+// several watched objects share one family.
+inline metric_family_snapshot& family_in(metrics_snapshot& s, std::string name, std::string_view help,
+                                         metric_type type, std::vector<std::string> labels) {
+  for (auto& f : s.families)
+    if (f.name == name) return f;
+  return s.families.emplace_back(metric_family_snapshot{
+      .name = std::move(name), .help = std::string(help), .type = type, .label_names = std::move(labels)});
+}
+
+}  // namespace detail
+
 // Reports a hedge's live figures at every snapshot of `registry`:
 //   keel_hedge_outstanding{hedge}    attempts asked to stop that have not returned yet
 //   keel_hedge_wins_total{hedge}     races won by a hedge rather than the primary
@@ -298,17 +315,50 @@ template <class Hedge>
 void watch_hedge(metrics_registry& registry, std::string name, const Hedge& h, std::string prefix = "keel_") {
   registry.add_collector([&h, name = std::move(name), prefix = std::move(prefix)](metrics_snapshot& s) {
     const hedge_figures f = h.figures();
-    auto family = [&s](std::string family_name, std::string help, metric_type type) -> metric_family_snapshot& {
-      for (auto& existing : s.families)
-        if (existing.name == family_name) return existing;
-      return s.families.emplace_back(metric_family_snapshot{
-          .name = std::move(family_name), .help = std::move(help), .type = type, .label_names = {"hedge"}});
-    };
-    family(prefix + "hedge_outstanding", "Hedge race losers asked to stop that have not returned yet.",
-           metric_type::gauge)
+    detail::family_in(s, prefix + "hedge_outstanding", "Hedge race losers asked to stop that have not returned yet.",
+                      metric_type::gauge, {"hedge"})
         .series.push_back({.labels = {name}, .value = static_cast<double>(f.outstanding)});
-    family(prefix + "hedge_wins_total", "Races won by a hedge rather than the primary.", metric_type::counter)
+    detail::family_in(s, prefix + "hedge_wins_total", "Races won by a hedge rather than the primary.",
+                      metric_type::counter, {"hedge"})
         .series.push_back({.labels = {name}, .value = static_cast<double>(f.hedge_wins)});
+  });
+}
+
+// Reports a fan-out collector's figures at every snapshot of `registry`:
+//   keel_fan_out_units_total{fan_out,state}   units by what happened: cached,
+//                                             started, succeeded, failed, cancelled
+//   keel_fan_out_outstanding{fan_out}         units cancelled while running and not
+//                                             confirmed stopped (upstream work may go on)
+//   keel_fan_out_saved_total{fan_out}, keel_fan_out_save_errors_total{fan_out}
+// `f` (anything with figures() returning keel::fan_out_figures) must outlive
+// the registry's snapshots.
+template <class FanOut>
+  requires requires(const FanOut& f) {
+    { f.figures() } -> std::same_as<fan_out_figures>;
+  }
+void watch_fan_out(metrics_registry& registry, std::string name, const FanOut& fan, std::string prefix = "keel_") {
+  registry.add_collector([&fan, name = std::move(name), prefix = std::move(prefix)](metrics_snapshot& s) {
+    const fan_out_figures f = fan.figures();
+    auto& units = detail::family_in(s, prefix + "fan_out_units_total", "Fan-out units, by what happened to them.",
+                                    metric_type::counter, {"fan_out", "state"});
+    const std::pair<const char*, std::int64_t> states[] = {{"cached", f.cached},
+                                                           {"started", f.started},
+                                                           {"succeeded", f.succeeded},
+                                                           {"failed", f.failed},
+                                                           {"cancelled", f.cancelled}};
+    for (const auto& [state, n] : states) {
+      units.series.push_back({.labels = {name, state}, .value = static_cast<double>(n)});
+    }
+    detail::family_in(s, prefix + "fan_out_outstanding",
+                      "Fan-out units cancelled while running, not confirmed stopped.", metric_type::gauge,
+                      {"fan_out"})
+        .series.push_back({.labels = {name}, .value = static_cast<double>(f.outstanding)});
+    detail::family_in(s, prefix + "fan_out_saved_total", "Fan-out results saved to the store.", metric_type::counter,
+                      {"fan_out"})
+        .series.push_back({.labels = {name}, .value = static_cast<double>(f.saved)});
+    detail::family_in(s, prefix + "fan_out_save_errors_total", "Fan-out results the store failed to save.",
+                      metric_type::counter, {"fan_out"})
+        .series.push_back({.labels = {name}, .value = static_cast<double>(f.save_errors)});
   });
 }
 
