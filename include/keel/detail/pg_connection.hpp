@@ -166,6 +166,9 @@ class pg_connection {
     std::unique_ptr<PGconn, pg_conn_closer> c(PQconnectdbParams(keys, values, /*expand_dbname=*/1));
     if (c == nullptr || PQstatus(c.get()) != CONNECTION_OK) return pg_connect_error(who, c.get());
     if (PQsetnonblocking(c.get(), 1) != 0) return pg_connect_error(who, c.get());
+    // libpq prints server notices (for example "terminating connection due
+    // to immediate shutdown") to stderr by default; a library must not.
+    PQsetNoticeProcessor(c.get(), [](void*, const char*) {}, nullptr);
     return std::unique_ptr<pg_connection>(new pg_connection(std::move(c), who));
   }
 
