@@ -1,0 +1,440 @@
+// keel/detail/sqlite_db.hpp — the SQLite connection keel's SQLite stores
+// share: opening and checking a keel file, the versioned base schema, the
+// store clock with its persisted high-water mark, and one BEGIN IMMEDIATE
+// transaction per operation. keel::sqlite_store (keel/store/sqlite.hpp) and
+// keel::sqlite_job_store (keel/store/sqlite_jobs.hpp) are built on it, so
+// both can use one file and one store clock.
+//
+// sqlite_db<Time>::transact(op, body) runs body(times) inside BEGIN
+// IMMEDIATE ... COMMIT: the write lock is taken before anything is read, so
+// no other connection (thread or process) can interleave. `times.check`
+// decides what has expired and `times.grant` is the base of new expiries
+// (docs/stores.md, "Time"). The body returns an absl::StatusOr<T>; an error
+// rolls the transaction back. A failure at COMMIT with an I/O error is an
+// unknown outcome; any other failure is "not started".
+//
+// Thread-safety: none. The owning store serialises use with its own mutex.
+#pragma once
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <sqlite3.h>
+#include <unistd.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "keel/clock.hpp"
+#include "keel/ownership.hpp"
+#include "keel/status.hpp"
+
+namespace keel {
+
+enum class sqlite_sync { normal, full };
+
+struct sqlite_options {
+  // PRAGMA synchronous: normal (fsync at checkpoints) or full (at every commit).
+  sqlite_sync synchronous = sqlite_sync::normal;
+  // How long an operation waits for another writer; in [0, 24h].
+  duration busy_timeout = std::chrono::seconds(5);
+  // Create the file (and the schema in an empty file). Off: a missing file is NotFound.
+  bool create = true;
+  // A registered SQLite VFS to open the file with; empty: the default. (Tests
+  // use a fault-injecting VFS to make commits fail.)
+  std::string vfs{};
+
+  [[nodiscard]] absl::Status validate() const {
+    if (busy_timeout < duration::zero() || busy_timeout > std::chrono::hours(24))
+      return detail::invalid_field("sqlite_options", "busy_timeout", "be in [0, 24h]", busy_timeout);
+    return absl::OkStatus();
+  }
+};
+
+// The schema version this keel reads and writes.
+inline constexpr int sqlite_schema_version = 1;
+// PRAGMA application_id of a keel store: "keel" in ASCII.
+inline constexpr std::int32_t sqlite_application_id = 0x6B65656C;
+
+namespace detail {
+
+// The high-water mark is written when the clock has moved this far past it
+// (so: not on every transaction; see docs/stores.md, "Time").
+inline constexpr std::int64_t sqlite_mark_granularity_ns = 10'000'000;
+
+[[nodiscard]] inline absl::StatusCode sqlite_code(int rc) noexcept {
+  switch (rc & 0xff) {
+    case SQLITE_BUSY:
+    case SQLITE_LOCKED:
+    case SQLITE_PROTOCOL:
+      return absl::StatusCode::kUnavailable;
+    case SQLITE_CORRUPT:
+    case SQLITE_NOTADB:
+      return absl::StatusCode::kDataLoss;
+    case SQLITE_READONLY:
+    case SQLITE_PERM:
+    case SQLITE_AUTH:
+      return absl::StatusCode::kPermissionDenied;
+    case SQLITE_FULL:
+    case SQLITE_NOMEM:
+      return absl::StatusCode::kResourceExhausted;
+    case SQLITE_CANTOPEN:
+      return absl::StatusCode::kUnavailable;
+    case SQLITE_SCHEMA:
+    case SQLITE_CONSTRAINT:
+    case SQLITE_MISMATCH:
+      return absl::StatusCode::kFailedPrecondition;
+    default:
+      return absl::StatusCode::kInternal;
+  }
+}
+
+// One prepared statement, reset (and unbound) when a use ends.
+class sqlite_stmt {
+ public:
+  sqlite_stmt() = default;
+  ~sqlite_stmt() { sqlite3_finalize(s_); }
+  sqlite_stmt(const sqlite_stmt&) = delete;
+  sqlite_stmt& operator=(const sqlite_stmt&) = delete;
+
+  int prepare(sqlite3* db, std::string_view sql) {
+    return sqlite3_prepare_v3(db, sql.data(), static_cast<int>(sql.size()), SQLITE_PREPARE_PERSISTENT, &s_, nullptr);
+  }
+  [[nodiscard]] sqlite3_stmt* get() const noexcept { return s_; }
+
+  // A use of the statement: binds, steps, reads columns; resets at the end.
+  class use {
+   public:
+    explicit use(sqlite_stmt& s) noexcept : s_(s.s_) {}
+    ~use() {
+      sqlite3_reset(s_);
+      sqlite3_clear_bindings(s_);
+    }
+    use(const use&) = delete;
+    use& operator=(const use&) = delete;
+
+    use& bind(int i, std::string_view bytes) {
+      // A non-null pointer: a zero-length blob, not NULL.
+      rc_ = keep(sqlite3_bind_blob(s_, i, bytes.empty() ? "" : bytes.data(), static_cast<int>(bytes.size()),
+                                   SQLITE_STATIC));
+      return *this;
+    }
+    use& bind(int i, std::int64_t v) {
+      rc_ = keep(sqlite3_bind_int64(s_, i, v));
+      return *this;
+    }
+    use& bind_null(int i) {
+      rc_ = keep(sqlite3_bind_null(s_, i));
+      return *this;
+    }
+    // SQLITE_ROW, SQLITE_DONE or an error code.
+    int step() {
+      if (rc_ != SQLITE_OK) return rc_;
+      return sqlite3_step(s_);
+    }
+    [[nodiscard]] std::int64_t i64(int col) const { return sqlite3_column_int64(s_, col); }
+    [[nodiscard]] bool is_null(int col) const { return sqlite3_column_type(s_, col) == SQLITE_NULL; }
+    [[nodiscard]] std::string_view bytes(int col) const {
+      const void* p = sqlite3_column_blob(s_, col);
+      const int n = sqlite3_column_bytes(s_, col);
+      return p == nullptr ? std::string_view() : std::string_view(static_cast<const char*>(p), n);
+    }
+
+   private:
+    int keep(int rc) const noexcept { return rc_ != SQLITE_OK ? rc_ : rc; }
+    sqlite3_stmt* s_;
+    int rc_ = SQLITE_OK;
+  };
+
+ private:
+  sqlite3_stmt* s_ = nullptr;
+};
+
+struct sqlite_closer {
+  void operator()(sqlite3* db) const noexcept { sqlite3_close_v2(db); }
+};
+
+}  // namespace detail
+
+}  // namespace keel
+
+namespace keel::detail {
+
+// Store time inside a transaction: `check` decides what has expired,
+// `grant` is the base of new expiries (see docs/stores.md, "Time").
+struct sqlite_times {
+  std::int64_t check;
+  std::int64_t grant;
+};
+
+template <store_time_source Time>
+class sqlite_db {
+ public:
+  sqlite_db(std::string path, const sqlite_options& o, Time time)
+      : path_(std::move(path)), options_(o), time_(std::move(time)) {}
+  sqlite_db(const sqlite_db&) = delete;
+  sqlite_db& operator=(const sqlite_db&) = delete;
+  // Statements are members declared after the connection, so they are
+  // finalized before it closes.
+  ~sqlite_db() = default;
+
+  [[nodiscard]] const std::string& path() const noexcept { return path_; }
+  [[nodiscard]] const Time& time() const noexcept { return time_; }
+  [[nodiscard]] sqlite3* handle() const noexcept { return db_.get(); }
+
+  // ---- opening -------------------------------------------------------------
+
+  absl::Status open_error(int rc, std::string_view what) const {
+    const int sys = db_ ? sqlite3_system_errno(db_.get()) : 0;
+    const std::string msg = db_ ? sqlite3_errmsg(db_.get()) : sqlite3_errstr(rc);
+    absl::StatusCode code = detail::sqlite_code(rc);
+    if ((rc & 0xff) == SQLITE_CANTOPEN) {
+      if (sys == EACCES || sys == EPERM || sys == EROFS) {
+        code = absl::StatusCode::kPermissionDenied;
+      } else if (sys == ENOENT) {
+        // SQLite retries a create it may not make as a read-only open, which
+        // then fails with ENOENT: a directory this process may not write is
+        // PermissionDenied, a missing one NotFound.
+        const std::size_t slash = path_.rfind('/');
+        const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path_.substr(0, slash);
+        const bool unwritable = ::access(dir.c_str(), F_OK) == 0 && ::access(dir.c_str(), W_OK) != 0;
+        code = options_.create && unwritable ? absl::StatusCode::kPermissionDenied : absl::StatusCode::kNotFound;
+      }
+    }
+    return absl::Status(code, absl::StrCat("keel: sqlite store '", path_, "': ", detail::to_absl(what), ": ", msg,
+                                           sys != 0 ? absl::StrCat(" (errno ", sys, ")") : std::string()));
+  }
+
+  absl::Status connect() {
+    sqlite3* raw = nullptr;
+    const int flags = SQLITE_OPEN_READWRITE | (options_.create ? SQLITE_OPEN_CREATE : 0) | SQLITE_OPEN_NOMUTEX |
+                      SQLITE_OPEN_EXRESCODE;
+    const int rc = sqlite3_open_v2(path_.c_str(), &raw, flags, options_.vfs.empty() ? nullptr : options_.vfs.c_str());
+    db_.reset(raw);
+    if (rc != SQLITE_OK) return open_error(rc, options_.create ? "cannot open or create" : "cannot open");
+    sqlite3_busy_timeout(db_.get(),
+                         static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(options_.busy_timeout).count()));
+    sqlite3_db_config(db_.get(), SQLITE_DBCONFIG_DEFENSIVE, 1, nullptr);
+
+    // Look before touching anything: a foreign or damaged file is refused
+    // before a single byte of it is written.
+    absl::StatusOr<file_kind> kind = inspect();
+    if (!kind.ok()) return kind.status();
+    if (sqlite3_db_readonly(db_.get(), "main") == 1)
+      return absl::PermissionDeniedError(absl::StrCat("keel: sqlite store '", path_,
+                                                      "' can only be opened read-only; keel needs to write"));
+    if (absl::Status s = exec("PRAGMA journal_mode=WAL", "enabling WAL"); !s.ok()) return s;
+    if (absl::Status s = check_wal(); !s.ok()) return s;
+    if (absl::Status s = exec(options_.synchronous == sqlite_sync::full ? "PRAGMA synchronous=FULL"
+                                                                         : "PRAGMA synchronous=NORMAL",
+                              "setting synchronous");
+        !s.ok())
+      return s;
+    if (*kind == file_kind::empty) {
+      if (absl::Status s = create_schema(); !s.ok()) return s;
+    }
+    const std::pair<sqlite_stmt*, const char*> items[] = {
+        {&begin_, "BEGIN IMMEDIATE"},
+        {&commit_, "COMMIT"},
+        {&rollback_, "ROLLBACK"},
+        {&clock_read_, "SELECT high_water FROM keel_clock WHERE id = 0"},
+        {&clock_write_, "UPDATE keel_clock SET high_water = ?1 WHERE id = 0 AND high_water < ?1"},
+    };
+    for (const auto& [st, sql] : items) {
+      if (absl::Status s = prepare(*st, sql); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+
+
+  // Prepares a statement the owner keeps (finalized before the connection closes
+  // when declared after this object).
+  absl::Status prepare(sqlite_stmt& st, const char* sql) {
+    if (int rc = st.prepare(db_.get(), sql); rc != SQLITE_OK) return open_error(rc, "preparing statements");
+    return absl::OkStatus();
+  }
+
+  absl::Status exec(const char* sql, std::string_view what) {
+    char* err = nullptr;
+    const int rc = sqlite3_exec(db_.get(), sql, nullptr, nullptr, &err);
+    if (rc == SQLITE_OK) return absl::OkStatus();
+    std::string msg = err ? err : sqlite3_errstr(rc);
+    sqlite3_free(err);
+    if (sqlite3_get_autocommit(db_.get()) == 0) sqlite3_exec(db_.get(), "ROLLBACK", nullptr, nullptr, nullptr);
+    return absl::Status(detail::sqlite_code(rc), absl::StrCat("keel: sqlite store '", path_, "': ", detail::to_absl(what), ": ", msg));
+  }
+
+  // ---- transactions --------------------------------------------------------
+
+
+  [[nodiscard]] std::int64_t changes() const noexcept { return sqlite3_changes64(db_.get()); }
+
+  // A failure inside a transaction: the caller rolls back, so nothing was applied.
+  absl::Status failure(int rc, std::string_view what) const {
+    absl::Status s(detail::sqlite_code(rc), absl::StrCat("keel: sqlite store '", path_, "': ", detail::to_absl(what), ": ",
+                                                         sqlite3_errmsg(db_.get())));
+    return s.code() == absl::StatusCode::kUnavailable ? mark_not_started(std::move(s)) : s;
+  }
+
+  // BEGIN IMMEDIATE; read (and maybe move) the high-water mark; body; COMMIT.
+  template <class Body>
+  std::invoke_result_t<Body&, const sqlite_times&> transact(std::string_view op, Body&& body) {
+    using result = std::invoke_result_t<Body&, const sqlite_times&>;
+    {
+      detail::sqlite_stmt::use b(begin_);
+      if (int rc = b.step(); rc != SQLITE_DONE) return failure(rc, absl::StrCat(detail::to_absl(op), ": taking the write lock"));
+    }
+    result out = [&]() -> result {
+      absl::StatusOr<sqlite_times> now = read_time();
+      if (!now.ok()) return now.status();
+      return body(*now);
+    }();
+    if (!out.ok()) {
+      rollback();
+      return out;
+    }
+    detail::sqlite_stmt::use c(commit_);
+    const int rc = c.step();
+    if (rc == SQLITE_DONE) return out;
+    const absl::Status cause = failure(rc, absl::StrCat(detail::to_absl(op), ": COMMIT"));
+    if ((rc & 0xff) == SQLITE_IOERR) {
+      rollback();
+      return unknown_outcome_error(absl::StrCat("sqlite store '", path_, "': ", detail::to_absl(op)), cause);
+    }
+    rollback();  // BUSY, FULL, ...: the transaction did not commit
+    return cause.code() == absl::StatusCode::kUnavailable ? cause : mark_not_started(cause);
+  }
+
+  void rollback() {
+    if (sqlite3_get_autocommit(db_.get()) != 0) return;  // SQLite already rolled back
+    detail::sqlite_stmt::use r(rollback_);
+    (void)r.step();
+  }
+
+ private:
+  enum class file_kind { empty, keel };
+
+  absl::StatusOr<file_kind> inspect() {
+    absl::StatusOr<std::int64_t> app = pragma_int("PRAGMA application_id");
+    if (!app.ok()) return app.status();
+    absl::StatusOr<std::int64_t> version = pragma_int("PRAGMA user_version");
+    if (!version.ok()) return version.status();
+    std::vector<std::string> tables;
+    {
+      detail::sqlite_stmt q;
+      int rc = q.prepare(db_.get(), "SELECT name FROM sqlite_schema WHERE type = 'table' ORDER BY name");
+      if (rc != SQLITE_OK) return open_error(rc, "reading the schema");
+      detail::sqlite_stmt::use u(q);
+      while ((rc = u.step()) == SQLITE_ROW) tables.emplace_back(u.bytes(0));
+      if (rc != SQLITE_DONE) return open_error(rc, "reading the schema");
+    }
+    if (*app == 0 && tables.empty() && *version == 0) return file_kind::empty;
+    if (*app != sqlite_application_id) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "keel: sqlite store '", path_, "' is another application's database (application_id ", *app,
+          ", tables: ", tables.empty() ? "none" : absl::StrJoin(tables, ", "), "); keel will not touch it"));
+    }
+    if (*version != sqlite_schema_version) {
+      return absl::FailedPreconditionError(absl::StrCat("keel: sqlite store '", path_, "' has keel schema version ",
+                                                        *version, "; this keel reads version ",
+                                                        sqlite_schema_version, " only; refusing to change it"));
+    }
+    for (const char* t : {"keel_clock", "keel_idempotency", "keel_lease", "keel_result"}) {
+      if (std::find(tables.begin(), tables.end(), t) == tables.end())
+        return absl::FailedPreconditionError(absl::StrCat("keel: sqlite store '", path_,
+                                                          "' is a keel store with a damaged schema: table ", t,
+                                                          " is missing"));
+    }
+    return file_kind::keel;
+  }
+
+  absl::StatusOr<std::int64_t> pragma_int(const char* sql) {
+    detail::sqlite_stmt q;
+    int rc = q.prepare(db_.get(), sql);
+    if (rc != SQLITE_OK) return open_error(rc, "reading the file header");
+    detail::sqlite_stmt::use u(q);
+    rc = u.step();
+    if (rc != SQLITE_ROW) return open_error(rc, "reading the file header");
+    return u.i64(0);
+  }
+
+  absl::Status check_wal() {
+    detail::sqlite_stmt q;
+    int rc = q.prepare(db_.get(), "PRAGMA journal_mode");
+    if (rc != SQLITE_OK) return open_error(rc, "reading the journal mode");
+    detail::sqlite_stmt::use u(q);
+    rc = u.step();
+    if (rc != SQLITE_ROW) return open_error(rc, "reading the journal mode");
+    if (u.bytes(0) != "wal")
+      return absl::FailedPreconditionError(absl::StrCat("keel: sqlite store '", path_,
+                                                        "': WAL journal mode is not available here (got ",
+                                                        std::string(u.bytes(0)), ")"));
+    return absl::OkStatus();
+  }
+
+  absl::Status create_schema() {
+    // Another process may be creating it at the same moment: take the write
+    // lock, then look again.
+    if (absl::Status s = exec("BEGIN IMMEDIATE", "creating the schema"); !s.ok()) return s;
+    absl::StatusOr<std::int64_t> app = pragma_int("PRAGMA application_id");
+    if (!app.ok()) {
+      (void)exec("ROLLBACK", "creating the schema");
+      return app.status();
+    }
+    if (*app == sqlite_application_id) return exec("COMMIT", "creating the schema");
+    static constexpr const char* schema =
+        "CREATE TABLE keel_clock(id INTEGER PRIMARY KEY CHECK (id = 0), high_water INTEGER NOT NULL);"
+        "INSERT INTO keel_clock VALUES (0, -9223372036854775808);"
+        "CREATE TABLE keel_idempotency("
+        "  tenant BLOB NOT NULL, endpoint BLOB NOT NULL, key BLOB NOT NULL,"
+        "  request BLOB NOT NULL, state INTEGER NOT NULL, owner BLOB NOT NULL, fence INTEGER NOT NULL,"
+        "  lease_expires INTEGER NOT NULL, record_expires INTEGER NOT NULL,"
+        "  decision_id BLOB, model_digest BLOB, policy_revision BLOB, result BLOB,"
+        "  error_code INTEGER NOT NULL DEFAULT 0, error_message BLOB, committed_at INTEGER NOT NULL DEFAULT 0,"
+        "  PRIMARY KEY (tenant, endpoint, key)) WITHOUT ROWID;"
+        "CREATE TABLE keel_lease(work_key BLOB PRIMARY KEY, owner BLOB NOT NULL, fence INTEGER NOT NULL,"
+        "  expires INTEGER NOT NULL, held INTEGER NOT NULL) WITHOUT ROWID;"
+        "CREATE TABLE keel_result(key BLOB PRIMARY KEY, value BLOB NOT NULL, saved_at INTEGER NOT NULL,"
+        "  expires INTEGER NOT NULL) WITHOUT ROWID;"
+        "PRAGMA application_id = 1801807212;"  // 0x6B65656C
+        "PRAGMA user_version = 1;"
+        "COMMIT;";
+    static_assert(sqlite_application_id == 1801807212 && sqlite_schema_version == 1);
+    return exec(schema, "creating the schema");
+  }
+
+  absl::StatusOr<sqlite_times> read_time() {
+    const std::int64_t s = detail::store_now_ns(time_);
+    std::int64_t mark = INT64_MIN;
+    {
+      detail::sqlite_stmt::use q(clock_read_);
+      const int rc = q.step();
+      if (rc != SQLITE_ROW) return failure(rc == SQLITE_DONE ? SQLITE_CORRUPT : rc, "reading the store clock");
+      mark = q.i64(0);
+    }
+    if (s < mark) return sqlite_times{mark, detail::add_ns(mark, detail::sqlite_mark_granularity_ns)};  // stepped back
+    if (mark == INT64_MIN || s - mark >= detail::sqlite_mark_granularity_ns) {
+      detail::sqlite_stmt::use w(clock_write_);
+      w.bind(1, s);
+      if (int rc = w.step(); rc != SQLITE_DONE) return failure(rc, "moving the store clock");
+    }
+    return sqlite_times{s, s};
+  }
+  std::string path_;
+  sqlite_options options_;
+  Time time_;
+  std::unique_ptr<sqlite3, sqlite_closer> db_;
+  sqlite_stmt begin_, commit_, rollback_, clock_read_, clock_write_;
+};
+
+}  // namespace keel::detail
