@@ -10,7 +10,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "keel/admission.hpp"
 #include "keel/backoff.hpp"
+#include "keel/bulkhead.hpp"
 #include "keel/call.hpp"
 #include "keel/circuit_breaker.hpp"
 #include "keel/digest.hpp"
@@ -447,5 +449,44 @@ TEST_CASE("a fan-out's units, saves and outstanding work are reported", "[teleme
   CHECK(value(s, "keel_fan_out_units_total", {"panel", "cached"}) == 2);
   CHECK(value(s, "keel_fan_out_saved_total", {"panel"}) == 3);
   CHECK(value(s, "keel_fan_out_outstanding", {"panel"}) == 0);
+  CHECK(keel::to_prometheus_text(s).ok());
+}
+
+TEST_CASE("admission and bulkhead rejections are counted with the limit that refused", "[telemetry][admission]") {
+  keel::metrics_registry registry;
+  const keel::metrics_listener listener(registry);
+  auto ok = [](const keel::attempt&) -> absl::StatusOr<int> { return 1; };
+
+  keel::admission quotas({.tenant_defaults = {.max_in_flight = 1}});
+  auto admitted = keel::pipeline(quotas).observe(listener);
+  {
+    // acme's one in-flight slot is held; its next call is refused, globex's is not.
+    absl::StatusOr<keel::admission_ticket> held =
+        quotas.admit({.tenant = "acme", .model = "m"}, keel::real_clock{}.now());
+    REQUIRE(held.ok());
+    keel::call acme(keel::real_clock{}.now(), {.timeout = 1s, .labels = {.tenant = "acme", .model = "m"}});
+    const absl::Status refused = admitted.run(acme, ok).status();
+    CHECK(refused.code() == absl::StatusCode::kResourceExhausted);
+    CHECK(keel::refused_by(refused) == "tenant:acme:in_flight");
+    keel::call globex(keel::real_clock{}.now(), {.timeout = 1s, .labels = {.tenant = "globex", .model = "m"}});
+    CHECK(admitted.run(globex, ok).ok());
+  }
+
+  keel::bulkhead pools({.classes = {{.name = "batch", .capacity = 1, .max_queue = 0}}});
+  auto isolated = keel::pipeline(pools).observe(listener);
+  {
+    keel::bulkhead_permit busy = pools.try_acquire(*pools.class_index("batch"));
+    REQUIRE(busy);
+    keel::call batch(keel::real_clock{}.now(), {.timeout = 1s, .labels = {.work_class = "batch"}});
+    CHECK(isolated.run(batch, ok).status().code() == absl::StatusCode::kResourceExhausted);
+    keel::call unknown(keel::real_clock{}.now(), {.timeout = 1s, .labels = {.work_class = "reports"}});
+    CHECK_FALSE(isolated.run(unknown, ok).ok());
+  }
+
+  const auto s = registry.snapshot();
+  CHECK(value(s, "keel_admission_rejections_total", {"tenant", "acme", "in_flight"}) == 1);
+  CHECK(value(s, "keel_admission_rejections_total", {"tenant", "globex", "in_flight"}) == -1);
+  CHECK(value(s, "keel_bulkhead_rejections_total", {"batch", "queue_full"}) == 1);
+  CHECK(value(s, "keel_bulkhead_rejections_total", {"reports", "unknown_class"}) == 1);
   CHECK(keel::to_prometheus_text(s).ok());
 }

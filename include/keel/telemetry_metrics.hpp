@@ -17,6 +17,12 @@
 //     keel_retry_stops_total{reason}          retry layers that gave up: not_retryable,
 //                                             layer_attempts, call_attempts, cancelled,
 //                                             hint_too_long, deadline, budget
+//   admission and bulkheads (keel/admission.hpp, keel/bulkhead.hpp): rejections
+//   with the limit that refused
+//     keel_admission_rejections_total{level,key,limit}   level tenant/model, key its
+//                                             name, limit rate/in_flight/queued/compute
+//     keel_bulkhead_rejections_total{class,reason}        queue_full, queue_timeout,
+//                                             deadline, cancelled, unknown_class
 //   circuit breakers (keel/circuit_breaker.hpp)
 //     keel_breaker_transitions_total{breaker,from,to}
 //     keel_breaker_rejections_total{breaker,state}   calls refused, and in which state
@@ -36,8 +42,8 @@
 //     keel_leases_lost_total                  lease keepers that gave up: the work was stopped
 //     keel_idempotency_begins_total{state}    claimed, in-flight, replay, conflict
 //
-// Labels taken from names the listener does not control (breakers, paths,
-// gates) are capped at `max_series` series per family; past that, new names
+// Labels taken from names the listener does not control (tenants, models,
+// work classes, breakers, paths, gates) are capped at `max_series` series per family; past that, new names
 // are counted under the value "_other".
 //
 // Example:
@@ -63,6 +69,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "keel/admission.hpp"
+#include "keel/bulkhead.hpp"
 #include "keel/circuit_breaker.hpp"
 #include "keel/fallback.hpp"
 #include "keel/fan_out.hpp"
@@ -139,6 +147,18 @@ inline constexpr std::size_t hedge_skip_reasons = 5;
 
 inline constexpr std::size_t begin_states = 4;
 
+// snake_case, as label values go (bulkhead.hpp's own to_string has spaces).
+[[nodiscard]] constexpr std::string_view label_of(bulkhead_refusal r) noexcept {
+  switch (r) {
+    case bulkhead_refusal::queue_full: return "queue_full";
+    case bulkhead_refusal::queue_timeout: return "queue_timeout";
+    case bulkhead_refusal::deadline: return "deadline";
+    case bulkhead_refusal::cancelled: return "cancelled";
+    case bulkhead_refusal::unknown_class: return "unknown_class";
+  }
+  return "unknown";
+}
+
 inline constexpr std::string_view other_label = "_other";
 
 }  // namespace detail
@@ -167,6 +187,14 @@ class metrics_listener {
     for (std::size_t i = 0; i < detail::retry_stop_reasons; ++i) {
       retry_stops_[i] = &stops.with({detail::to_string(static_cast<events::retry_stopped::reason>(i))});
     }
+
+    admission_rejections_ = &registry.counter({.name = p + "admission_rejections_total",
+                                               .help = "Calls admission refused, by quota level, key and the "
+                                                       "limit that refused.",
+                                               .labels = {"level", "key", "limit"}});
+    bulkhead_rejections_ = &registry.counter({.name = p + "bulkhead_rejections_total",
+                                              .help = "Calls a bulkhead refused, by work class and reason.",
+                                              .labels = {"class", "reason"}});
 
     transitions_ = &registry.counter({.name = p + "breaker_transitions_total",
                                       .help = "Circuit breaker state changes.",
@@ -220,6 +248,16 @@ class metrics_listener {
   void operator()(const events::retry_stopped& e) const noexcept {
     const auto i = static_cast<std::size_t>(e.why);
     if (i < detail::retry_stop_reasons) retry_stops_[i]->inc();
+  }
+
+  // --- admission and bulkheads (looked up by name: the family's lock, no allocation once seen)
+  void operator()(const events::admission_refused& e) const {
+    std::string_view labels[] = {e.level, e.key, to_string(e.limit)};
+    named(*admission_rejections_, labels, 0b010).inc();
+  }
+  void operator()(const events::bulkhead_rejected& e) const {
+    std::string_view labels[] = {e.work_class, detail::label_of(e.why)};
+    named(*bulkhead_rejections_, labels, 0b01).inc();
   }
 
   // --- circuit breakers (looked up by name: the family's lock, no allocation once seen)
@@ -277,6 +315,8 @@ class metrics_listener {
   std::array<counter_metric*, 2> retries_{};
   histogram_metric* retry_wait_ = nullptr;
   std::array<counter_metric*, detail::retry_stop_reasons> retry_stops_{};
+  counter_family* admission_rejections_ = nullptr;
+  counter_family* bulkhead_rejections_ = nullptr;
   counter_family* transitions_ = nullptr;
   counter_family* breaker_rejections_ = nullptr;
   counter_metric* hedges_started_ = nullptr;
