@@ -213,7 +213,7 @@ struct fan_out_options {
 // What happened to one unit.
 template <class T>
 struct unit_result {
-  const keel::unit* unit = nullptr;
+  std::string name;                   // the unit's name (a copy: the report outlives the units)
   std::string key;                    // its key in the store
   unit_state state = unit_state::pending;
   std::optional<T> value;             // cached / succeeded (and a cancelled unit's late answer)
@@ -247,7 +247,7 @@ struct fan_out_report {
   [[nodiscard]] std::vector<std::string_view> missing() const {
     std::vector<std::string_view> out;
     for (const auto& u : units)
-      if (u.state != unit_state::cached && u.state != unit_state::succeeded) out.push_back(u.unit->name);
+      if (u.state != unit_state::cached && u.state != unit_state::succeeded) out.push_back(u.name);
     return out;
   }
 
@@ -266,7 +266,7 @@ struct fan_out_report {
       if (u.state == unit_state::cached || u.state == unit_state::succeeded) continue;
       ++without;
       if (u.kind != outcome_kind::permanent) all_permanent = false;
-      absl::StrAppend(&why, without == 1 ? "" : "; ", u.unit->name, " (", detail::to_absl(to_string(u.state)));
+      absl::StrAppend(&why, without == 1 ? "" : "; ", u.name, " (", detail::to_absl(to_string(u.state)));
       if (u.kind) absl::StrAppend(&why, ", ", detail::to_absl(to_string(*u.kind)));
       if (!u.status.ok()) absl::StrAppend(&why, ": ", u.status.message());
       absl::StrAppend(&why, ")");
@@ -355,7 +355,7 @@ class fan_out {
       report.require_complete = o.options_.require_complete;
       report.units.resize(u.size());
       for (std::size_t i = 0; i < u.size(); ++i) {
-        report.units[i].unit = &u[i];
+        report.units[i].name = u[i].name;
         report.units[i].key = o.key_of(u[i]);
       }
     }
