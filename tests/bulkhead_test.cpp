@@ -395,8 +395,8 @@ TEST_CASE("the seed's flood: batch saturates its 8 slots and its queue, interact
   std::atomic<int> interactive_ok{0};
   std::atomic<int> interactive_waited{0};
   {
+    std::latch all_in(24);  // declared first: it must outlive the threads' joins
     std::vector<std::jthread> users;
-    std::latch all_in(24);
     for (int i = 0; i < 24; ++i) {
       users.emplace_back([&] {
         absl::StatusOr<keel::bulkhead_permit> p = b.acquire(interactive, clock, clock.now(), {}, {});

@@ -297,7 +297,9 @@ TEST_CASE("1,000,000 randomized acquire/cancel/timeout/throw operations leak not
           for (int t = 0; t < kTenants; ++t) {
             if (tenant_running[t].now.load() > tenant_in_flight[t]) violated("tenant in flight over its limit");
             if (tenant_waiting[t].now.load() > tenant_queued[t]) violated("tenant queued over its limit");
-            const keel::quota_usage u = *quotas.tenant_usage(tenant_names[t], frozen);
+            const std::optional<keel::quota_usage> seen = quotas.tenant_usage(tenant_names[t], frozen);
+            if (!seen) continue;  // no request for this tenant yet
+            const keel::quota_usage& u = *seen;
             if (u.in_flight > tenant_in_flight[t] || u.queued > tenant_queued[t] || u.in_flight < 0 || u.queued < 0)
               violated("tenant usage out of bounds");
             if (u.compute_available < 0) violated("compute over-reserved");
@@ -340,6 +342,8 @@ TEST_CASE("1,000,000 randomized acquire/cancel/timeout/throw operations leak not
     CHECK(f.admitted == f.completed);
   }
   CHECK(pools.on_loan(0, 1) == 0);
+  for (int t = 0; t < kTenants; ++t) REQUIRE(quotas.tenant_usage(tenant_names[t], frozen).has_value());
+  for (int m = 0; m < kModels; ++m) REQUIRE(quotas.model_usage(model_names[m], frozen).has_value());
   std::int64_t compute_left = 0;
   for (int t = 0; t < kTenants; ++t) {
     const keel::quota_usage u = *quotas.tenant_usage(tenant_names[t], frozen);
