@@ -20,10 +20,13 @@
 #include <thread>
 #include <vector>
 
+#include <hiredis/hiredis.h>
+
 #include "keel/call.hpp"
 #include "keel/digest.hpp"
 #include "keel/idempotency.hpp"
 #include "keel/lease.hpp"
+#include "keel/shared_quota.hpp"
 #include "scaleout_backends.hpp"
 #include "scaleout_support.hpp"
 #include "support/catch.hpp"
@@ -117,6 +120,54 @@ int run_child(const std::string& role) {
   return 64;
 }
 
+// THREADS threads take units from one shared quota for SECONDS (waiting
+// out each refusal's hint, at most 5 ms), then report "grants fallbacks".
+int child_hammer() {
+  keel::shared_quota q({.port = keel_scaleout::redis_port(), .key_prefix = child_env("PREFIX"), .pool_size = 4},
+                       {.name = "provider:m-large",
+                        .rate = std::stod(child_env("RATE")),
+                        .burst = std::stod(child_env("BURST")),
+                        .fallback_rate = 1});
+  const int threads = std::stoi(child_env("THREADS"));
+  {
+    const int gate = std::stoi(child_env("GATE"));
+    char c;
+    while (::read(gate, &c, 1) > 0) {
+    }
+    ::close(gate);
+  }
+  const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::stoi(child_env("MILLIS")));
+  std::atomic<long> grants{0}, fallbacks{0};
+  {
+    std::vector<std::jthread> workers;
+    for (int t = 0; t < threads; ++t)
+      workers.emplace_back([&] {
+        while (std::chrono::steady_clock::now() < end) {
+          const keel::shared_quota_decision d = q.try_acquire(keel::real_clock{}.now());
+          if (d.source == keel::quota_source::fallback) fallbacks.fetch_add(1);
+          if (d.granted) {
+            grants.fetch_add(1);
+          } else {
+            std::this_thread::sleep_for(std::min<keel::duration>(d.retry_after, 5ms));
+          }
+        }
+      });
+  }
+  std::ofstream(child_env("OUT"), std::ios::trunc) << grants.load() << " " << fallbacks.load() << "\n";
+  return 0;
+}
+
+// The Redis server's clock, in seconds.
+double redis_seconds() {
+  redisContext* c = redisConnect("127.0.0.1", keel_scaleout::redis_port());
+  auto* r = static_cast<redisReply*>(redisCommand(c, "TIME"));
+  const double s = std::stod(std::string(r->element[0]->str, r->element[0]->len)) +
+                   std::stod(std::string(r->element[1]->str, r->element[1]->len)) / 1e6;
+  freeReplyObject(r);
+  redisFree(c);
+  return s;
+}
+
 }  // namespace
 
 TEST_CASE("scaleout child process", "[.]") {
@@ -124,8 +175,12 @@ TEST_CASE("scaleout child process", "[.]") {
   if (role.empty()) return;  // run by hand: nothing to do
   int rc = 64;
   try {
-    rc = child_env("BACKEND") == "postgres" ? run_child<keel::postgres_store>(role)
-                                            : run_child<keel::redis_store>(role);
+    if (role == "hammer") {
+      rc = child_hammer();
+    } else {
+      rc = child_env("BACKEND") == "postgres" ? run_child<keel::postgres_store>(role)
+                                              : run_child<keel::redis_store>(role);
+    }
   } catch (const std::exception& e) {
     std::ofstream(child_env("OUT") + ".error") << e.what() << "\n";
     rc = 70;
@@ -255,4 +310,47 @@ TEMPLATE_TEST_CASE("a SIGKILLed owner is taken over after expiry with a higher f
   CHECK(replay->state == keel::begin_state::replay);
   CHECK(replay->decision.id == "fresh");
   CHECK(replay->ownership.fence == 2);
+}
+
+TEST_CASE("K processes hammering one shared quota stay within it, measured over the run", "[scaleout][processes][quota]") {
+  constexpr int processes = 3, threads = 2, millis = 1500;
+  constexpr double rate = 200, burst = 20;
+  const std::string prefix = keel_scaleout::fresh_name("hammer") + ":";
+  int gate[2];
+  REQUIRE(::pipe(gate) == 0);
+  std::vector<pid_t> children;
+  std::vector<std::string> outs;
+  for (int p = 0; p < processes; ++p) {
+    outs.push_back(keel_scaleout::temp_path("hammer-out"));
+    children.push_back(keel_scaleout::spawn_child("hammer",
+                                                  {{"PREFIX", prefix},
+                                                   {"RATE", std::to_string(rate)},
+                                                   {"BURST", std::to_string(burst)},
+                                                   {"THREADS", std::to_string(threads)},
+                                                   {"MILLIS", std::to_string(millis)},
+                                                   {"GATE", std::to_string(gate[0])},
+                                                   {"OUT", outs.back()}},
+                                                  {gate[1]}));
+  }
+  std::this_thread::sleep_for(300ms);  // let the children start and wait at the gate (not a correctness wait)
+  const double t0 = redis_seconds();   // every grant happens after this, on the server's clock ...
+  ::close(gate[0]);
+  ::close(gate[1]);
+  for (pid_t pid : children) CHECK(keel_scaleout::wait_child(pid) == 0);
+  const double t1 = redis_seconds();   // ... and before this
+  long grants = 0, fallbacks = 0;
+  for (const std::string& path : outs) {
+    std::istringstream in(keel_scaleout::read_file(path));
+    long g = 0, f = 0;
+    in >> g >> f;
+    grants += g;
+    fallbacks += f;
+    std::remove(path.c_str());
+  }
+  const double allowed = burst + rate * (t1 - t0);
+  INFO("granted " << grants << " in " << (t1 - t0) << " s on the server's clock; the limit allows " << allowed);
+  CHECK(fallbacks == 0);
+  CHECK(static_cast<double>(grants) <= allowed);
+  // ... and the limit was used, not merely respected: the hammering kept it busy.
+  CHECK(static_cast<double>(grants) >= 0.8 * rate * (millis / 1000.0));
 }

@@ -1,0 +1,194 @@
+// keel::shared_quota: one GCRA bucket in Redis shared by every replica,
+// timed by the server's clock (moved with the test offset), with a local
+// fallback (timed by the manual clock) when Redis cannot answer, and as a
+// pipeline level after keel::admission.
+#include "keel/shared_quota.hpp"
+
+#include <chrono>
+#include <memory>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include <arpa/inet.h>
+#include <hiredis/hiredis.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "keel/admission.hpp"
+#include "keel/pipeline.hpp"
+#include "keel/testing/manual_clock.hpp"
+#include "scaleout_support.hpp"
+#include "support/catch.hpp"
+
+using namespace std::chrono_literals;
+using keel::testing::manual_clock;
+
+namespace {
+
+keel::redis_options quota_redis(const std::string& prefix, std::shared_ptr<std::atomic<std::int64_t>> offset = {}) {
+  return keel::redis_options{.port = keel_scaleout::redis_port(),
+                             .key_prefix = prefix + ":",
+                             .command_timeout = 200ms,
+                             .testing_clock_offset = std::move(offset)};
+}
+
+bool redis_admin(std::initializer_list<const char*> args) {
+  redisContext* c = redisConnect("127.0.0.1", keel_scaleout::redis_port());
+  if (c == nullptr || c->err) return false;
+  std::vector<const char*> argv(args);
+  std::vector<std::size_t> lens;
+  for (const char* a : argv) lens.push_back(std::strlen(a));
+  auto* r = static_cast<redisReply*>(redisCommandArgv(c, static_cast<int>(argv.size()), argv.data(), lens.data()));
+  const bool ok = r != nullptr && r->type == REDIS_REPLY_STATUS;
+  if (r) freeReplyObject(r);
+  redisFree(c);
+  return ok;
+}
+
+int nobody_listens() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+}  // namespace
+
+TEST_CASE("shared quota options are validated, naming the field", "[scaleout][quota]") {
+  auto message = [](keel::shared_quota_options o) { return std::string(o.validate().message()); };
+  CHECK(message({.name = "", .fallback_rate = 1}).find("shared_quota_options.name") == 0);
+  CHECK(message({.name = "a\nb", .fallback_rate = 1}).find("shared_quota_options.name") == 0);
+  CHECK(message({.name = "p", .rate = 0, .fallback_rate = 1}).find("shared_quota_options.rate") == 0);
+  CHECK(message({.name = "p", .rate = 2e6, .fallback_rate = 1}).find("shared_quota_options.rate") == 0);
+  CHECK(message({.name = "p", .burst = 0.5, .fallback_rate = 1}).find("shared_quota_options.burst") == 0);
+  CHECK(message({.name = "p"}).find("shared_quota_options.fallback_rate") == 0);
+  CHECK(message({.name = "p", .fallback_rate = 1, .fallback_hold = -1s}).find("shared_quota_options.fallback_hold") == 0);
+  CHECK_THROWS_AS(keel::shared_quota(quota_redis("q"), {.name = "p"}), keel::invalid_options);
+  CHECK(keel::shared_quota_options{.name = "p", .fallback_rate = 1}.validate().ok());
+}
+
+TEST_CASE("replicas share one bucket on the server's clock: burst, then the rate", "[scaleout][quota]") {
+  auto offset = std::make_shared<std::atomic<std::int64_t>>(0);
+  const std::string prefix = keel_scaleout::fresh_name("quota");
+  const keel::shared_quota_options o{.name = "provider:m-large", .rate = 10, .burst = 3, .fallback_rate = 5};
+  keel::shared_quota a(quota_redis(prefix, offset), o), b(quota_redis(prefix, offset), o);
+  const keel::time_point now{};  // only the fallback would use it
+  for (int i = 0; i < 3; ++i) {
+    const keel::shared_quota_decision d = (i % 2 == 0 ? a : b).try_acquire(now);
+    CHECK(d.granted);
+    CHECK(d.source == keel::quota_source::shared);
+  }
+  const keel::shared_quota_decision refused = b.try_acquire(now);
+  CHECK_FALSE(refused.granted);
+  CHECK(refused.source == keel::quota_source::shared);
+  CHECK(refused.retry_after <= 100ms);
+  CHECK(refused.retry_after > 50ms);  // the server's clock moved a little since the burst
+  const absl::Status s = keel::shared_quota::refusal(o.name, refused);
+  CHECK(s.code() == absl::StatusCode::kResourceExhausted);
+  CHECK(keel::not_started(s));
+  CHECK(keel::refused_by(s) == std::optional<std::string>("shared:provider:m-large:rate"));
+  CHECK(keel::retry_after(s) == std::optional<keel::duration>(refused.retry_after));
+
+  offset->fetch_add(keel::detail::to_ns(100ms));  // one interval later, on the server's clock
+  CHECK(a.try_acquire(now).granted);
+  CHECK_FALSE(b.try_acquire(now).granted);
+  // A refund (another level refused) gives the unit back to the fleet.
+  offset->fetch_add(keel::detail::to_ns(100ms));
+  const keel::shared_quota_decision got = a.try_acquire(now);
+  REQUIRE(got.granted);
+  a.refund(got);
+  CHECK(b.try_acquire(now).granted);
+  CHECK(a.fallback_decisions() + b.fallback_decisions() == 0);
+  CHECK(a.redis_failures() + b.redis_failures() == 0);
+}
+
+TEST_CASE("Redis unreachable: the local fallback decides, says so, and Redis is asked again after the hold",
+          "[scaleout][quota][faults]") {
+  keel::redis_options r = quota_redis(keel_scaleout::fresh_name("quota"));
+  r.port = nobody_listens();
+  keel::shared_quota q(r, {.name = "provider:m", .rate = 100, .fallback_rate = 10, .fallback_burst = 2,
+                           .fallback_hold = 1s});
+  manual_clock clock;
+  for (int i = 0; i < 2; ++i) {
+    const keel::shared_quota_decision d = q.try_acquire(clock.now());
+    CHECK(d.granted);
+    CHECK(d.source == keel::quota_source::fallback);
+    CHECK(d.redis_error.code() == absl::StatusCode::kUnavailable);
+  }
+  const keel::shared_quota_decision refused = q.try_acquire(clock.now());
+  CHECK_FALSE(refused.granted);
+  CHECK(refused.source == keel::quota_source::fallback);
+  CHECK(refused.retry_after == 100ms);
+  const absl::Status s = keel::shared_quota::refusal(q.name(), refused);
+  INFO(s.ToString());
+  CHECK(keel::refused_by(s) == std::optional<std::string>("shared:provider:m:fallback"));
+  CHECK(std::string(s.message()).find("Redis unreachable") != std::string::npos);
+  CHECK(q.redis_failures() == 1);  // held on the fallback: no second connection attempt
+  clock.advance(100ms);
+  CHECK(q.try_acquire(clock.now()).granted);
+  CHECK(q.redis_failures() == 1);
+  clock.advance(1s);  // the hold is over: Redis is asked (and still fails)
+  (void)q.try_acquire(clock.now());
+  CHECK(q.redis_failures() == 2);
+}
+
+TEST_CASE("a Redis that stops answering sends decisions to the fallback until it answers again",
+          "[scaleout][quota][faults]") {
+  keel::redis_options r = quota_redis(keel_scaleout::fresh_name("quota"));
+  r.command_timeout = 50ms;
+  keel::shared_quota q(r, {.name = "provider:m", .rate = 1000, .burst = 100, .fallback_rate = 10, .fallback_burst = 5,
+                           .fallback_hold = 1s});
+  manual_clock clock;
+  CHECK(q.try_acquire(clock.now()).source == keel::quota_source::shared);
+  REQUIRE(redis_admin({"CLIENT", "PAUSE", "3000", "WRITE"}));
+  const keel::shared_quota_decision d = q.try_acquire(clock.now());
+  REQUIRE(redis_admin({"CLIENT", "UNPAUSE"}));
+  INFO(d.redis_error.ToString());
+  CHECK(d.granted);
+  CHECK(d.source == keel::quota_source::fallback);
+  CHECK(keel::is_unknown_outcome(d.redis_error));  // the script may have run: the fallback decides anyway
+  CHECK(q.try_acquire(clock.now()).source == keel::quota_source::fallback);  // held
+  clock.advance(1s);
+  CHECK(q.try_acquire(clock.now()).source == keel::quota_source::shared);
+}
+
+TEST_CASE("as a pipeline level after admission: refusal before the work, replays not charged",
+          "[scaleout][quota][pipeline]") {
+  manual_clock clock;
+  keel::admission quotas({.tenant_defaults = {.max_in_flight = 4}});
+  keel::shared_quota provider(quota_redis(keel_scaleout::fresh_name("quota")),
+                              {.name = "provider:m", .rate = 1, .per = 1h, .burst = 1, .fallback_rate = 1});
+  struct seen {
+    std::vector<std::string>* log;
+    void operator()(const keel::events::shared_quota_refused& e) const { log->push_back(std::string(e.name)); }
+  };
+  std::vector<std::string> refusals;
+  auto pipe = keel::pipeline(quotas, provider).on(clock).observe(seen{&refusals});
+  int ran = 0;
+  auto work = [&](const keel::attempt&) -> absl::StatusOr<int> {
+    ++ran;
+    return 7;
+  };
+  const keel::labels acme{.tenant = "acme", .model = "m"};
+  keel::call first(clock.now(), {.labels = acme});
+  CHECK(pipe.run(first, work).ok());
+  keel::call second(clock.now(), {.labels = acme});
+  const absl::StatusOr<int> r = pipe.run(second, work);
+  CHECK(keel::refused_by(r.status()) == std::optional<std::string>("shared:provider:m:rate"));
+  CHECK(keel::not_started(r.status()));
+  CHECK(ran == 1);  // refused before the work
+  CHECK(refusals == std::vector<std::string>{"provider:m"});
+  CHECK(quotas.tenant_usage("acme", clock.now())->in_flight == 0);  // admission's slot went back
+  keel::call replayed(clock.now(), {.labels = acme});
+  replayed.mark_replayed();
+  CHECK(pipe.run(replayed, work).ok());  // a replay spends no provider capacity
+  CHECK(provider.shared_decisions() == 2);
+}
