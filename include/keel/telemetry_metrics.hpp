@@ -4,9 +4,13 @@
 // keel::metrics_listener is a listener in the sense of keel/telemetry.hpp:
 // pass it to a pipeline with .observe(listener) (or to any component that
 // takes a listener). It registers its families once, at construction, and
-// resolves every series it will touch then, so handling an event is one or
-// two relaxed atomic adds: no lookup, lock or allocation. It is a handful of
-// pointers, cheap to copy; copies count into the same registry.
+// resolves every series with fixed labels then: handling a retry, hedge,
+// lease or idempotency event is one or two relaxed atomic adds, with no
+// lookup, lock or allocation. Events labelled by a name (a tenant, a work
+// class, a breaker, a fallback path) find their series under the family's
+// mutex (a map lookup by string_view; it allocates only the first time a
+// name is seen). It is a handful of pointers, cheap to copy; copies count
+// into the same registry.
 //
 // What it counts (names with the default prefix "keel_"):
 //
@@ -43,8 +47,8 @@
 //     keel_idempotency_begins_total{state}    claimed, in-flight, replay, conflict
 //
 // Labels taken from names the listener does not control (tenants, models,
-// work classes, breakers, paths, gates) are capped at `max_series` series per family; past that, new names
-// are counted under the value "_other".
+// work classes, breakers, paths, gates) are capped at `max_series` series per
+// family; past that, new names are counted under the value "_other".
 //
 // Example:
 //
