@@ -1,0 +1,99 @@
+// Fan-out workers running whole pipelines with admission and breakers: a
+// refused unit is reported with the limit that refused it, nothing of it is
+// saved or called, and the next run pays only for the refused units.
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "keel/admission.hpp"
+#include "keel/call.hpp"
+#include "keel/circuit_breaker.hpp"
+#include "keel/digest.hpp"
+#include "keel/executor.hpp"
+#include "keel/fan_out.hpp"
+#include "keel/pipeline.hpp"
+#include "keel/retry.hpp"
+#include "keel/store/memory.hpp"
+#include "keel/testing/manual_clock.hpp"
+#include "support/catch.hpp"
+
+using namespace std::chrono_literals;
+using keel::testing::manual_clock;
+
+TEST_CASE("fan-out workers run pipelines with admission and a breaker per provider", "[fan_out][protection]") {
+  manual_clock clock;
+  keel::memory_store<manual_clock> store(clock);
+  keel::bounded_pool pool({.threads = 3, .queue_capacity = 16});
+  keel::admission quotas({.models = {{"C", {.max_in_flight = 1}}}});
+  std::map<std::string, std::unique_ptr<keel::circuit_breaker>> breakers;
+  for (const char* m : {"A", "B", "C"}) {
+    breakers[m] = std::make_unique<keel::circuit_breaker>(keel::circuit_breaker_options{.name = m, .minimum_calls = 5});
+  }
+  std::mutex mu;
+  std::map<std::string, int> calls;  // provider invocations by model
+
+  std::vector<keel::unit> units;
+  for (std::string_view m : {"A", "B", "C"}) {
+    units.push_back({.name = std::string(m),
+                     .key = keel::digest_builder().field("facts", "f").field("model", m).finish(),
+                     .labels = {.tenant = "shop-7", .model = m}});
+  }
+  keel::fan_out<std::string, keel::memory_store<manual_clock>, keel::bounded_pool, manual_clock> panel(
+      {.width = 3}, store, pool, clock);
+  // The worker: admission outermost, then the provider's breaker, then retries.
+  auto worker = [&](const keel::unit_context& u) -> absl::StatusOr<std::string> {
+    keel::call c(clock.now(), u.call_options());
+    auto pipe = keel::pipeline(quotas, *breakers.at(u.unit.name),
+                               keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 0ms}))
+                    .on(clock);
+    return pipe.run(c, [&](const keel::attempt& a) -> absl::StatusOr<std::string> {
+      std::lock_guard lock(mu);
+      ++calls[std::string(a.labels().model)];
+      return absl::StrCat("score:", a.labels().model == "A" ? 70 : 80);
+    });
+  };
+
+  // Provider B's breaker is held open by an operator; model C's only
+  // in-flight slot is taken by another request.
+  breakers.at("B")->force_open(clock.now());
+  absl::StatusOr<keel::admission_ticket> other = quotas.admit({.tenant = "shop-9", .model = "C"}, clock.now());
+  REQUIRE(other.ok());
+
+  {
+    keel::call call(clock.now(), {.timeout = 5s});
+    const keel::fan_out_report<std::string> r = panel.run(call, units, worker);
+    CHECK(r.units[0].state == keel::unit_state::succeeded);
+    REQUIRE(r.units[1].state == keel::unit_state::failed);
+    CHECK(keel::refused_by(r.units[1].status) == "breaker:B");
+    CHECK(keel::not_started(r.units[1].status));
+    CHECK(r.units[1].kind == keel::outcome_kind::permanent);
+    REQUIRE(r.units[2].state == keel::unit_state::failed);
+    CHECK(r.units[2].status.code() == absl::StatusCode::kResourceExhausted);
+    CHECK(keel::refused_by(r.units[2].status).value_or("").rfind("model:C", 0) == 0);
+    CHECK(r.units[2].kind == keel::outcome_kind::throttled);
+    CHECK(r.missing() == std::vector<std::string_view>{"B", "C"});
+    CHECK_FALSE(store.load_result(panel.key_of(units[1])).value().has_value());
+    CHECK_FALSE(store.load_result(panel.key_of(units[2])).value().has_value());
+    std::lock_guard lock(mu);
+    CHECK(calls == std::map<std::string, int>{{"A", 1}});  // refused before any expensive work
+  }
+
+  // The outage is over and the slot is free: the rerun calls only B and C.
+  breakers.at("B")->force_closed(clock.now());
+  *other = keel::admission_ticket();  // releases C's slot
+  {
+    keel::call call(clock.now(), {.timeout = 5s});
+    const keel::fan_out_report<std::string> r = panel.run(call, units, worker);
+    CHECK(r.status().ok());
+    CHECK(r.units[0].state == keel::unit_state::cached);
+    CHECK(r.units[1].state == keel::unit_state::succeeded);
+    CHECK(r.units[2].state == keel::unit_state::succeeded);
+    std::lock_guard lock(mu);
+    CHECK(calls == std::map<std::string, int>{{"A", 1}, {"B", 1}, {"C", 1}});
+  }
+}
