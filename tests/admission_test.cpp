@@ -43,6 +43,8 @@ TEST_CASE("the token bucket admits its burst, then its rate", "[rate_limiter]") 
   for (int i = 0; i < 3; ++i) CHECK(limiter.try_acquire(clock.now()));
   CHECK(!limiter.try_acquire(clock.now()));
 
+  CHECK(limiter.try_acquire(clock.now() + 1h, 4).retry_after == keel::duration::max());  // more than it holds
+
   limiter.refund(2);  // an all-or-nothing admission rolled back
   CHECK(limiter.available(clock.now()) == 2.0);
   CHECK(limiter.try_acquire(clock.now(), 2));

@@ -438,7 +438,9 @@ TEST_CASE("invalid bulkhead options are refused with the field named", "[bulkhea
   CHECK(message({.classes = {{.name = "a", .max_queue = -1}}}) ==
         "bulkhead_options.classes[0].max_queue must be in [0, 32767] (got -1)");
   CHECK(message({.classes = {{.name = "a", .max_queue_age = keel::duration::zero()}}}) ==
-        "bulkhead_options.classes[0].max_queue_age must be > 0 (got 0s)");
+        "bulkhead_options.classes[0].max_queue_age must be in (0, 24h] (got 0s)");
+  CHECK(message({.classes = {{.name = "a", .max_queue_age = std::chrono::hours(25)}}}) ==
+        "bulkhead_options.classes[0].max_queue_age must be in (0, 24h] (got 90000s)");
   CHECK(message({.classes = {{.name = "a", .capacity = 2, .guaranteed = 3}}}) ==
         "bulkhead_options.classes[0].guaranteed must be in [0, capacity] (got 3)");
   // The seed's rule: batch may not borrow interactive capacity that is guaranteed.

@@ -93,7 +93,7 @@ struct bulkhead_class_options {
   std::optional<int> guaranteed = std::nullopt;
   // Callers that may wait for a slot; in [0, 32767]. 0: refuse at once.
   int max_queue = 0;
-  // Longest a caller waits in the queue; > 0.
+  // Longest a caller waits in the queue; in (0, 24h].
   duration max_queue_age = std::chrono::milliseconds(100);
 };
 
@@ -132,8 +132,8 @@ struct bulkhead_options {
         return detail::invalid_field(who, field + "guaranteed", "be in [0, capacity]", *c.guaranteed);
       if (c.max_queue < 0 || c.max_queue > 32767)
         return detail::invalid_field(who, field + "max_queue", "be in [0, 32767]", c.max_queue);
-      if (c.max_queue_age <= duration::zero())
-        return detail::invalid_field(who, field + "max_queue_age", "be > 0", c.max_queue_age);
+      if (c.max_queue_age <= duration::zero() || c.max_queue_age > std::chrono::hours(24))
+        return detail::invalid_field(who, field + "max_queue_age", "be in (0, 24h]", c.max_queue_age);
     }
     for (std::size_t i = 0; i < lending.size(); ++i) {
       const bulkhead_lending& l = lending[i];

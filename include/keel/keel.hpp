@@ -12,8 +12,12 @@
 #pragma once
 
 #include "keel/adaptive_timeout.hpp"
+#include "keel/admission.hpp"
 #include "keel/backoff.hpp"
+#include "keel/breaker_registry.hpp"
+#include "keel/bulkhead.hpp"
 #include "keel/call.hpp"
+#include "keel/circuit_breaker.hpp"
 #include "keel/clock.hpp"
 #include "keel/deadline.hpp"
 #include "keel/executor.hpp"
@@ -27,6 +31,7 @@
 #include "keel/pipeline.hpp"
 #include "keel/policy.hpp"
 #include "keel/prometheus.hpp"
+#include "keel/rate_limiter.hpp"
 #include "keel/retry.hpp"
 #include "keel/retry_budget.hpp"
 #include "keel/slo.hpp"

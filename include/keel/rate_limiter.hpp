@@ -86,10 +86,12 @@ class rate_limiter {
 
   [[nodiscard]] const rate_limiter_options& options() const noexcept { return options_; }
 
-  // Takes `units` (> 0) if the bucket holds them at `now`. Lock-free.
+  // Takes `units` (> 0) if the bucket holds them at `now`. Lock-free. More
+  // units than the burst are never granted (retry_after is duration::max()).
   [[nodiscard]] rate_decision try_acquire(time_point now, double units = 1.0) noexcept {
     const std::int64_t t = now.time_since_epoch().count();
     const std::int64_t cost = cost_ns(units);
+    if (cost > depth_ns_) return {false, duration::max()};
     std::int64_t tat = tat_.load(std::memory_order_relaxed);
     for (;;) {
       const std::int64_t next = std::max(tat, t) + cost;
