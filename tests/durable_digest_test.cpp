@@ -1,11 +1,15 @@
 // keel::digest, keel::digest_builder, keel::sha256, keel::owner_id and key validation.
 #include "keel/digest.hpp"
 
+#include <array>
 #include <cctype>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "keel/ownership.hpp"
 #include "support/alloc_counter.hpp"
@@ -111,6 +115,36 @@ TEST_CASE("owner ids are random, 128-bit, and round-trip as bytes and hex", "[ow
   CHECK(seen.size() == 1000);
   CHECK_FALSE(keel::owner_id::from_hex("xyz").has_value());
   CHECK_FALSE(keel::owner_id::from_hex(std::string(31, 'a') + "g").has_value());
+}
+
+TEST_CASE("a forked child never repeats its parent's owner ids", "[ownership]") {
+  // The parent's per-thread generator exists before the fork, so the child
+  // starts with a copy of its state: it must reseed, not replay it.
+  (void)keel::owner_id::random();
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {  // the child: one owner id into the pipe, then leave at once
+    const auto b = keel::owner_id::random().bytes();
+    const ssize_t n = ::write(fds[1], b.data(), b.size());
+    ::_exit(n == static_cast<ssize_t>(b.size()) ? 0 : 1);
+  }
+  ::close(fds[1]);
+  const keel::owner_id mine = keel::owner_id::random();
+  std::array<unsigned char, 16> theirs{};
+  std::size_t got = 0;
+  while (got < theirs.size()) {
+    const ssize_t n = ::read(fds[0], theirs.data() + got, theirs.size() - got);
+    if (n <= 0) break;
+    got += static_cast<std::size_t>(n);
+  }
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  REQUIRE(got == theirs.size());
+  CHECK(WIFEXITED(status));
+  CHECK(keel::owner_id::from_bytes(theirs) != mine);
 }
 
 TEST_CASE("keys: empty, longer than 255 bytes, or with control characters are refused", "[ownership]") {
