@@ -43,24 +43,6 @@ void raw_sql(const std::string& path, const std::string& sql) {
   REQUIRE(rc == SQLITE_OK);
 }
 
-// Forks a child that runs `body` and exits with its return value. The child
-// never returns into Catch2.
-template <class Body>
-pid_t fork_child(Body&& body) {
-  const pid_t pid = ::fork();
-  REQUIRE(pid >= 0);
-  if (pid == 0) {
-    int code = 99;
-    try {
-      code = body();
-    } catch (...) {
-      code = 98;
-    }
-    ::_exit(code);
-  }
-  return pid;
-}
-
 }  // namespace
 
 TEST_CASE("sqlite: fork()ed worker processes drain one queue exactly once", "[jobs][sqlite][process]") {
@@ -79,7 +61,7 @@ TEST_CASE("sqlite: fork()ed worker processes drain one queue exactly once", "[jo
   REQUIRE(::pipe(gate) == 0);
   std::vector<pid_t> children;
   for (int p = 0; p < procs; ++p) {
-    children.push_back(fork_child([&] {
+    children.push_back(keel_jobs::fork_child([&] {
       ::close(gate[1]);
       char c;
       if (::read(gate[0], &c, 1) != 0) return 10;  // wait until the parent opens the gate (EOF)
@@ -147,7 +129,7 @@ TEST_CASE("sqlite: a worker process SIGKILLed mid-job loses nothing; the takeove
     for (int i = 0; i < 5; ++i) ids.push_back(q.submit("acme", "job-" + std::to_string(i), "p" + std::to_string(i))->id);
   }
 
-  const pid_t victim = fork_child([&] {
+  const pid_t victim = keel_jobs::fork_child([&] {
     keel_durable::shared_clock child_clock(dir.file("clock"), false);
     auto store = store_type::open(db, {}, child_clock);
     if (!store.ok()) return 11;

@@ -621,6 +621,7 @@ void bad_input_is_refused() {
   auto s = f.open();
   const std::string long_key(256, 'k');
   const std::string ctl("bad\nkey");
+  const std::string nul_key("k\0", 2);  // job_key holds views: the bytes must outlive it
   auto invalid = [](const absl::Status& st, const std::string& needle) {
     INFO(st.ToString());
     CHECK(st.code() == absl::StatusCode::kInvalidArgument);
@@ -634,7 +635,7 @@ void bad_input_is_refused() {
            {{.queue = "q", .tenant = "t", .key = long_key}, "job key must be at most 255 bytes (got 256)"},
            {{.queue = long_key, .tenant = "t", .key = "k"}, "queue must be at most 255 bytes"},
            {{.queue = "q", .tenant = ctl, .key = "k"}, "tenant must not contain control characters (byte 0x0a"},
-           {{.queue = "q", .tenant = "t", .key = std::string("k\0", 2)}, "job key must not contain control characters"},
+           {{.queue = "q", .tenant = "t", .key = nul_key}, "job key must not contain control characters (byte 0x00"},
            {{.queue = "q", .tenant = "t", .key = "k\x7f"}, "job key must not contain control characters (byte 0x7f"},
        }) {
     invalid(s->submit(k, d, "p", limits()).status(), field);

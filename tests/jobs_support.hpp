@@ -92,4 +92,23 @@ class exec_log {
   int fd_ = -1;
 };
 
+// Forks a child that runs `body` and exits with its return value (98 if it
+// threw). The child never returns into the test framework. Fork only while
+// the test process runs no other threads; the child opens its own stores.
+template <class Body>
+pid_t fork_child(Body&& body) {
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {
+    int code = 99;
+    try {
+      code = body();
+    } catch (...) {
+      code = 98;
+    }
+    ::_exit(code);
+  }
+  return pid;
+}
+
 }  // namespace keel_jobs

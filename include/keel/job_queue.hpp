@@ -499,13 +499,20 @@ class job_queue {
   // stop token fires when `stop` does or the lease is lost). Then one fenced
   // write: complete with the result, or fail (retry or final, see the header
   // comment). A write answered "not started" or "unknown outcome" is repeated
-  // (at most 3 times; repeats are safe). nullopt: nothing was eligible.
-  // A store error on the claim is returned as is.
+  // (at most 3 times; repeats are safe), and so is a claim (with the same
+  // owner, which gets back a job the lost claim took). nullopt: nothing was
+  // eligible. A store error on the claim is returned as is.
   template <class Handler>
   absl::StatusOr<std::optional<job_outcome>> run_one(Handler&& handler, std::stop_token stop = {}) {
     const owner_id me = owner_id::random();
     const time_point sent = clock_.now();
-    absl::StatusOr<std::optional<job_claim>> c = store_.claim(options_.queue, me, options_.lease);
+    // A claim whose outcome is unknown may have taken a job for `me`: asking
+    // again with the same owner returns it (or another one, or none).
+    absl::StatusOr<std::optional<job_claim>> c;
+    for (int i = 0; i < 3; ++i) {
+      c = store_.claim(options_.queue, me, options_.lease);
+      if (c.ok() || !(not_started(c.status()) || is_unknown_outcome(c.status()))) break;
+    }
     if (!c.ok()) return c.status();
     if (!c->has_value()) return std::optional<job_outcome>();
     const job_claim& job = **c;
