@@ -524,11 +524,12 @@ TEST_CASE("the hedge delay can be a percentile of recent latency, learned online
 
 TEST_CASE("a hedge the executor refuses is skipped; the primary goes on", "[hedge][executor]") {
   manual_clock clock;
-  keel::bounded_pool pool({.threads = 1, .queue_capacity = 1});
+  // Declared before the pool: the pool (destroyed first) joins the task that uses them.
   std::mutex hold_mu;
   std::condition_variable hold_cv;
   bool release = false;
   std::atomic<bool> busy{false};
+  keel::bounded_pool pool({.threads = 1, .queue_capacity = 1});
   REQUIRE(pool.try_execute([&] {
                 busy = true;
                 std::unique_lock lock(hold_mu);
