@@ -200,7 +200,7 @@ namespace detail {
 class quota {
  public:
   quota(std::string k, const quota_limits& l)
-      : key(std::move(k)), max_in_flight(l.max_in_flight.value_or(0)), max_queued(l.max_queued.value_or(0)) {
+      : max_in_flight(l.max_in_flight.value_or(0)), max_queued(l.max_queued.value_or(0)), key(std::move(k)) {
     if (l.rate) rate.emplace(rate_limiter_options{.rate = *l.rate, .burst = l.burst.value_or(std::max(1.0, *l.rate))});
     if (l.compute_budget) {
       const double budget = static_cast<double>(*l.compute_budget);
@@ -227,14 +227,15 @@ class quota {
     }
   }
 
-  std::string key;  // as refusals name it
+  // Hot fields first, so an admission touches as few cache lines as it can.
+  std::atomic<int> in_flight{0};
+  std::atomic<int> queued{0};
+  int max_in_flight;
+  int max_queued;
   std::optional<rate_limiter> rate;
   std::optional<rate_limiter> compute;
   std::int64_t compute_budget = 0;
-  int max_in_flight;
-  int max_queued;
-  std::atomic<int> in_flight{0};
-  std::atomic<int> queued{0};
+  std::string key;  // as refusals name it
 };
 
 }  // namespace detail

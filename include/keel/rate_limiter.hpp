@@ -129,13 +129,14 @@ class rate_limiter {
     return static_cast<std::int64_t>(std::llround(units * interval_ns_));
   }
 
+  // The word every caller touches comes first, next to what it needs.
+  // Theoretical arrival time of the next unit, ns since the clock's epoch.
+  // Zero: long ago, so the bucket starts full.
+  std::atomic<std::int64_t> tat_{0};
   double interval_ns_;      // nanoseconds per unit
   std::int64_t depth_ns_;   // burst * interval
   std::int64_t unit_ns_;    // interval, rounded
   rate_limiter_options options_;
-  // Theoretical arrival time of the next unit, ns since the clock's epoch.
-  // Zero: long ago, so the bucket starts full.
-  std::atomic<std::int64_t> tat_{0};
 };
 
 }  // namespace keel
