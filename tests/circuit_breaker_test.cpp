@@ -322,6 +322,38 @@ TEST_CASE("operators force open, force closed and hand back to automatic via pro
                                         "closed->forced-closed", "forced-closed->closed"});
 }
 
+TEST_CASE("operator controls act from every state, and late results from before them are ignored", "[breaker]") {
+  manual_clock clock;
+  keel::circuit_breaker b({.window_calls = 2, .minimum_calls = 2, .open_duration = 10s, .half_open_probes = 2});
+  // open -> forced closed: everything passes at once, no cool-down.
+  feed(b, clock.now(), outcome_kind::transient, 2);
+  REQUIRE(b.state() == breaker_state::open);
+  b.force_closed(clock.now());
+  CHECK(b.try_acquire(clock.now()));
+  // half-open -> forced open: probes already out are void.
+  b.automatic(clock.now());
+  feed(b, clock.now(), outcome_kind::transient, 2);
+  clock.advance(10s);
+  keel::breaker_permit probe = b.try_acquire(clock.now());
+  REQUIRE(probe.probe());
+  b.force_open(clock.now());
+  probe.record(outcome_kind::success, clock.now());
+  CHECK(b.state() == breaker_state::forced_open);
+  // forced open -> forced closed -> forced open: each is one transition.
+  b.force_closed(clock.now());
+  CHECK(b.state() == breaker_state::forced_closed);
+  keel::breaker_permit during = b.try_acquire(clock.now());
+  b.force_open(clock.now());
+  CHECK(b.state() == breaker_state::forced_open);
+  b.force_open(clock.now());  // already: nothing happens
+  // Back to automatic goes through probes; a permit from the forced period
+  // reporting late changes nothing.
+  b.automatic(clock.now());
+  during.record(outcome_kind::transient, clock.now());
+  CHECK(b.state() == breaker_state::half_open);
+  CHECK(b.snapshot(clock.now()).probes_failed == 0);
+}
+
 TEST_CASE("what counts follows the classification: client errors never trip a provider breaker", "[breaker]") {
   const keel::time_point t = manual_clock().now();
   keel::circuit_breaker provider({.window_calls = 10, .minimum_calls = 2});
