@@ -322,8 +322,18 @@ class fan_out {
             .save_errors = get(save_errors_)};
   }
 
-  // The store key of a unit.
-  [[nodiscard]] std::string key_of(const unit& u) const { return options_.key_prefix + u.key.hex(); }
+  // The store key of a unit: key_prefix + its digest in lower-case hex (one allocation).
+  [[nodiscard]] std::string key_of(const unit& u) const {
+    static constexpr char digits[] = "0123456789abcdef";
+    std::string k;
+    k.reserve(options_.key_prefix.size() + 2 * u.key.bytes.size());
+    k.append(options_.key_prefix);
+    for (const unsigned char b : u.key.bytes) {
+      k.push_back(digits[b >> 4]);
+      k.push_back(digits[b & 0xf]);
+    }
+    return k;
+  }
 
   // Runs `worker` (unit_context -> absl::StatusOr<T>) over `units` within
   // `call`'s deadline. Never throws; returns after every started worker
@@ -354,6 +364,7 @@ class fan_out {
       report.rule = o.options_.complete_when;
       report.require_complete = o.options_.require_complete;
       report.units.resize(u.size());
+      success_order.reserve(u.size());
       for (std::size_t i = 0; i < u.size(); ++i) {
         report.units[i].name = u[i].name;
         report.units[i].key = o.key_of(u[i]);
