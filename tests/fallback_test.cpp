@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "keel/call.hpp"
+#include "keel/executor.hpp"
+#include "keel/hedge.hpp"
 #include "keel/pipeline.hpp"
 #include "keel/retry.hpp"
 #include "keel/testing/manual_clock.hpp"
@@ -287,4 +289,22 @@ TEST_CASE("invalid alternative options are refused naming the field", "[fallback
         "alternative_options.min_time must be >= 0 (got -1ms)");
   auto p = [] { return absl::OkStatus(); };
   CHECK_THROWS_AS(keel::alternate("x", p, {.at_most = -1s}), keel::invalid_options);
+}
+
+TEST_CASE("fallback outside a hedge: when the race has no acceptable answer, the alternative serves",
+          "[fallback][hedge]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  keel::hedge hedger({.delay = 100ms}, pool, clock);
+  text_provider model(clock, {kt::bad_credential(10ms)});  // permanent: the race ends at once, no hedge
+  text_provider backup(clock, {kt::answer(std::string("from the backup"), 10ms)});
+  auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("backup", backup)), hedger).on(clock);
+  keel::call call(clock.now(), {.timeout = 2s});
+  const absl::StatusOr<std::string> r = pipe.run(call, model);
+  REQUIRE(r.ok());
+  CHECK(*r == "from the backup");
+  CHECK(call.record().served_by == "backup");
+  CHECK(call.record().degraded);
+  CHECK(hedger.figures().hedges_started == 0);
+  CHECK(model.calls() == 1);
 }

@@ -20,7 +20,8 @@
 //      the first acceptable, or the best of n by a user score — or when the
 //      deadline passes or the call is cancelled. Units still running are
 //      asked to stop through their stop tokens; units not yet started are
-//      not started.
+//      not started. A failed unit never stops the others: what they produce
+//      is saved for the next run.
 //
 // run() returns a report, per unit, in the order given: cached, succeeded,
 // failed (the status and its classification), cancelled, or missing (never
