@@ -1,0 +1,1186 @@
+// gateway/gateway_core.hpp — the interview-feedback gateway's logic, without
+// HTTP: every endpoint is a function from the request to a reply, so a test
+// can drive it on keel's manual clock and the HTTP layer
+// (gateway/gateway_service.hpp) stays a thin adapter.
+//
+// Interactive feedback (POST /v1/feedback) spends one deadline in the
+// seed's stages:
+//
+//   admit      shed switch, tenant + model quotas (all-or-nothing), the
+//              idempotency record, a slot of the interactive bulkhead —
+//              refusals are fast, say which limit refused and when to retry
+//   retrieve   the rubric from the database, within its stage
+//   model      time_limit -> retry (budgeted) -> the provider's breaker ->
+//              adaptive attempt timeout -> the provider; a failed read
+//              attempt is closed within the cancel window
+//   fallback   rubric-only feedback, only if the residency, permission and
+//              schema gates pass, on what is left (never a fresh timeout);
+//              the answer says it is degraded and which path served it
+//   respond    validate the answer and reply, the response reserve intact
+//
+// A request carries an Idempotency-Key: the feedback is a decision recorded
+// in the learner's history, so a retried request replays the same decision
+// (keel::once over SQLite) and a changed body under the same key is a
+// conflict. Degraded answers are not recorded as decisions: a retry may get
+// the full answer once the model is back.
+//
+// Batch reports (POST /v1/batch, GET /v1/batch/<id>) go to the durable queue
+// (keel::job_queue over SQLite), deduplicated by the same kind of key, and
+// are worked by gateway/batch_worker.hpp.
+//
+// Operators: force the provider's breaker open / closed / automatic, shed a
+// class of work, switch the simulated provider's faults; /healthz and
+// /metrics (Prometheus text) show what is going on.
+//
+// Example:
+//
+//   gateway::gateway_options o;
+//   o.data_dir = dir;
+//   auto core = gateway::gateway_core<>::open(o);            // StatusOr<unique_ptr>
+//   gateway::reply r = (*core)->feedback(body, "key-1");     // {"score":..., "degraded":false, ...}
+//
+// Thread-safety: every endpoint may be called from any number of threads at
+// once; the shared state (breakers, bulkheads, quotas, budgets, stores) is in
+// thread-safe keel objects.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stop_token>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "text.hpp"
+#include "keel/adaptive_timeout.hpp"
+#include "keel/admission.hpp"
+#include "keel/breaker_registry.hpp"
+#include "keel/bulkhead.hpp"
+#include "keel/call.hpp"
+#include "keel/circuit_breaker.hpp"
+#include "keel/clock.hpp"
+#include "keel/digest.hpp"
+#include "keel/fallback.hpp"
+#include "keel/idempotency.hpp"
+#include "keel/job_queue.hpp"
+#include "keel/metrics.hpp"
+#include "keel/pipeline.hpp"
+#include "keel/prometheus.hpp"
+#include "keel/retry.hpp"
+#include "keel/retry_budget.hpp"
+#include "keel/slo.hpp"
+#include "keel/status.hpp"
+#include "keel/store/sqlite.hpp"
+#include "keel/telemetry_metrics.hpp"
+#include "keel/time_limit.hpp"
+#include "batch_worker.hpp"
+#include "effect_log.hpp"
+#include "gateway_options.hpp"
+#include "simulated_provider.hpp"
+
+namespace gateway {
+
+// What an endpoint answers; the HTTP layer sends it as is.
+struct reply {
+  int status = 200;
+  std::string body{};
+  std::string content_type = "application/json";
+  std::optional<keel::duration> retry_after{};  // sent as Retry-After (whole seconds, rounded up)
+};
+
+enum class work_class : std::uint8_t { interactive, batch, recovery };
+inline constexpr std::array<std::string_view, 3> work_class_names = {"interactive", "batch", "recovery"};
+
+[[nodiscard]] inline std::optional<work_class> parse_work_class(std::string_view s) noexcept {
+  for (std::size_t i = 0; i < work_class_names.size(); ++i) {
+    if (s == work_class_names[i]) return static_cast<work_class>(i);
+  }
+  return std::nullopt;
+}
+
+namespace detail {
+
+using json = nlohmann::json;
+
+[[nodiscard]] inline std::string dump(const json& j) {
+  // Text from clients may be invalid UTF-8: replace it rather than throw.
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+[[nodiscard]] inline std::int64_t to_ms(keel::duration d) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
+}
+
+[[nodiscard]] inline std::string_view code_name(absl::StatusCode c) {
+  switch (c) {
+    case absl::StatusCode::kOk: return "OK";
+    case absl::StatusCode::kCancelled: return "CANCELLED";
+    case absl::StatusCode::kInvalidArgument: return "INVALID_ARGUMENT";
+    case absl::StatusCode::kDeadlineExceeded: return "DEADLINE_EXCEEDED";
+    case absl::StatusCode::kNotFound: return "NOT_FOUND";
+    case absl::StatusCode::kAlreadyExists: return "ALREADY_EXISTS";
+    case absl::StatusCode::kPermissionDenied: return "PERMISSION_DENIED";
+    case absl::StatusCode::kResourceExhausted: return "RESOURCE_EXHAUSTED";
+    case absl::StatusCode::kFailedPrecondition: return "FAILED_PRECONDITION";
+    case absl::StatusCode::kAborted: return "ABORTED";
+    case absl::StatusCode::kUnavailable: return "UNAVAILABLE";
+    case absl::StatusCode::kUnauthenticated: return "UNAUTHENTICATED";
+    default: return "INTERNAL";
+  }
+}
+
+// The HTTP status for a failure. A tenant over its own quota is told 429;
+// the service's own limits (bulkheads, shedding, the queue, a model's
+// capacity, the provider) answer 503: the client did nothing wrong.
+[[nodiscard]] inline int http_status(const absl::Status& s) {
+  if (keel::is_conflict(s) || keel::is_in_flight(s)) return 409;
+  const std::optional<std::string> by = keel::refused_by(s);
+  if (by && keel::not_started(s) && s.code() != absl::StatusCode::kInvalidArgument) {
+    // Refused before any work by a named limit: the tenant's own quota, or
+    // the service's (a bulkhead queue that timed out included).
+    return by->starts_with("tenant:") ? 429 : 503;
+  }
+  switch (s.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange: return 400;
+    case absl::StatusCode::kNotFound: return 404;
+    case absl::StatusCode::kAlreadyExists: return 409;
+    case absl::StatusCode::kPermissionDenied: return 403;
+    case absl::StatusCode::kUnauthenticated: return 401;
+    case absl::StatusCode::kResourceExhausted: return by && by->starts_with("tenant:") ? 429 : 503;
+    case absl::StatusCode::kDeadlineExceeded: return 504;
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kAborted: return 503;
+    default: return 500;
+  }
+}
+
+[[nodiscard]] inline reply error_reply(const absl::Status& s, int status = 0) {
+  json e = {{"status", code_name(s.code())}, {"message", std::string(s.message())}};
+  if (std::optional<std::string> by = keel::refused_by(s)) e["refused_by"] = *by;
+  std::optional<keel::duration> after = keel::retry_after(s);
+  if (after) e["retry_after_ms"] = to_ms(*after);
+  if (keel::is_conflict(s)) e["condition"] = "conflict";
+  if (keel::is_in_flight(s)) e["condition"] = "in_flight";
+  return {.status = status != 0 ? status : http_status(s), .body = dump(json{{"error", e}}), .retry_after = after};
+}
+
+[[nodiscard]] inline absl::Status bad_input(std::string_view what) {
+  return absl::InvalidArgumentError(std::string(what));
+}
+
+[[nodiscard]] inline absl::StatusOr<json> parse_object(std::string_view body) {
+  json j = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return bad_input("the body is not valid JSON");
+  if (!j.is_object()) return bad_input("the body must be a JSON object");
+  return j;
+}
+
+// A required (or defaulted) string field of at most max_bytes.
+[[nodiscard]] inline absl::StatusOr<std::string> string_field(const json& j, std::string_view field,
+                                                              std::size_t max_bytes,
+                                                              std::optional<std::string> fallback = std::nullopt) {
+  const auto it = j.find(std::string(field));
+  if (it == j.end()) {
+    if (fallback) return *fallback;
+    return bad_input(cat("'", field, "' is required"));
+  }
+  if (!it->is_string()) return bad_input(cat("'", field, "' must be a string"));
+  std::string v = it->get<std::string>();
+  if (v.empty()) return bad_input(cat("'", field, "' must not be empty"));
+  if (v.size() > max_bytes)
+    return bad_input(cat("'", field, "' must be at most ", max_bytes, " bytes (got ", v.size(), ")"));
+  return v;
+}
+
+// Names: tenants, models, question ids, learners: [A-Za-z0-9._-], 1-64 bytes.
+[[nodiscard]] inline absl::Status check_name(std::string_view field, std::string_view v) {
+  if (v.empty() || v.size() > 64)
+    return bad_input(cat("'", field, "' must be 1-64 bytes (got ", v.size(), ")"));
+  for (char c : v) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+                    c == '_' || c == '-';
+    if (!ok) return bad_input(cat("'", field, "' may use only letters, digits, '.', '_' and '-'"));
+  }
+  return absl::OkStatus();
+}
+
+// The Idempotency-Key header: required on requests that cause effects.
+[[nodiscard]] inline absl::StatusOr<std::string> check_idempotency_key(const std::optional<std::string_view>& key) {
+  if (!key) return bad_input("the Idempotency-Key header is required: this request causes an effect");
+  if (key->empty()) return bad_input("the Idempotency-Key header must not be empty");
+  if (key->size() > keel::max_key_bytes)
+    return bad_input(cat("the Idempotency-Key header must be at most ", keel::max_key_bytes,
+                                  " bytes (got ", key->size(), ")"));
+  for (char c : *key) {
+    if (c < 0x21 || c > 0x7e) return bad_input("the Idempotency-Key header must be printable ASCII without spaces");
+  }
+  return std::string(*key);
+}
+
+// The "class" field, if any, must name the class the endpoint serves.
+[[nodiscard]] inline absl::Status check_class(const json& j, work_class expected, std::string_view endpoint) {
+  const auto it = j.find("class");
+  if (it == j.end()) return absl::OkStatus();
+  if (!it->is_string()) return bad_input("'class' must be a string");
+  const std::string c = it->get<std::string>();
+  const std::optional<work_class> w = parse_work_class(c);
+  if (!w) return bad_input(cat("unknown class '", c, "' (known: interactive, batch, recovery)"));
+  if (*w != expected)
+    return bad_input(cat("class '", c, "' is not served by ", endpoint, " (it serves ",
+                                  work_class_names[static_cast<std::size_t>(expected)], ")"));
+  return absl::OkStatus();
+}
+
+// What the model (or the fallback) answered.
+struct answer {
+  int score = 0;
+  std::string feedback;
+  std::string served_by;  // "model:<name>" or the fallback path
+  std::string note;       // why the answer is degraded, when it is
+};
+
+[[nodiscard]] inline json to_json(const answer& a) {
+  json j = {{"score", a.score}, {"feedback", a.feedback}, {"served_by", a.served_by}};
+  if (!a.note.empty()) j["note"] = a.note;
+  return j;
+}
+
+// The model's output contract: {"score": 0-10, "feedback": "<1-2000 bytes>"}.
+[[nodiscard]] inline absl::StatusOr<answer> parse_model_output(std::string_view raw, std::string_view model) {
+  const json j = json::parse(raw.begin(), raw.end(), nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("score") || !j["score"].is_number_integer() ||
+      !j.contains("feedback") || !j["feedback"].is_string()) {
+    // Internal: transient. Sampling again may give a valid answer; the
+    // breaker counts it as a failure of the provider.
+    return absl::InternalError(cat("model output broke the contract: ", raw.substr(0, 60)));
+  }
+  const int score = j["score"].get<int>();
+  std::string feedback = j["feedback"].get<std::string>();
+  if (score < 0 || score > 10 || feedback.empty() || feedback.size() > 2000)
+    return absl::InternalError("model output out of range (score 0-10, feedback 1-2000 bytes)");
+  return answer{.score = score, .feedback = std::move(feedback), .served_by = cat("model:", model), .note = {}};
+}
+
+}  // namespace detail
+
+// A listener that counts keel's events into the metrics registry, plus the
+// job queue's own events.
+struct gateway_listener {
+  keel::metrics_listener keel_events;
+  keel::counter_metric* jobs_done = nullptr;
+  keel::counter_metric* jobs_requeued = nullptr;
+  keel::counter_metric* jobs_failed = nullptr;
+  keel::counter_metric* jobs_lost = nullptr;
+  keel::counter_metric* jobs_rejected = nullptr;
+
+  template <class Event>
+    requires std::invocable<const keel::metrics_listener&, const Event&>
+  void operator()(const Event& e) const {
+    keel_events(e);
+  }
+  void operator()(const keel::events::job_finished& e) const noexcept {
+    (e.state == keel::job_state::done     ? jobs_done
+     : e.state == keel::job_state::failed ? jobs_failed
+                                          : jobs_requeued)
+        ->inc();
+  }
+  void operator()(const keel::events::job_lost&) const noexcept { jobs_lost->inc(); }
+  void operator()(const keel::events::job_rejected&) const noexcept { jobs_rejected->inc(); }
+};
+
+template <keel::clock Clock, keel::job_store JobStore>
+class gateway_core {
+ public:
+  using queue_type = keel::job_queue<JobStore, Clock, gateway_listener>;
+  using worker_type = batch_worker<Clock, JobStore, gateway_listener>;
+
+  // Opens the stores under o.data_dir (keel.db, jobs.db, effects.db) with
+  // `open_jobs(path)` for the job store; invalid options are refused
+  // (InvalidArgument naming the field), a store that cannot open says which
+  // file and why. Batch workers are not started: start_workers().
+  template <class OpenJobs>
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<gateway_core>> open(gateway_options o, OpenJobs open_jobs,
+                                                                          Clock clock = {}) {
+    if (absl::Status s = o.validate(); !s.ok()) return s;
+    absl::StatusOr<std::unique_ptr<keel::sqlite_store<>>> ids =
+        keel::sqlite_store<>::open(o.data_dir + "/keel.db", {.busy_timeout = o.store_busy_timeout});
+    if (!ids.ok()) return ids.status();
+    absl::StatusOr<std::unique_ptr<JobStore>> jobs = open_jobs(o.data_dir + "/jobs.db");
+    if (!jobs.ok()) return jobs.status();
+    // The learner-history write comes after the decision is committed: it
+    // must not hold a request past its deadline.
+    absl::StatusOr<std::unique_ptr<effect_log>> effects = effect_log::open(
+        o.data_dir + "/effects.db", std::chrono::duration_cast<std::chrono::milliseconds>(o.store_busy_timeout));
+    if (!effects.ok()) return effects.status();
+    return std::unique_ptr<gateway_core>(
+        new gateway_core(std::move(o), std::move(*ids), std::move(*jobs), std::move(*effects), std::move(clock)));
+  }
+
+  gateway_core(const gateway_core&) = delete;
+  gateway_core& operator=(const gateway_core&) = delete;
+  ~gateway_core() { shutdown(); }
+
+  // Starts o.batch_workers in-process batch workers.
+  void start_workers() {
+    if (options_.batch_workers > 0) workers_->start(options_.batch_workers);
+  }
+  // Cancels every running request and stops the workers. Idempotent.
+  void shutdown() {
+    stop_.request_stop();
+    workers_->stop();
+  }
+
+  // ---- endpoints -----------------------------------------------------------
+
+  // POST /v1/feedback: {"tenant", "question_id", "answer", ["model"], ["class"]}
+  // with an Idempotency-Key.
+  reply feedback(std::string_view body, const std::optional<std::string_view>& key_header) {
+    const keel::time_point t0 = clock_.now();
+    absl::StatusOr<feedback_request> parsed = parse_feedback(body, key_header);
+    if (!parsed.ok()) return answered("feedback", detail::error_reply(parsed.status()));
+    const feedback_request& rq = *parsed;
+    const tenant_config& tenant = tenant_of(rq.tenant);
+    model_state& model = *models_.find(rq.model)->second;
+    const deadline_plan& plan = options_.interactive;
+
+    keel::call call(t0, {.timeout = plan.deadline,
+                         .response_reserve = plan.response_reserve,
+                         .stop = stop_.get_token(),
+                         .labels = {.tenant = rq.tenant,
+                                    .model = rq.model,
+                                    .endpoint = provider_.name(),
+                                    .region = tenant.region,
+                                    .work_class = "interactive"},
+                         .max_attempts = 2 + options_.model_attempts});
+    // Stage 1, admit: everything that can refuse, before any expensive work.
+    const keel::deadline admit_by = call.stage(t0, plan.admit);
+    if (shed_[idx(work_class::interactive)].load(std::memory_order_relaxed)) {
+      return rejected(work_class::interactive, "shed", shed_refusal(work_class::interactive), t0);
+    }
+    keel::admission::refusal_reason why;
+    keel::admission_ticket ticket =
+        quotas_.try_admit({.tenant = rq.tenant, .model = rq.model, .estimate = model.config.token_estimate}, t0, why);
+    if (!ticket) {
+      return rejected(work_class::interactive, why.level == "tenant" ? "tenant_quota" : "model_quota",
+                      keel::admission::refusal(why), t0, /*counts_in_slo=*/why.level != "tenant");
+    }
+
+    progress p;
+    const keel::request_identity id{.tenant = rq.tenant, .endpoint = "feedback", .key = rq.key};
+    const keel::digest request = keel::digest_builder()
+                                     .field("question_id", rq.question_id)
+                                     .field("answer", rq.answer)
+                                     .field("model", rq.model)
+                                     .finish();
+    absl::StatusOr<keel::once_result> r =
+        once_.run(call, id, request, [&](const keel::claim_context& claim) -> absl::StatusOr<keel::decision> {
+          return decide(call, claim, rq, tenant, model, admit_by, p);
+        });
+    const keel::time_point done = clock_.now();
+
+    if (r.ok()) {
+      if (r->replayed) {
+        ticket.cancel();  // a replay spends no model capacity; its request still counted toward the rate
+      } else {
+        ticket.reconcile(call.record().cost, done);
+        // The effect: the decision goes into the learner's history once.
+        if (absl::Status e = effects_->record_feedback(rq.tenant, rq.key, r->decision.id); !e.ok()) {
+          effect_errors_->inc();
+        }
+      }
+      const detail::json stored = detail::json::parse(r->decision.result, nullptr, false);
+      detail::json out = stored.is_object() ? stored : detail::json::object();
+      out["decision_id"] = r->decision.id;
+      out["model_digest"] = r->decision.model_digest;
+      out["policy_revision"] = r->decision.policy_revision;
+      out["replayed"] = r->replayed;
+      out["degraded"] = false;
+      out["recorded"] = true;
+      finish_body(out, call, t0, p, done);
+      return served(work_class::interactive, keel::request_outcome::success,
+                    r->replayed ? "replay" : out.value("served_by", std::string("model")), out, t0, done);
+    }
+    if (p.degraded) {
+      ticket.reconcile(call.record().cost, done);
+      detail::json out = detail::to_json(*p.degraded);
+      out["decision_id"] = nullptr;
+      out["replayed"] = false;
+      out["degraded"] = true;
+      out["recorded"] = false;  // a retry with the same key decides again
+      finish_body(out, call, t0, p, done);
+      return served(work_class::interactive, keel::request_outcome::partial, p.degraded->served_by, out, t0, done);
+    }
+    ticket.cancel();
+    if (p.rejected) return rejected(work_class::interactive, "bulkhead", r.status(), t0);
+    if (keel::is_conflict(r.status())) return answered("feedback", detail::error_reply(r.status()));
+    if (keel::is_in_flight(r.status())) {
+      return rejected(work_class::interactive, "in_flight", r.status(), t0, /*counts_in_slo=*/false);
+    }
+    // A clear failure: the model did not answer and no fallback could.
+    record_slo(work_class::interactive, keel::request_outcome::failure, done - t0, done);
+    reply e = detail::error_reply(r.status());
+    return answered("feedback", std::move(e));
+  }
+
+  // POST /v1/batch: {"tenant", "learner", "sessions": [...], ["model"], ["class"]}
+  // with an Idempotency-Key. 202 with the job (200 when the key was seen).
+  reply batch_submit(std::string_view body, const std::optional<std::string_view>& key_header) {
+    const keel::time_point t0 = clock_.now();
+    absl::StatusOr<batch_request> parsed = parse_batch(body, key_header);
+    if (!parsed.ok()) return answered("batch", detail::error_reply(parsed.status()));
+    const batch_request& rq = *parsed;
+    if (shed_[idx(work_class::batch)].load(std::memory_order_relaxed)) {
+      return rejected(work_class::batch, "shed", shed_refusal(work_class::batch), t0);
+    }
+    // The tenant's quota counts the submission; the job's compute is spent
+    // later, by a worker.
+    keel::admission::refusal_reason why;
+    keel::admission_ticket ticket = quotas_.try_admit({.tenant = rq.tenant, .model = rq.model}, t0, why);
+    if (!ticket) {
+      return rejected(work_class::batch, why.level == "tenant" ? "tenant_quota" : "model_quota",
+                      keel::admission::refusal(why), t0, why.level != "tenant");
+    }
+    absl::StatusOr<keel::job_submission> s = queue_.submit(rq.tenant, rq.key, rq.payload);
+    if (!s.ok()) {
+      if (keel::is_job_queue_full(s.status())) return rejected(work_class::batch, "job_queue", s.status(), t0);
+      if (keel::is_conflict(s.status())) return answered("batch", detail::error_reply(s.status()));
+      return answered("batch", detail::error_reply(s.status()));
+    }
+    detail::json out = {{"job_id", s->id},
+                        {"state", std::string(keel::to_string(s->state))},
+                        {"attempts", s->attempts},
+                        {"created", s->created},
+                        {"replayed", !s->created}};
+    return answered("batch", {.status = s->created ? 202 : 200, .body = detail::dump(out)});
+  }
+
+  // GET /v1/batch/<id>?tenant=<tenant>
+  reply batch_status(std::string_view id_text, const std::optional<std::string_view>& tenant) {
+    std::int64_t id = 0;
+    if (!absl::SimpleAtoi(keel::detail::to_absl(id_text), &id) || id <= 0) {
+      return answered("batch_status", detail::error_reply(detail::bad_input("the job id must be a positive integer")));
+    }
+    if (!tenant) return answered("batch_status", detail::error_reply(detail::bad_input("'tenant' is required")));
+    if (absl::Status s = detail::check_name("tenant", *tenant); !s.ok()) {
+      return answered("batch_status", detail::error_reply(s));
+    }
+    absl::StatusOr<std::optional<keel::job_info>> j = queue_.get(id);
+    if (!j.ok()) return answered("batch_status", detail::error_reply(j.status()));
+    // Another tenant's job does not exist, as far as this tenant can tell.
+    if (!j->has_value() || (*j)->tenant != *tenant || (*j)->queue != queue_.options().queue) {
+      return answered("batch_status",
+                      detail::error_reply(absl::NotFoundError(cat("no job ", id, " for this tenant"))));
+    }
+    const keel::job_info& info = **j;
+    detail::json out = {{"job_id", info.id},
+                        {"tenant", info.tenant},
+                        {"key", info.key},
+                        {"state", std::string(keel::to_string(info.state))},
+                        {"attempts", info.attempts},
+                        {"max_attempts", info.max_attempts},
+                        {"fence", info.fence},
+                        {"took_over", info.took_over}};
+    if (info.state == keel::job_state::done) {
+      const detail::json report = detail::json::parse(info.result, nullptr, false);
+      out["report"] = report.is_discarded() ? detail::json(info.result) : report;
+    }
+    if (info.error_code != absl::StatusCode::kOk) {
+      out["last_error"] = {{"status", detail::code_name(info.error_code)}, {"message", info.error_message}};
+    }
+    return answered("batch_status", {.status = 200, .body = detail::dump(out)});
+  }
+
+  // POST /admin/breaker: {"provider": "<name>", "mode": "open" | "closed" | "auto"}
+  reply admin_breaker(std::string_view body) {
+    return operator_request("admin_breaker", [&]() -> reply {
+      absl::StatusOr<detail::json> j = detail::parse_object(body);
+      if (!j.ok()) return detail::error_reply(j.status());
+      absl::StatusOr<std::string> provider = detail::string_field(*j, "provider", 64, provider_.name());
+      if (!provider.ok()) return detail::error_reply(provider.status());
+      absl::StatusOr<std::string> mode = detail::string_field(*j, "mode", 16);
+      if (!mode.ok()) return detail::error_reply(mode.status());
+      if (*provider != provider_.name()) {
+        return detail::error_reply(absl::NotFoundError(cat("no provider '", *provider, "'")));
+      }
+      if (*mode != "open" && *mode != "closed" && *mode != "auto") {
+        return detail::error_reply(detail::bad_input("'mode' must be open, closed or auto"));
+      }
+      const keel::breaker_state s = force_breaker(*mode);
+      return {.status = 200, .body = detail::dump({{"provider", *provider}, {"state", std::string(keel::to_string(s))}})};
+    });
+  }
+
+  // POST /admin/shed: {"class": "interactive" | "batch", "shed": true | false}
+  reply admin_shed(std::string_view body) {
+    return operator_request("admin_shed", [&]() -> reply {
+      absl::StatusOr<detail::json> j = detail::parse_object(body);
+      if (!j.ok()) return detail::error_reply(j.status());
+      absl::StatusOr<std::string> cls = detail::string_field(*j, "class", 32);
+      if (!cls.ok()) return detail::error_reply(cls.status());
+      const std::optional<work_class> w = parse_work_class(*cls);
+      if (!w) {
+        return detail::error_reply(
+            detail::bad_input(cat("unknown class '", *cls, "' (known: interactive, batch, recovery)")));
+      }
+      if (*w == work_class::recovery) {
+        return detail::error_reply(detail::bad_input("the recovery class cannot be shed: operators need it"));
+      }
+      const auto it = j->find("shed");
+      if (it == j->end() || !it->is_boolean()) return detail::error_reply(detail::bad_input("'shed' must be true or false"));
+      set_shed(*w, it->get<bool>());
+      return {.status = 200, .body = detail::dump({{"class", *cls}, {"shed", it->get<bool>()}})};
+    });
+  }
+
+  // POST /admin/fault: {"kind": "none" | "slowdown" | "stall" | "rate_limit" |
+  // "outage" | "invalid_output", ["factor"], ["retry_after_ms"], ["ratio"]}
+  reply admin_fault(std::string_view body) {
+    return operator_request("admin_fault", [&]() -> reply {
+      absl::StatusOr<detail::json> j = detail::parse_object(body);
+      if (!j.ok()) return detail::error_reply(j.status());
+      absl::StatusOr<std::string> kind = detail::string_field(*j, "kind", 32);
+      if (!kind.ok()) return detail::error_reply(kind.status());
+      const std::optional<fault_kind> k = parse_fault_kind(*kind);
+      if (!k) {
+        return detail::error_reply(detail::bad_input(cat(
+            "unknown fault '", *kind, "' (known: none, slowdown, stall, rate_limit, outage, invalid_output)")));
+      }
+      fault f{.kind = *k};
+      for (const char* field : {"factor", "ratio", "retry_after_ms"}) {
+        const auto it = j->find(field);
+        if (it == j->end()) continue;
+        if (!it->is_number()) return detail::error_reply(detail::bad_input(cat("'", field, "' must be a number")));
+        const double v = it->get<double>();
+        if (std::string_view(field) == "factor") f.factor = v;
+        if (std::string_view(field) == "ratio") f.ratio = v;
+        if (std::string_view(field) == "retry_after_ms") {
+          if (!(v >= 0 && v <= 3'600'000)) {
+            return detail::error_reply(detail::bad_input("'retry_after_ms' must be in [0, 3600000]"));
+          }
+          f.retry_after = std::chrono::duration_cast<keel::duration>(std::chrono::duration<double, std::milli>(v));
+        }
+      }
+      if (absl::Status s = provider_.set_fault(f); !s.ok()) return detail::error_reply(s);
+      return {.status = 200, .body = detail::dump({{"provider", provider_.name()}, {"fault", *kind}})};
+    });
+  }
+
+  // GET /healthz
+  reply health() {
+    return operator_request("health", [&]() -> reply {
+      const keel::time_point now = clock_.now();
+      detail::json breakers = detail::json::array();
+      bool degraded = false;
+      for (const keel::breaker_entry& e : breakers_.list(now)) {
+        degraded |= e.state.state != keel::breaker_state::closed;
+        breakers.push_back({{"domain", e.domain},
+                            {"state", std::string(keel::to_string(e.state.state))},
+                            {"failure_rate", e.state.failure_rate},
+                            {"open_remaining_ms", detail::to_ms(e.state.open_remaining)}});
+      }
+      detail::json shed = detail::json::array();
+      for (work_class w : {work_class::interactive, work_class::batch}) {
+        if (shed_[idx(w)].load(std::memory_order_relaxed)) {
+          shed.push_back(std::string(work_class_names[idx(w)]));
+          degraded = true;
+        }
+      }
+      detail::json pools = detail::json::object();
+      for (std::size_t c = 0; c < pools_.classes(); ++c) {
+        const keel::bulkhead_figures f = pools_.figures(c);
+        pools[std::string(f.name)] = {{"capacity", f.capacity}, {"active", f.active}, {"queued", f.queued},
+                                      {"rejected", f.rejected}, {"timed_out", f.timed_out}};
+      }
+      detail::json out = {{"status", degraded ? "degraded" : "ok"},
+                          {"breakers", breakers},
+                          {"shed", shed},
+                          {"fault", std::string(to_string(provider_.current_fault().kind))},
+                          {"bulkheads", pools}};
+      if (absl::StatusOr<keel::job_counts> c = queue_.counts(); c.ok()) {
+        out["batch_queue"] = {{"queued", c->queued}, {"running", c->running}, {"done", c->done},
+                              {"failed", c->failed}, {"expired", c->expired}, {"depth", c->depth}};
+      }
+      detail::json slos = detail::json::object();
+      for (const keel::slo_report& s : slos_.report(now)) {
+        slos[s.work_class] = {{"target", s.availability.target},
+                              {"error_budget_allowed", s.availability.allowed},
+                              {"error_budget_remaining", s.availability.remaining},
+                              {"requests", s.in_window.requests()}};
+      }
+      out["slo"] = slos;
+      return {.status = 200, .body = detail::dump(out)};
+    });
+  }
+
+  // GET /metrics: Prometheus text.
+  reply metrics() {
+    return operator_request("metrics", [&]() -> reply {
+      absl::StatusOr<std::string> text = keel::to_prometheus_text(registry_.snapshot());
+      if (!text.ok()) return detail::error_reply(text.status(), 500);
+      return {.status = 200, .body = std::move(*text), .content_type = std::string(keel::prometheus_content_type)};
+    });
+  }
+
+  // Any other path.
+  reply not_found(std::string_view path) {
+    return answered("other", detail::error_reply(absl::NotFoundError(
+                                 cat("no endpoint ", path.substr(0, 100),
+                                              " (try POST /v1/feedback, POST /v1/batch, GET /v1/batch/<id>, "
+                                              "GET /healthz, GET /metrics, POST /admin/{breaker,shed,fault})"))));
+  }
+
+  // ---- the in-process operator API ----------------------------------------
+
+  simulated_provider<Clock>& provider() noexcept { return provider_; }
+  keel::breaker_registry& breakers() noexcept { return breakers_; }
+  keel::circuit_breaker& provider_breaker() { return breakers_.breaker_for(provider_domain()); }
+  keel::bulkhead& bulkheads() noexcept { return pools_; }
+  keel::slo_tracker& slos() noexcept { return slos_; }
+  keel::metrics_registry& registry() noexcept { return registry_; }
+  queue_type& queue() noexcept { return queue_; }
+  effect_log& effects() noexcept { return *effects_; }
+  worker_type& workers() noexcept { return *workers_; }
+  const gateway_options& options() const noexcept { return options_; }
+  const Clock& clock() const noexcept { return clock_; }
+
+  void set_shed(work_class w, bool on) { shed_[idx(w)].store(on, std::memory_order_relaxed); }
+
+  // "open", "closed" or "auto" (anything else: auto). Returns the new state.
+  keel::breaker_state force_breaker(std::string_view mode) {
+    keel::circuit_breaker& b = provider_breaker();
+    const keel::time_point now = clock_.now();
+    if (mode == "open") {
+      b.force_open(now);
+    } else if (mode == "closed") {
+      b.force_closed(now);
+    } else {
+      b.automatic(now);
+    }
+    return b.state();
+  }
+
+ private:
+  struct feedback_request {
+    std::string tenant, model, question_id, answer, key;
+  };
+  struct batch_request {
+    std::string tenant, model, key, payload;
+  };
+
+  struct model_state {
+    explicit model_state(model_config c, const gateway_options& o)
+        : config(std::move(c)), interactive_timeout(o.model_timeout), batch_timeout(o.batch_timeout) {}
+    model_config config;
+    keel::adaptive_timeout interactive_timeout;
+    keel::adaptive_timeout batch_timeout;
+  };
+
+  // What decide() learned, for the reply.
+  struct progress {
+    std::optional<keel::time_point> admitted, retrieved, answered;
+    std::optional<detail::answer> degraded;  // a fallback answered (not recorded)
+    bool rejected = false;                   // refused by the bulkhead
+    std::string retrieval_error;
+  };
+
+  gateway_core(gateway_options o, std::unique_ptr<keel::sqlite_store<>> ids, std::unique_ptr<JobStore> jobs,
+               std::unique_ptr<effect_log> effects, Clock clock)
+      : options_(std::move(o)),
+        clock_(std::move(clock)),
+        listener_(make_listener(registry_)),
+        provider_(options_.provider, clock_),
+        rubrics_(options_.rubric_latency, clock_),
+        breakers_(keel::breaker_registry_options{
+            .breaker = options_.breaker, .scope = {.endpoint = true, .model = false, .region = false}}),
+        budget_(options_.retry_budget),
+        pools_(keel::bulkhead_options{
+            .classes = {{.name = "interactive",
+                         .capacity = options_.interactive_slots,
+                         .max_queue = options_.interactive_queue,
+                         .max_queue_age = options_.interactive.admit},
+                        {.name = "batch",
+                         .capacity = options_.batch_slots,
+                         .max_queue = options_.batch_queue,
+                         .max_queue_age = options_.batch_queue_age},
+                        {.name = "recovery",
+                         .capacity = options_.recovery_slots,
+                         .max_queue = options_.recovery_queue,
+                         .max_queue_age = options_.recovery_queue_age}}}),
+        quotas_(admission_options(options_)),
+        slos_(slo_classes(options_)),
+        ids_(std::move(ids)),
+        once_(*ids_,
+              keel::idempotency_options{.lease = options_.idempotency_lease,
+                                        .retention = options_.idempotency_retention,
+                                        .retry_window = std::min<keel::duration>(std::chrono::hours(1),
+                                                                                 options_.idempotency_retention / 2),
+                                        // Only decisions are kept: a failure (a refusal, an open breaker, a
+                                        // model that did not answer) leaves the key free for a retry.
+                                        .on_failure = keel::on_failure::forget,
+                                        .policy_revision = options_.policy_revision},
+              clock_, listener_),
+        jobs_(std::move(jobs)),
+        queue_(*jobs_, report_queue_options(options_),
+               clock_, listener_),
+        effects_(std::move(effects)) {
+    for (const model_config& m : options_.models) {
+      models_.emplace(m.name, std::make_unique<model_state>(m, options_));
+    }
+    full_answers_ = slos_.find("interactive-full-answers");
+    interactive_cls_ = *pools_.class_index("interactive");
+    recovery_cls_ = *pools_.class_index("recovery");
+    http_requests_ = &registry_.counter({.name = "gateway_http_requests_total",
+                                         .help = "HTTP requests by endpoint and status code.",
+                                         .labels = {"endpoint", "code"}});
+    rejections_ = &registry_.counter({.name = "gateway_rejections_total",
+                                      .help = "Requests refused before work started, by class and the limit that refused.",
+                                      .labels = {"class", "reason"}});
+    answers_ = &registry_.counter({.name = "gateway_answers_total",
+                                   .help = "Answers by class and the path that served them.",
+                                   .labels = {"class", "served_by"}});
+    latency_ = &registry_.histogram({.name = "gateway_request_seconds",
+                                     .help = "Server-side latency of answered and refused requests, by class.",
+                                     .labels = {"class"}});
+    effect_errors_ = &registry_
+                          .counter({.name = "gateway_effect_errors_total",
+                                    .help = "Learner-history writes that failed after a decision was committed."})
+                          .with({});
+    registry_.add_collector([this](keel::metrics_snapshot& s) { collect(s); });
+    workers_ = std::make_unique<worker_type>(batch_resources<Clock, JobStore, gateway_listener>{
+        .queue = queue_,
+        .provider = provider_,
+        .breakers = breakers_,
+        .timeout = models_.begin()->second->batch_timeout,
+        .budget = budget_,
+        .effects = *effects_,
+        .pools = pools_,
+        .batch_class = *pools_.class_index("batch"),
+        .options = options_,
+        .listener = listener_,
+        .clock = clock_,
+        .slo = slos_.find("batch")});
+  }
+
+  static gateway_listener make_listener(keel::metrics_registry& r) {
+    auto& jobs = r.counter({.name = "gateway_batch_job_attempts_total",
+                            .help = "Batch job attempts by where the job went: done, queued again, failed, lost "
+                                    "(its fenced write was refused), and submissions rejected by a full queue.",
+                            .labels = {"result"}});
+    return gateway_listener{.keel_events = keel::metrics_listener(r),
+                            .jobs_done = &jobs.with({"done"}),
+                            .jobs_requeued = &jobs.with({"requeued"}),
+                            .jobs_failed = &jobs.with({"failed"}),
+                            .jobs_lost = &jobs.with({"lost"}),
+                            .jobs_rejected = &jobs.with({"rejected"})};
+  }
+
+  static keel::admission_options admission_options(const gateway_options& o) {
+    keel::admission_options a{.tenant_defaults = o.tenant_defaults};
+    for (const tenant_config& t : o.tenants) a.tenants.emplace_back(t.name, t.limits);
+    for (const model_config& m : o.models) a.models.emplace_back(m.name, m.limits);
+    return a;
+  }
+
+  static std::vector<keel::slo_class> slo_classes(const gateway_options& o) {
+    // Interactive availability: a degraded answer within the deadline is
+    // useful (good), an overload refusal is not (bad); tenants over their own
+    // quota are not recorded at all (their 429 is the contract working).
+    // Interactive full answers: the same requests judged by whether the model
+    // answered — degraded answers spend this budget, refusals are not
+    // eligible (availability has them). One blended score would hide either.
+    // Batch: only complete reports count; a full queue is bad.
+    return {{"interactive-full-answers",
+             {.target = o.full_answer_target,
+              .window = o.slo_window,
+              .window_buckets = 60,
+              .rejected = keel::counts_as::not_eligible,
+              .partial = keel::counts_as::bad,
+              .abandoned = keel::counts_as::not_eligible}},
+            {"interactive",
+             {.target = o.interactive_target,
+              .window = o.slo_window,
+              .window_buckets = 60,
+              .rejected = keel::counts_as::bad,
+              .partial = keel::counts_as::good,
+              .abandoned = keel::counts_as::not_eligible,
+              .latency_threshold = o.interactive.deadline,
+              .latency_target = 0.99}},
+            {"batch",
+             {.target = o.batch_target,
+              .window = o.slo_window,
+              .window_buckets = 60,
+              .rejected = keel::counts_as::bad,
+              .partial = keel::counts_as::bad,
+              .abandoned = keel::counts_as::not_eligible}}};
+  }
+
+  static constexpr std::size_t idx(work_class w) noexcept { return static_cast<std::size_t>(w); }
+
+  [[nodiscard]] keel::failure_domain provider_domain() const noexcept {
+    return keel::failure_domain{.endpoint = provider_.name()};
+  }
+
+  [[nodiscard]] const tenant_config& tenant_of(std::string_view name) const {
+    for (const tenant_config& t : options_.tenants) {
+      if (t.name == name) return t;
+    }
+    return default_tenant_;
+  }
+
+  [[nodiscard]] absl::StatusOr<feedback_request> parse_feedback(std::string_view body,
+                                                                const std::optional<std::string_view>& key) const {
+    absl::StatusOr<detail::json> j = detail::parse_object(body);
+    if (!j.ok()) return j.status();
+    if (absl::Status s = detail::check_class(*j, work_class::interactive, "/v1/feedback"); !s.ok()) return s;
+    absl::StatusOr<std::string> k = detail::check_idempotency_key(key);
+    if (!k.ok()) return k.status();
+    feedback_request r;
+    r.key = std::move(*k);
+    for (auto [field, out, max] : {std::tuple{"tenant", &r.tenant, std::size_t{64}},
+                                   std::tuple{"question_id", &r.question_id, std::size_t{64}},
+                                   std::tuple{"answer", &r.answer, std::size_t{8192}}}) {
+      absl::StatusOr<std::string> v = detail::string_field(*j, field, max);
+      if (!v.ok()) return v.status();
+      *out = std::move(*v);
+    }
+    absl::StatusOr<std::string> m = detail::string_field(*j, "model", 64, options_.models.front().name);
+    if (!m.ok()) return m.status();
+    r.model = std::move(*m);
+    if (absl::Status s = detail::check_name("tenant", r.tenant); !s.ok()) return s;
+    if (absl::Status s = detail::check_name("question_id", r.question_id); !s.ok()) return s;
+    if (!models_.contains(r.model)) return detail::bad_input(cat("unknown model '", r.model, "'"));
+    return r;
+  }
+
+  [[nodiscard]] absl::StatusOr<batch_request> parse_batch(std::string_view body,
+                                                          const std::optional<std::string_view>& key) const {
+    absl::StatusOr<detail::json> j = detail::parse_object(body);
+    if (!j.ok()) return j.status();
+    if (absl::Status s = detail::check_class(*j, work_class::batch, "/v1/batch"); !s.ok()) return s;
+    absl::StatusOr<std::string> k = detail::check_idempotency_key(key);
+    if (!k.ok()) return k.status();
+    absl::StatusOr<std::string> tenant = detail::string_field(*j, "tenant", 64);
+    if (!tenant.ok()) return tenant.status();
+    absl::StatusOr<std::string> learner = detail::string_field(*j, "learner", 64);
+    if (!learner.ok()) return learner.status();
+    absl::StatusOr<std::string> model = detail::string_field(*j, "model", 64, options_.models.front().name);
+    if (!model.ok()) return model.status();
+    if (absl::Status s = detail::check_name("tenant", *tenant); !s.ok()) return s;
+    if (absl::Status s = detail::check_name("learner", *learner); !s.ok()) return s;
+    if (!models_.contains(*model)) return detail::bad_input(cat("unknown model '", *model, "'"));
+    const auto sessions = j->find("sessions");
+    if (sessions == j->end() || !sessions->is_array() || sessions->empty() || sessions->size() > 50) {
+      return detail::bad_input("'sessions' must be an array of 1-50 strings");
+    }
+    for (const auto& s : *sessions) {
+      if (!s.is_string() || s.get<std::string>().empty() || s.get<std::string>().size() > 4096)
+        return detail::bad_input("each session must be a string of 1-4096 bytes");
+    }
+    // The canonical payload (keys sorted): its digest deduplicates the job.
+    detail::json payload = {{"tenant", *tenant}, {"learner", *learner}, {"model", *model}, {"sessions", *sessions}};
+    return batch_request{.tenant = std::move(*tenant),
+                         .model = std::move(*model),
+                         .key = std::move(*k),
+                         .payload = detail::dump(payload)};
+  }
+
+  // Inside keel::once, when this request owns the record: the stages after admission.
+  absl::StatusOr<keel::decision> decide(keel::call& call, const keel::claim_context& claim,
+                                        const feedback_request& rq, const tenant_config& tenant, model_state& model,
+                                        keel::deadline admit_by, progress& p) {
+    const deadline_plan& plan = options_.interactive;
+    (void)claim;
+    // Still the admit stage: a slot of the interactive bulkhead, waiting at
+    // most until the stage ends.
+    absl::StatusOr<keel::bulkhead_permit> slot =
+        pools_.acquire(interactive_cls_, clock_, clock_.now(), admit_by, call.stop_token());
+    if (!slot.ok()) {
+      p.rejected = true;
+      return slot.status();
+    }
+    p.admitted = clock_.now();
+
+    // Stage 2, retrieve: the rubric, within its share of what is left.
+    auto retrieve = keel::pipeline(keel::time_limit({.at_most = plan.retrieve}),
+                                   keel::retry({.max_attempts = 2}, options_.backoff))
+                        .on(clock_)
+                        .observe(listener_);
+    absl::StatusOr<rubric> rub = retrieve.run(
+        call, [&](const keel::attempt& a) -> absl::StatusOr<rubric> { return rubrics_.lookup(a, rq.question_id); });
+    p.retrieved = clock_.now();
+    if (!rub.ok()) {
+      p.retrieval_error = std::string(rub.status().message());
+      call.note_missing();
+    }
+
+    // Stages 3-4, model then fallback. The fallback sits outermost: it gets
+    // what the primary path leaves, never a fresh timeout. Inside it the
+    // model stage is limited to its share; retries are budgeted and bounded
+    // by the call's attempt cap; the breaker sees (and gates) every attempt,
+    // so an opening breaker stops the next attempt; the adaptive timeout sets
+    // each attempt's deadline from recent latency and skips hopeless ones.
+    std::string prompt = cat("Question ", rq.question_id, ".");
+    if (rub.ok()) {
+      for (const std::string& point : rub->points) absl::StrAppend(&prompt, " Rubric: ", point, ".");
+    }
+    absl::StrAppend(&prompt, " Answer: ", rq.answer);
+    std::string last_failure;  // what the model path last said, for the degraded answer's note
+    auto primary = [&](const keel::attempt& a) -> absl::StatusOr<detail::answer> {
+      absl::StatusOr<std::string> raw = provider_.complete(a, prompt);
+      absl::StatusOr<detail::answer> parsed =
+          raw.ok() ? detail::parse_model_output(*raw, rq.model) : absl::StatusOr<detail::answer>(raw.status());
+      if (!parsed.ok()) last_failure = std::string(parsed.status().message());
+      return parsed;
+    };
+    auto rubric_only = [&](const keel::attempt&) -> absl::StatusOr<detail::answer> {
+      const keel::breaker_state b = breakers_.breaker_for(provider_domain()).state();
+      const std::string why = b == keel::breaker_state::open || b == keel::breaker_state::forced_open
+                                  ? cat("the provider's circuit breaker is ", keel::to_string(b))
+                              : last_failure.empty() ? std::string("the model had no time left in its stage")
+                                                     : cat("the model failed: ", last_failure);
+      return rubric_feedback(*rub, rq.answer, why);
+    };
+    std::vector<keel::gate> gates;
+    gates.emplace_back("residency", [](const keel::labels& c, const keel::path& alt) {
+      return c.region.empty() || c.region == alt.labels.region;
+    });
+    gates.emplace_back("permission", [&tenant](const keel::labels&, const keel::path&) -> absl::Status {
+      if (tenant.allow_degraded) return absl::OkStatus();
+      return absl::PermissionDeniedError("this tenant does not accept degraded answers");
+    });
+    gates.emplace_back("schema", [&rub](const keel::labels&, const keel::path&) -> absl::Status {
+      if (rub.ok()) return absl::OkStatus();
+      return absl::FailedPreconditionError("no rubric was retrieved to check the answer against");
+    });
+    auto stages =
+        keel::pipeline(keel::fallback(std::move(gates),
+                                      keel::alternate("rubric-feedback", rubric_only,
+                                                      {.labels = {.region = options_.region},
+                                                       .at_most = plan.fallback,
+                                                       .provider_call = false})),
+                       keel::time_limit({.at_most = plan.model}),
+                       keel::retry({.max_attempts = options_.model_attempts,
+                                    .budget = &budget_,
+                                    .min_attempt_time = model.interactive_timeout.options().lower},
+                                   options_.backoff),
+                       breakers_, model.interactive_timeout)
+            .on(clock_)
+            .observe(listener_);
+    absl::StatusOr<detail::answer> got = stages.run(call, primary);
+    p.answered = clock_.now();
+    if (!got.ok()) return got.status();
+
+    // Stage 5, respond: the answer is validated (by parse_model_output or the
+    // fallback's own construction); a degraded one is served, not recorded.
+    const keel::call_record rec = call.record();
+    if (rec.degraded) {
+      got->served_by = std::string(rec.served_by);
+      p.degraded = std::move(*got);
+      return absl::UnavailableError("degraded answer: served, not recorded as the decision");
+    }
+    return keel::decision{.model_digest = model.config.digest, .result = detail::dump(detail::to_json(*got))};
+  }
+
+  // The fallback: what the rubric alone can say, truthfully labelled.
+  static absl::StatusOr<detail::answer> rubric_feedback(const rubric& r, std::string_view answer,
+                                                        std::string_view why) {
+    std::vector<std::string> covered, missing;
+    for (const std::string& point : r.points) {
+      // A point counts as covered when its first word appears in the answer.
+      const std::string word = point.substr(0, point.find(' '));
+      (answer.find(word) != std::string_view::npos ? covered : missing).push_back(point);
+    }
+    std::string text = cat("Rubric check only: your answer covers ", covered.size(), " of ",
+                                    r.points.size(), " points.");
+    for (const std::string& m : missing) absl::StrAppend(&text, " Consider: ", m, ".");
+    const int score = r.points.empty() ? 0 : static_cast<int>(10 * covered.size() / r.points.size());
+    return detail::answer{.score = score,
+                          .feedback = std::move(text),
+                          .served_by = "rubric-feedback",
+                          .note = cat(why, "; this feedback comes from the rubric alone and was not recorded")};
+  }
+
+  void finish_body(detail::json& out, const keel::call& call, keel::time_point t0, const progress& p,
+                   keel::time_point done) const {
+    const keel::call_record rec = call.record();
+    out["attempts"] = rec.attempts;
+    out["retries"] = rec.retries;
+    out["deadline_ms"] = detail::to_ms(options_.interactive.deadline);
+    out["elapsed_ms"] = detail::to_ms(done - t0);
+    detail::json timeline = detail::json::object();
+    if (p.admitted) timeline["admitted"] = detail::to_ms(*p.admitted - t0);
+    if (p.retrieved) timeline["retrieved"] = detail::to_ms(*p.retrieved - t0);
+    if (p.answered) timeline["answered"] = detail::to_ms(*p.answered - t0);
+    timeline["responded"] = detail::to_ms(done - t0);
+    out["timeline_ms"] = timeline;
+    if (!p.retrieval_error.empty()) out["missing"] = {{"rubric", p.retrieval_error}};
+  }
+
+  reply served(work_class w, keel::request_outcome o, std::string_view served_by, const detail::json& out,
+               keel::time_point t0, keel::time_point done) {
+    record_slo(w, o, done - t0, done);
+    answers_->with({work_class_names[idx(w)], served_by}).inc();
+    latency_->with({work_class_names[idx(w)]}).observe(done - t0);
+    return answered(w == work_class::batch ? "batch" : "feedback", {.status = 200, .body = detail::dump(out)});
+  }
+
+  reply rejected(work_class w, std::string_view reason, absl::Status s, keel::time_point t0,
+                 bool counts_in_slo = true) {
+    const keel::time_point now = clock_.now();
+    // Every refusal says when to come back (a bulkhead that waited out the
+    // stage has no hint of its own: the stage's length is a fair one).
+    if (!keel::retry_after(s)) s = keel::with_retry_after(std::move(s), options_.interactive.admit);
+    rejections_->with({work_class_names[idx(w)], reason}).inc();
+    latency_->with({work_class_names[idx(w)]}).observe(now - t0);
+    if (counts_in_slo) record_slo(w, keel::request_outcome::rejected, now - t0, now);
+    return answered(w == work_class::batch ? "batch" : "feedback", detail::error_reply(s));
+  }
+
+  void record_slo(work_class w, keel::request_outcome o, keel::duration took, keel::time_point now) {
+    if (keel::work_class_slo* s = slos_.find(work_class_names[idx(w)])) s->record(o, took, now);
+    if (w == work_class::interactive) full_answers_->record(o, took, now);
+  }
+
+  reply answered(std::string_view endpoint, reply r) {
+    http_requests_->with({endpoint, cat(r.status)}).inc();
+    return r;
+  }
+
+  [[nodiscard]] absl::Status shed_refusal(work_class w) const {
+    return keel::with_retry_after(
+        keel::with_refused_by(keel::mark_not_started(absl::UnavailableError(cat(
+                                  "the ", work_class_names[idx(w)], " class is being shed by an operator"))),
+                              cat("shed:", work_class_names[idx(w)])),
+        std::chrono::seconds(1));
+  }
+
+  // Operator and monitoring requests run in the recovery class, so they get
+  // through while interactive and batch work is saturated.
+  template <class F>
+  reply operator_request(std::string_view endpoint, F&& f) {
+    const keel::time_point now = clock_.now();
+    absl::StatusOr<keel::bulkhead_permit> slot = pools_.acquire(
+        recovery_cls_, clock_, now, keel::deadline::after(now, options_.recovery_queue_age), stop_.get_token());
+    if (!slot.ok()) {
+      rejections_->with({"recovery", "bulkhead"}).inc();
+      return answered(endpoint, detail::error_reply(slot.status()));
+    }
+    return answered(endpoint, f());
+  }
+
+  void collect(keel::metrics_snapshot& s) {
+    const keel::time_point now = clock_.now();
+    slos_.collect(s, now);
+    auto gauge = [](std::string name, std::string help, std::vector<std::string> labels) {
+      return keel::metric_family_snapshot{.name = std::move(name),
+                                          .help = std::move(help),
+                                          .type = keel::metric_type::gauge,
+                                          .label_names = std::move(labels)};
+    };
+    auto counter = [](std::string name, std::string help, std::vector<std::string> labels) {
+      return keel::metric_family_snapshot{.name = std::move(name),
+                                          .help = std::move(help),
+                                          .type = keel::metric_type::counter,
+                                          .label_names = std::move(labels)};
+    };
+    keel::metric_family_snapshot active = gauge("gateway_bulkhead_active", "Slots in use, by class.", {"class"});
+    keel::metric_family_snapshot queued = gauge("gateway_bulkhead_queued", "Callers waiting for a slot.", {"class"});
+    keel::metric_family_snapshot refused =
+        counter("gateway_bulkhead_refusals_total", "Callers refused: queue full or waited too long.", {"class"});
+    for (std::size_t c = 0; c < pools_.classes(); ++c) {
+      const keel::bulkhead_figures f = pools_.figures(c);
+      const std::string name(f.name);
+      active.series.push_back({.labels = {name}, .value = static_cast<double>(f.active)});
+      queued.series.push_back({.labels = {name}, .value = static_cast<double>(f.queued)});
+      refused.series.push_back({.labels = {name}, .value = static_cast<double>(f.rejected + f.timed_out)});
+    }
+    keel::metric_family_snapshot breaker =
+        gauge("gateway_breaker_open", "1 while the provider's breaker refuses calls (open or forced open).",
+              {"breaker", "state"});
+    for (const keel::breaker_entry& e : breakers_.list(now)) {
+      const bool open = e.state.state == keel::breaker_state::open || e.state.state == keel::breaker_state::forced_open;
+      breaker.series.push_back(
+          {.labels = {e.domain, std::string(keel::to_string(e.state.state))}, .value = open ? 1.0 : 0.0});
+    }
+    const provider_figures pf = provider_.figures();
+    keel::metric_family_snapshot calls =
+        counter("gateway_provider_calls_total", "Calls to the simulated provider, by what happened.", {"result"});
+    const std::pair<const char*, std::int64_t> results[] = {
+        {"answered", pf.answered},         {"invalid_output", pf.invalid}, {"timed_out", pf.timed_out},
+        {"cancelled", pf.cancelled},       {"rate_limited", pf.rate_limited}, {"unavailable", pf.unavailable}};
+    for (const auto& [label, n] : results) calls.series.push_back({.labels = {label}, .value = static_cast<double>(n)});
+    keel::metric_family_snapshot abandoned =
+        counter("gateway_provider_abandoned_total",
+                "Attempts given up at their deadline while the provider may still be computing them.", {});
+    abandoned.series.push_back({.labels = {}, .value = static_cast<double>(pf.abandoned)});
+    keel::metric_family_snapshot shed = gauge("gateway_shed", "1 while an operator sheds the class.", {"class"});
+    for (work_class w : {work_class::interactive, work_class::batch}) {
+      shed.series.push_back({.labels = {std::string(work_class_names[idx(w)])},
+                             .value = shed_[idx(w)].load(std::memory_order_relaxed) ? 1.0 : 0.0});
+    }
+    keel::metric_family_snapshot jobs = gauge("gateway_batch_jobs", "Batch jobs in the queue by state.", {"state"});
+    if (absl::StatusOr<keel::job_counts> c = queue_.counts(); c.ok()) {
+      const std::pair<const char*, std::int64_t> states[] = {
+          {"queued", c->queued}, {"running", c->running}, {"done", c->done}, {"failed", c->failed},
+          {"expired", c->expired}};
+      for (const auto& [label, n] : states) jobs.series.push_back({.labels = {label}, .value = static_cast<double>(n)});
+    }
+    keel::metric_family_snapshot budget =
+        gauge("gateway_retry_budget", "The service-wide retry budget over its window.", {"figure"});
+    const keel::retry_budget::snapshot b = budget_.read(now);
+    budget.series.push_back({.labels = {"requests"}, .value = static_cast<double>(b.requests)});
+    budget.series.push_back({.labels = {"retries"}, .value = static_cast<double>(b.retries)});
+    budget.series.push_back({.labels = {"allowed"}, .value = static_cast<double>(b.allowed)});
+    for (auto* f : {&active, &queued, &refused, &breaker, &calls, &abandoned, &shed, &jobs, &budget}) {
+      s.families.push_back(std::move(*f));
+    }
+  }
+
+  gateway_options options_;
+  Clock clock_;
+  keel::metrics_registry registry_;
+  gateway_listener listener_;
+  simulated_provider<Clock> provider_;
+  rubric_store<Clock> rubrics_;
+  keel::breaker_registry breakers_;
+  keel::retry_budget budget_;
+  keel::bulkhead pools_;
+  keel::admission quotas_;
+  keel::slo_tracker slos_;
+  std::map<std::string, std::unique_ptr<model_state>, std::less<>> models_;
+  tenant_config default_tenant_{.name = "", .region = options_.region};
+  std::unique_ptr<keel::sqlite_store<>> ids_;
+  keel::once<keel::sqlite_store<>, Clock, gateway_listener> once_;
+  std::unique_ptr<JobStore> jobs_;
+  queue_type queue_;
+  std::unique_ptr<effect_log> effects_;
+  std::unique_ptr<worker_type> workers_;
+  keel::work_class_slo* full_answers_ = nullptr;
+  std::size_t interactive_cls_ = 0, recovery_cls_ = 0;
+  std::array<std::atomic<bool>, 3> shed_{};
+  std::stop_source stop_;
+  keel::metric_family<keel::counter_metric>* http_requests_ = nullptr;
+  keel::metric_family<keel::counter_metric>* rejections_ = nullptr;
+  keel::metric_family<keel::counter_metric>* answers_ = nullptr;
+  keel::metric_family<keel::histogram_metric>* latency_ = nullptr;
+  keel::counter_metric* effect_errors_ = nullptr;
+};
+
+}  // namespace gateway

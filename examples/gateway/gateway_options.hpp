@@ -1,0 +1,247 @@
+// gateway/gateway_options.hpp — everything the example gateway is configured
+// with: the seed's deadline plan, bulkheads, quotas, breaker, timeouts,
+// retries, SLOs, the simulated provider and the durable batch queue.
+//
+// The defaults are the seed's figures: a 3 s interactive deadline with a
+// 200 ms response reserve, stages admit 0-100 ms, retrieve 100-300 ms, model
+// 300-1300 ms, cancel 1300-1400 ms, fallback 1400-2400 ms, respond by
+// 2600 ms; bulkheads 24 interactive / 8 batch / 8 recovery. scale_time()
+// shrinks every duration by one factor, so tests run the same plan in a
+// fraction of the time.
+//
+// Example:
+//
+//   gateway::gateway_options o;
+//   o.data_dir = "/var/lib/gateway";
+//   gateway::scale_time(o, 0.2);          // a 600 ms deadline, everything in proportion
+//   absl::Status ok = o.validate();
+//
+// Thread-safety: plain values.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "text.hpp"
+#include "keel/adaptive_timeout.hpp"
+#include "keel/admission.hpp"
+#include "keel/backoff.hpp"
+#include "keel/circuit_breaker.hpp"
+#include "keel/retry_budget.hpp"
+#include "keel/status.hpp"
+#include "simulated_provider.hpp"
+
+namespace gateway {
+
+using namespace std::chrono_literals;
+
+// The interactive request's deadline, spent once, stage by stage. Each
+// stage gets at most its share of what is left of the call, never a fresh
+// timeout; the stages add up to `respond_by()`, which must leave the
+// response reserve untouched.
+struct deadline_plan {
+  keel::duration deadline = 3000ms;          // end to end, from arrival
+  keel::duration response_reserve = 200ms;   // kept back for sending the answer
+  keel::duration admit = 100ms;              // authenticate, quotas, bulkhead queue
+  keel::duration retrieve = 200ms;           // read the rubric from the database
+  keel::duration model = 1000ms;             // the model attempt(s)
+  keel::duration cancel = 100ms;             // close a failed read attempt
+  keel::duration fallback = 1000ms;          // an evaluated fallback
+  keel::duration respond = 200ms;            // validate and finish
+
+  // When the answer must be ready, from arrival: 2600 ms in the seed.
+  [[nodiscard]] keel::duration respond_by() const noexcept {
+    return admit + retrieve + model + cancel + fallback + respond;
+  }
+
+  [[nodiscard]] absl::Status validate() const {
+    constexpr std::string_view who = "deadline_plan";
+    const std::pair<std::string_view, keel::duration> positive[] = {
+        {"deadline", deadline}, {"admit", admit},       {"retrieve", retrieve},
+        {"model", model},       {"fallback", fallback}, {"respond", respond}};
+    for (const auto& [field, d] : positive) {
+      if (d <= keel::duration::zero()) return keel::detail::invalid_field(who, field, "be > 0", d);
+    }
+    if (cancel < keel::duration::zero()) return keel::detail::invalid_field(who, "cancel", "be >= 0", cancel);
+    if (response_reserve < keel::duration::zero() || response_reserve >= deadline)
+      return keel::detail::invalid_field(who, "response_reserve", "be in [0, deadline)", response_reserve);
+    if (respond_by() > deadline - response_reserve)
+      return keel::detail::invalid_field(
+          who, "respond", "leave the stages within deadline - response_reserve",
+          cat(keel::detail::describe(respond_by()), " > ",
+                       keel::detail::describe(deadline - response_reserve)));
+    return absl::OkStatus();
+  }
+};
+
+struct tenant_config {
+  std::string name;
+  keel::quota_limits limits{};
+  std::string region = "eu";   // where its data may be processed
+  bool allow_degraded = true;  // may it be served a degraded (fallback) answer?
+};
+
+struct model_config {
+  std::string name;
+  std::string digest;                  // which model (and version) decided: stored with each decision
+  keel::quota_limits limits{};
+  std::int64_t token_estimate = 600;   // reserved from the tenant's compute budget per request
+};
+
+struct gateway_options {
+  deadline_plan interactive{};
+
+  // Where keel.db (idempotency records), jobs.db (the batch queue) and
+  // effects.db (the downstream systems) live. Required.
+  std::string data_dir{};
+  std::string region = "eu";  // where this gateway (and its fallback) runs
+  std::string policy_revision = "feedback-policy-v1";
+
+  // Bulkheads: slots per class, callers that may wait, and how long.
+  int interactive_slots = 24, batch_slots = 8, recovery_slots = 8;
+  int interactive_queue = 24, batch_queue = 8, recovery_queue = 8;
+  keel::duration batch_queue_age = 500ms;     // a batch worker waits this long for a slot
+  keel::duration recovery_queue_age = 500ms;  // an operator request waits this long
+
+  // Quotas: every tenant gets tenant_defaults unless it is listed.
+  keel::quota_limits tenant_defaults{.rate = 40, .burst = 40, .max_in_flight = 24, .compute_budget = 600'000};
+  std::vector<tenant_config> tenants{
+      {.name = "noisy", .limits = {.rate = 1, .burst = 1, .max_in_flight = 4}},
+      {.name = "us-clinic", .limits = {.rate = 20, .burst = 20}, .region = "us"},
+      {.name = "strict", .limits = {.rate = 20, .burst = 20}, .allow_degraded = false},
+  };
+  std::vector<model_config> models{
+      {.name = "feedback-large", .digest = "feedback-large@sim-2025-06", .limits = {.max_in_flight = 48}},
+      {.name = "feedback-small", .digest = "feedback-small@sim-2025-06", .limits = {.max_in_flight = 48},
+       .token_estimate = 300},
+  };
+
+  // The provider's breaker (one per provider endpoint), its attempt
+  // timeouts, retries and the service-wide retry budget.
+  keel::circuit_breaker_options breaker{.window_calls = 40,
+                                        .minimum_calls = 10,
+                                        .failure_rate_threshold = 0.5,
+                                        .open_duration = 2s,
+                                        .half_open_probes = 3,
+                                        .probe_timeout = 3s};
+  keel::adaptive_timeout_options model_timeout{
+      .margin = 200ms, .lower = 300ms, .upper = 1500ms, .initial = 1000ms, .min_samples = 20};
+  keel::adaptive_timeout_options batch_timeout{
+      .margin = 500ms, .lower = 500ms, .upper = 4000ms, .initial = 2000ms, .min_samples = 20};
+  int model_attempts = 2;  // per interactive request, the first included
+  int batch_attempts = 3;  // per batch job attempt
+  keel::full_jitter backoff{.base = 50ms, .cap = 200ms};
+  keel::retry_budget_options retry_budget{.ratio = 0.1, .min_per_second = 5};
+
+  // Durable state.
+  keel::duration idempotency_lease = 4s;      // > the interactive deadline
+  keel::duration idempotency_retention = 24h;
+  keel::duration store_busy_timeout = 200ms;  // a busy idempotency file never holds a request long
+
+  // The batch queue and its workers.
+  std::int64_t batch_max_depth = 200;
+  keel::duration batch_max_age = 10min;
+  int batch_max_job_attempts = 5;
+  keel::duration batch_job_deadline = 10s;  // one attempt at a report
+  keel::duration batch_lease = 5s;
+  keel::duration batch_poll = 100ms;
+  keel::duration batch_retry_backoff = 500ms;
+  keel::duration batch_retry_backoff_cap = 5s;
+  int batch_workers = 8;  // in-process worker threads; 0: none (another process works the queue)
+
+  // SLOs: availability targets over a window.
+  double interactive_target = 0.99;   // answered (full or degraded) within the deadline
+  double full_answer_target = 0.95;   // of the answered, by the model itself
+  double batch_target = 0.99;
+  keel::duration slo_window = 10min;
+
+  // The simulated provider and database.
+  provider_options provider{.capacity = 40};
+  keel::duration rubric_latency = 5ms;
+
+  // HTTP.
+  int http_threads = 96;
+  std::size_t max_body_bytes = 64 * 1024;
+
+  [[nodiscard]] absl::Status validate() const {
+    constexpr std::string_view who = "gateway_options";
+    if (absl::Status s = interactive.validate(); !s.ok()) return keel::annotate(s, "gateway_options.interactive");
+    if (data_dir.empty()) return keel::detail::invalid_field(who, "data_dir", "name a directory", "\"\"");
+    const std::pair<std::string_view, int> slots[] = {{"interactive_slots", interactive_slots},
+                                                      {"batch_slots", batch_slots},
+                                                      {"recovery_slots", recovery_slots}};
+    for (const auto& [field, n] : slots) {
+      if (n < 1 || n > 32767) return keel::detail::invalid_field(who, field, "be in [1, 32767]", n);
+    }
+    if (models.empty()) return keel::detail::invalid_field(who, "models", "name at least one model", 0);
+    for (const model_config& m : models) {
+      if (m.name.empty() || m.digest.empty())
+        return keel::detail::invalid_field(who, "models", "give every model a name and a digest", m.name);
+    }
+    if (model_attempts < 1) return keel::detail::invalid_field(who, "model_attempts", "be >= 1", model_attempts);
+    if (batch_attempts < 1) return keel::detail::invalid_field(who, "batch_attempts", "be >= 1", batch_attempts);
+    if (idempotency_lease <= interactive.deadline)
+      return keel::detail::invalid_field(who, "idempotency_lease", "exceed the interactive deadline",
+                                         idempotency_lease);
+    if (batch_workers < 0) return keel::detail::invalid_field(who, "batch_workers", "be >= 0", batch_workers);
+    if (http_threads < 4) return keel::detail::invalid_field(who, "http_threads", "be >= 4", http_threads);
+    if (max_body_bytes < 1024)
+      return keel::detail::invalid_field(who, "max_body_bytes", "be >= 1024", max_body_bytes);
+    if (!(interactive_target > 0 && interactive_target < 1))
+      return keel::detail::invalid_field(who, "interactive_target", "be in (0, 1)", interactive_target);
+    if (!(full_answer_target > 0 && full_answer_target < 1))
+      return keel::detail::invalid_field(who, "full_answer_target", "be in (0, 1)", full_answer_target);
+    if (!(batch_target > 0 && batch_target < 1))
+      return keel::detail::invalid_field(who, "batch_target", "be in (0, 1)", batch_target);
+    if (absl::Status s = provider.validate(); !s.ok()) return s;
+    if (absl::Status s = model_timeout.validate(); !s.ok()) return keel::annotate(s, "gateway_options.model_timeout");
+    if (absl::Status s = batch_timeout.validate(); !s.ok()) return keel::annotate(s, "gateway_options.batch_timeout");
+    if (absl::Status s = backoff.validate(); !s.ok()) return keel::annotate(s, "gateway_options.backoff");
+    return absl::OkStatus();
+  }
+};
+
+// Multiplies every duration of `o` by `f` (for tests: the same plan, faster).
+// Rates scale inversely, so quotas keep their meaning per request.
+inline void scale_time(gateway_options& o, double f) {
+  auto s = [f](keel::duration& d) {
+    d = std::chrono::duration_cast<keel::duration>(std::chrono::duration<double, std::nano>(d) * f);
+  };
+  deadline_plan& p = o.interactive;
+  for (keel::duration* d : {&p.deadline, &p.response_reserve, &p.admit, &p.retrieve, &p.model, &p.cancel,
+                            &p.fallback, &p.respond}) {
+    s(*d);
+  }
+  for (keel::duration* d : {&o.batch_queue_age, &o.recovery_queue_age, &o.breaker.open_duration,
+                            &o.breaker.probe_timeout, &o.model_timeout.margin, &o.model_timeout.lower,
+                            &o.model_timeout.upper, &o.model_timeout.initial, &o.batch_timeout.margin,
+                            &o.batch_timeout.lower, &o.batch_timeout.upper, &o.batch_timeout.initial,
+                            &o.backoff.base, &o.backoff.cap, &o.idempotency_lease, &o.store_busy_timeout,
+                            &o.batch_job_deadline, &o.batch_lease, &o.batch_poll, &o.batch_retry_backoff,
+                            &o.batch_retry_backoff_cap, &o.provider.median_latency, &o.provider.close_latency,
+                            &o.provider.refuse_latency, &o.rubric_latency}) {
+    s(*d);
+  }
+  // Rates per second grow by 1/f so a quota admits the same share of the
+  // (faster) traffic; compute windows shrink with time.
+  auto q = [f, &s](keel::quota_limits& l) {
+    if (l.rate) *l.rate /= f;
+    s(l.compute_window);
+  };
+  q(o.tenant_defaults);
+  for (tenant_config& t : o.tenants) q(t.limits);
+  for (model_config& m : o.models) q(m.limits);
+  o.retry_budget.min_per_second /= f;
+  s(o.retry_budget.window);
+  s(o.slo_window);
+  s(o.batch_max_age);
+  s(o.provider.overload_retry_after);
+}
+
+}  // namespace gateway

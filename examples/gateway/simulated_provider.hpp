@@ -1,0 +1,342 @@
+// gateway/simulated_provider.hpp — the model provider and the rubric
+// database of the example gateway, simulated in-process, with faults an
+// operator (or a test) switches at run time.
+//
+// simulated_provider behaves like an LLM endpoint seen through a socket
+// whose timeout is the attempt's deadline:
+//
+//   - an answer takes a latency drawn around `median_latency` (log-normal,
+//     `spread` is sigma; 0 gives exactly the median), and charges its tokens
+//     to the call (keel::attempt::charge);
+//   - the attempt's deadline is the socket timeout: when the answer would come
+//     later, the attempt gives up at its deadline with DeadlineExceeded and
+//     the upstream work is counted as abandoned (the provider may still be
+//     computing it: freeing our side does not free its GPU);
+//   - a stop request (a cancelled call, a lost hedge, a service shutdown)
+//     ends the wait at once with Cancelled;
+//   - closing the attempt costs `close_latency` (the seed's cancel window).
+//
+// Faults (one at a time, affecting a share `ratio` of calls):
+//
+//   slowdown        latency times `factor`
+//   stall           no answer at all: the attempt waits out its deadline
+//   rate_limit      429 at once: ResourceExhausted with a retry-after hint
+//                   (also, without any fault, past `capacity` concurrent calls)
+//   outage          503 at once: Unavailable (connection refused)
+//   invalid_output  an answer that is not the JSON the contract promises
+//
+// rubric_store is the shared database the interactive path reads in its
+// retrieve stage: question id -> rubric points, with its own small latency.
+//
+// Both take a keel clock, so tests can drive them on a manual clock.
+//
+// Example:
+//
+//   gateway::simulated_provider<> llm({.median_latency = std::chrono::milliseconds(400)});
+//   llm.set_fault({.kind = gateway::fault_kind::outage});
+//   absl::StatusOr<std::string> out = llm.complete(attempt, prompt);   // Unavailable
+//
+// Thread-safety: every operation may be called from any thread; set_fault
+// takes effect for attempts that start afterwards.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "text.hpp"
+#include "keel/call.hpp"
+#include "keel/clock.hpp"
+#include "keel/outcome.hpp"
+#include "keel/status.hpp"
+
+namespace gateway {
+
+using namespace std::chrono_literals;
+
+enum class fault_kind { none, slowdown, stall, rate_limit, outage, invalid_output };
+
+[[nodiscard]] constexpr std::string_view to_string(fault_kind k) noexcept {
+  switch (k) {
+    case fault_kind::none: return "none";
+    case fault_kind::slowdown: return "slowdown";
+    case fault_kind::stall: return "stall";
+    case fault_kind::rate_limit: return "rate_limit";
+    case fault_kind::outage: return "outage";
+    case fault_kind::invalid_output: return "invalid_output";
+  }
+  return "unknown";
+}
+
+[[nodiscard]] inline std::optional<fault_kind> parse_fault_kind(std::string_view s) noexcept {
+  for (fault_kind k : {fault_kind::none, fault_kind::slowdown, fault_kind::stall, fault_kind::rate_limit,
+                       fault_kind::outage, fault_kind::invalid_output}) {
+    if (s == to_string(k)) return k;
+  }
+  return std::nullopt;
+}
+
+struct fault {
+  fault_kind kind = fault_kind::none;
+  double factor = 3.0;                 // slowdown: latency multiplier, in [1, 1000]
+  keel::duration retry_after = 1s;     // rate_limit: the provider's hint, in [0, 1h]
+  double ratio = 1.0;                  // share of calls affected, in [0, 1]
+
+  [[nodiscard]] absl::Status validate() const {
+    if (!(factor >= 1.0 && factor <= 1000.0))
+      return keel::detail::invalid_field("fault", "factor", "be in [1, 1000]", factor);
+    if (retry_after < keel::duration::zero() || retry_after > std::chrono::hours(1))
+      return keel::detail::invalid_field("fault", "retry_after", "be in [0, 1h]", retry_after);
+    if (!(ratio >= 0.0 && ratio <= 1.0)) return keel::detail::invalid_field("fault", "ratio", "be in [0, 1]", ratio);
+    return absl::OkStatus();
+  }
+};
+
+struct provider_options {
+  std::string name = "sim-llm";
+  keel::duration median_latency = 400ms;  // > 0
+  double spread = 0.3;                    // log-normal sigma, in [0, 2]; 0.3 puts p99 near 2x the median
+  keel::duration close_latency = 5ms;     // closing an abandoned attempt, >= 0
+  keel::duration refuse_latency = 2ms;    // a 429 or 503 comes back this fast, >= 0
+  int tokens_per_answer = 600;            // charged per answered attempt, >= 0
+  // Concurrent calls the provider serves; beyond that it answers 429 with
+  // `overload_retry_after` at once (a real provider's concurrency limit). 0: unlimited.
+  int capacity = 0;
+  keel::duration overload_retry_after = 100ms;  // >= 0
+
+  [[nodiscard]] absl::Status validate() const {
+    if (name.empty()) return keel::detail::invalid_field("provider_options", "name", "not be empty", "\"\"");
+    if (median_latency <= keel::duration::zero())
+      return keel::detail::invalid_field("provider_options", "median_latency", "be > 0", median_latency);
+    if (!(spread >= 0.0 && spread <= 2.0))
+      return keel::detail::invalid_field("provider_options", "spread", "be in [0, 2]", spread);
+    if (close_latency < keel::duration::zero())
+      return keel::detail::invalid_field("provider_options", "close_latency", "be >= 0", close_latency);
+    if (refuse_latency < keel::duration::zero())
+      return keel::detail::invalid_field("provider_options", "refuse_latency", "be >= 0", refuse_latency);
+    if (tokens_per_answer < 0)
+      return keel::detail::invalid_field("provider_options", "tokens_per_answer", "be >= 0", tokens_per_answer);
+    if (capacity < 0) return keel::detail::invalid_field("provider_options", "capacity", "be >= 0", capacity);
+    if (overload_retry_after < keel::duration::zero())
+      return keel::detail::invalid_field("provider_options", "overload_retry_after", "be >= 0", overload_retry_after);
+    return absl::OkStatus();
+  }
+};
+
+// What the provider has done since it started.
+struct provider_figures {
+  std::int64_t calls = 0;
+  std::int64_t answered = 0;       // valid or not
+  std::int64_t invalid = 0;        // answers that broke the output contract
+  std::int64_t timed_out = 0;      // the attempt's deadline came first
+  std::int64_t abandoned = 0;      // of which upstream was still computing (work we no longer wait for)
+  std::int64_t cancelled = 0;
+  std::int64_t rate_limited = 0;
+  std::int64_t unavailable = 0;
+  int in_flight = 0;
+};
+
+namespace detail {
+
+// One generator per thread: draws need no lock.
+inline std::mt19937_64& thread_rng() {
+  thread_local std::mt19937_64 gen{std::random_device{}()};
+  return gen;
+}
+
+inline double unit_draw() { return std::uniform_real_distribution<double>(0.0, 1.0)(thread_rng()); }
+
+}  // namespace detail
+
+template <keel::clock Clock = keel::real_clock>
+class simulated_provider {
+ public:
+  // Throws keel::invalid_options if `o` is invalid.
+  explicit simulated_provider(provider_options o = {}, Clock clock = {})
+      : options_((keel::detail::require_valid(o.validate()), std::move(o))), clock_(std::move(clock)) {}
+  simulated_provider(const simulated_provider&) = delete;
+  simulated_provider& operator=(const simulated_provider&) = delete;
+
+  [[nodiscard]] const provider_options& options() const noexcept { return options_; }
+  [[nodiscard]] const std::string& name() const noexcept { return options_.name; }
+
+  // Switches the fault for attempts that start from now on.
+  [[nodiscard]] absl::Status set_fault(const fault& f) {
+    if (absl::Status s = f.validate(); !s.ok()) return s;
+    std::lock_guard lock(mu_);
+    fault_ = f;
+    return absl::OkStatus();
+  }
+  [[nodiscard]] fault current_fault() const {
+    std::lock_guard lock(mu_);
+    return fault_;
+  }
+
+  // One completion: the model's raw output text (the gateway validates it).
+  absl::StatusOr<std::string> complete(const keel::attempt& a, std::string_view prompt) {
+    calls_.fetch_add(1, std::memory_order_relaxed);
+    const in_flight_scope busy(in_flight_);
+    fault f = current_fault();
+    if (f.kind != fault_kind::none && f.ratio < 1.0 && detail::unit_draw() >= f.ratio) f.kind = fault_kind::none;
+    const keel::time_point start = clock_.now();
+    if (options_.capacity > 0 && busy.count > options_.capacity) {
+      if (!wait(start + options_.refuse_latency, a)) return cancelled();
+      rate_limited_.fetch_add(1, std::memory_order_relaxed);
+      return keel::with_retry_after(
+          absl::ResourceExhaustedError(cat(options_.name, ": 429 over its concurrency limit of ",
+                                                    options_.capacity)),
+          options_.overload_retry_after);
+    }
+
+    switch (f.kind) {
+      case fault_kind::outage:
+        if (!wait(start + options_.refuse_latency, a)) return cancelled();
+        unavailable_.fetch_add(1, std::memory_order_relaxed);
+        return absl::UnavailableError(cat(options_.name, ": 503 service unavailable"));
+      case fault_kind::rate_limit:
+        if (!wait(start + options_.refuse_latency, a)) return cancelled();
+        rate_limited_.fetch_add(1, std::memory_order_relaxed);
+        return keel::with_retry_after(absl::ResourceExhaustedError(cat(options_.name, ": 429 too many requests")),
+                                      f.retry_after);
+      default:
+        break;
+    }
+
+    keel::duration latency = draw_latency();
+    if (f.kind == fault_kind::slowdown) {
+      latency = std::chrono::duration_cast<keel::duration>(latency * f.factor);
+    }
+    const bool stalled = f.kind == fault_kind::stall;
+    const keel::time_point answer_at = stalled ? keel::time_point::max() : start + latency;
+    if (answer_at > a.deadline.when()) {
+      // The socket times out at the attempt's deadline; closing it takes a moment.
+      if (!wait(a.deadline.when(), a)) return cancelled();
+      if (!wait(clock_.now() + options_.close_latency, a)) return cancelled();
+      timed_out_.fetch_add(1, std::memory_order_relaxed);
+      abandoned_.fetch_add(1, std::memory_order_relaxed);
+      return absl::DeadlineExceededError(
+          cat(options_.name, ": no answer within the attempt's ",
+                       keel::detail::describe(std::chrono::duration_cast<std::chrono::milliseconds>(a.timeout)),
+                       stalled ? " (the stream stalled)" : ""));
+    }
+    if (!wait(answer_at, a)) return cancelled();
+    a.charge(options_.tokens_per_answer);
+    answered_.fetch_add(1, std::memory_order_relaxed);
+    if (f.kind == fault_kind::invalid_output) {
+      invalid_.fetch_add(1, std::memory_order_relaxed);
+      return std::string("I think the answer is good!!! {score: ten");  // not the promised JSON
+    }
+    // A deterministic "model": the score follows the answer's length, so
+    // replays and tests can check what they got.
+    const int score = static_cast<int>(std::min<std::size_t>(10, 3 + prompt.size() / 40));
+    return cat("{\"score\":", score, ",\"feedback\":\"Clear structure; give one concrete example",
+                        score < 7 ? " and expand the trade-offs" : "", ".\"}");
+  }
+
+  [[nodiscard]] provider_figures figures() const noexcept {
+    return {.calls = calls_.load(std::memory_order_relaxed),
+            .answered = answered_.load(std::memory_order_relaxed),
+            .invalid = invalid_.load(std::memory_order_relaxed),
+            .timed_out = timed_out_.load(std::memory_order_relaxed),
+            .abandoned = abandoned_.load(std::memory_order_relaxed),
+            .cancelled = cancelled_.load(std::memory_order_relaxed),
+            .rate_limited = rate_limited_.load(std::memory_order_relaxed),
+            .unavailable = unavailable_.load(std::memory_order_relaxed),
+            .in_flight = in_flight_.load(std::memory_order_relaxed)};
+  }
+
+ private:
+  struct in_flight_scope {
+    explicit in_flight_scope(std::atomic<int>& n) noexcept
+        : n_(n), count(n_.fetch_add(1, std::memory_order_relaxed) + 1) {}
+    ~in_flight_scope() { n_.fetch_sub(1, std::memory_order_relaxed); }
+    in_flight_scope(const in_flight_scope&) = delete;
+    in_flight_scope& operator=(const in_flight_scope&) = delete;
+    std::atomic<int>& n_;
+    int count;  // calls in flight, this one included, when it started
+  };
+
+  // False when the attempt was asked to stop first.
+  bool wait(keel::time_point until, const keel::attempt& a) const { return clock_.sleep_until(until, a.stop); }
+
+  absl::Status cancelled() {
+    cancelled_.fetch_add(1, std::memory_order_relaxed);
+    return absl::CancelledError(cat(options_.name, ": attempt cancelled, connection closed"));
+  }
+
+  [[nodiscard]] keel::duration draw_latency() const {
+    if (options_.spread == 0.0) return options_.median_latency;
+    const double median = std::chrono::duration<double>(options_.median_latency).count();
+    std::lognormal_distribution<double> d(std::log(median), options_.spread);
+    const double s = std::clamp(d(detail::thread_rng()), median / 4, median * 4);
+    return std::chrono::duration_cast<keel::duration>(std::chrono::duration<double>(s));
+  }
+
+  provider_options options_;
+  Clock clock_;
+  mutable std::mutex mu_;
+  fault fault_{};  // guarded by mu_
+  std::atomic<std::int64_t> calls_{0}, answered_{0}, invalid_{0}, timed_out_{0}, abandoned_{0}, cancelled_{0},
+      rate_limited_{0}, unavailable_{0};
+  std::atomic<int> in_flight_{0};
+};
+
+// A rubric: what a good answer to a question covers.
+struct rubric {
+  std::string question_id;
+  std::vector<std::string> points;
+};
+
+// The shared database the interactive path reads in its retrieve stage.
+template <keel::clock Clock = keel::real_clock>
+class rubric_store {
+ public:
+  explicit rubric_store(keel::duration latency = 5ms, Clock clock = {}) : latency_(latency), clock_(std::move(clock)) {
+    add({"q-design-cache", {"names the eviction policy", "bounds memory", "handles stampedes"}});
+    add({"q-rate-limit", {"token bucket or GCRA", "per-tenant keys", "returns retry-after"}});
+    add({"q-idempotency", {"client key scoped to tenant", "digest of the body", "replays the decision"}});
+    add({"q-timeouts", {"one end-to-end deadline", "stages get what remains", "response reserve"}});
+  }
+
+  void add(rubric r) {
+    std::lock_guard lock(mu_);
+    const std::string key = r.question_id;
+    rubrics_.insert_or_assign(key, std::move(r));
+  }
+
+  // The rubric for `question_id`, read within the attempt's deadline.
+  absl::StatusOr<rubric> lookup(const keel::attempt& a, std::string_view question_id) const {
+    const keel::time_point ready = clock_.now() + latency_;
+    if (ready > a.deadline.when()) {
+      clock_.sleep_until(a.deadline.when(), a.stop);
+      return absl::DeadlineExceededError("rubric database: no answer within the stage's deadline");
+    }
+    if (!clock_.sleep_until(ready, a.stop)) return absl::CancelledError("rubric database: read cancelled");
+    std::lock_guard lock(mu_);
+    const auto it = rubrics_.find(question_id);
+    if (it == rubrics_.end())
+      return absl::NotFoundError(cat("no rubric for question '", keel::detail::to_absl(question_id), "'"));
+    return it->second;
+  }
+
+ private:
+  keel::duration latency_;
+  Clock clock_;
+  mutable std::mutex mu_;
+  std::map<std::string, rubric, std::less<>> rubrics_;  // guarded by mu_
+};
+
+}  // namespace gateway
