@@ -1,0 +1,304 @@
+// The example gateway's logic without HTTP (examples/gateway/gateway_core.hpp):
+// the seed's deadline plan stage by stage on the manual clock, fast and
+// named refusals, the adaptive attempt timeout, idempotent decisions and
+// the effects they cause, and invalid options.
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gateway_core.hpp"
+#include "keel/store/sqlite_jobs.hpp"
+#include "keel/testing/manual_clock.hpp"
+#include "service_support.hpp"
+#include "support/catch.hpp"
+
+using namespace std::chrono_literals;
+namespace kt = keel::testing;
+using json = nlohmann::json;
+using keel_service::temp_dir;
+
+namespace {
+
+template <class Clock>
+using core_t = gateway::gateway_core<Clock, keel::sqlite_job_store<>>;
+
+template <class Clock>
+std::unique_ptr<core_t<Clock>> open_core(const gateway::gateway_options& o, Clock clock) {
+  auto core = core_t<Clock>::open(
+      o, [](const std::string& path) { return keel::sqlite_job_store<>::open(path); }, clock);
+  if (!core.ok()) FAIL(std::string(core.status().message()));
+  return std::move(*core);
+}
+
+std::string feedback_body(const std::string& tenant, const std::string& answer = "One end-to-end deadline: stages "
+                                                                                 "get what remains, with a response "
+                                                                                 "reserve") {
+  return json{{"tenant", tenant}, {"question_id", "q-timeouts"}, {"answer", answer}}.dump();
+}
+
+json parse(const gateway::reply& r) { return json::parse(r.body, nullptr, false); }
+
+long long ms_of(const json& timeline, const char* stage) {
+  return timeline.contains(stage) ? timeline[stage].get<long long>() : -1;
+}
+
+// The seed's figures, unscaled; a provider with no latency spread.
+gateway::gateway_options seed_options(const std::string& dir) {
+  gateway::gateway_options o;
+  o.data_dir = dir;
+  o.provider.spread = 0;  // every answer takes exactly the median, 400 ms
+  o.provider.close_latency = 20ms;
+  o.rubric_latency = 5ms;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("the seed's deadline plan, stage by stage, on the manual clock", "[service][plan]") {
+  temp_dir dir;
+  const gateway::gateway_options o = seed_options(dir.path());
+  kt::manual_clock clock;
+  clock.auto_advance(true);  // one thread: every wait jumps the clock
+  auto core = open_core(o, clock);
+  const gateway::deadline_plan& plan = o.interactive;
+  REQUIRE(plan.respond_by() == 2600ms);
+
+  // Healthy: retrieve (5 ms) then the model (400 ms); nothing else waits.
+  const keel::time_point t0 = clock.now();
+  gateway::reply healthy = core->feedback(feedback_body("acme"), "k-healthy");
+  REQUIRE(healthy.status == 200);
+  json h = parse(healthy);
+  CHECK(h["degraded"] == false);
+  CHECK(h["served_by"] == "model:feedback-large");
+  CHECK(ms_of(h["timeline_ms"], "retrieved") == 5);
+  CHECK(ms_of(h["timeline_ms"], "answered") == 405);
+  CHECK(clock.now() - t0 == 405ms);
+
+  SECTION("a stalled model: its attempt ends with its stage, the fallback gets what remains") {
+    REQUIRE(core->provider().set_fault({.kind = gateway::fault_kind::stall}).ok());
+    const keel::time_point t1 = clock.now();
+    gateway::reply r = core->feedback(feedback_body("acme"), "k-stalled");
+    REQUIRE(r.status == 200);
+    json j = parse(r);
+    CHECK(j["degraded"] == true);
+    CHECK(j["recorded"] == false);
+    CHECK(j["served_by"] == "rubric-feedback");
+    CHECK(j["note"].get<std::string>().find("stalled") != std::string::npos);
+    // The attempt was cut when the model stage (1000 ms from its start at
+    // 5 ms) ended, not after a fresh timeout; closing it took 20 ms of the
+    // 100 ms cancel window; the local fallback answered at once.
+    CHECK(ms_of(j["timeline_ms"], "retrieved") == 5);
+    CHECK(ms_of(j["timeline_ms"], "answered") == 5 + 1000 + 20);
+    CHECK(clock.now() - t1 == 1025ms);
+    CHECK(clock.now() - t1 <= plan.respond_by());
+    CHECK(core->provider().figures().timed_out == 1);
+  }
+
+  SECTION("a tenant that refuses degraded answers gets a clear failure, still within the plan") {
+    REQUIRE(core->provider().set_fault({.kind = gateway::fault_kind::stall}).ok());
+    const keel::time_point t1 = clock.now();
+    gateway::reply r = core->feedback(feedback_body("strict"), "k-strict");
+    CHECK(r.status == 504);
+    json j = parse(r);
+    CHECK(j["error"]["message"].get<std::string>().find("gate permission refused") != std::string::npos);
+    CHECK(clock.now() - t1 == 1025ms);
+  }
+
+  SECTION("a tenant whose data must stay in another region is not sent to this region's fallback") {
+    REQUIRE(core->provider().set_fault({.kind = gateway::fault_kind::outage}).ok());
+    gateway::reply r = core->feedback(feedback_body("us-clinic"), "k-us");
+    CHECK(r.status == 503);
+    CHECK(parse(r)["error"]["message"].get<std::string>().find("gate residency refused") != std::string::npos);
+  }
+
+  SECTION("a full interactive bulkhead refuses at the end of the admit stage, naming itself") {
+    std::vector<keel::bulkhead_permit> held;
+    const std::size_t interactive = *core->bulkheads().class_index("interactive");
+    for (int i = 0; i < o.interactive_slots; ++i) held.push_back(core->bulkheads().try_acquire(interactive));
+    REQUIRE(held.back());
+    const std::int64_t calls = core->provider().figures().calls;
+    const keel::time_point t1 = clock.now();
+    gateway::reply r = core->feedback(feedback_body("acme"), "k-full");
+    CHECK(clock.now() - t1 == plan.admit);  // waited in the queue for the admit stage, no longer
+    CHECK(r.status == 503);
+    CHECK(r.retry_after.has_value());
+    json j = parse(r);
+    CHECK(j["error"]["refused_by"] == "bulkhead:interactive");
+    CHECK(core->provider().figures().calls == calls);
+    held.clear();
+    CHECK(core->feedback(feedback_body("acme"), "k-full").status == 200);  // the key was left free
+  }
+
+  SECTION("a tenant over its own quota is refused at once, with 429 and a retry hint") {
+    REQUIRE(core->feedback(feedback_body("noisy"), "k-n1").status == 200);
+    const keel::time_point t1 = clock.now();
+    gateway::reply r = core->feedback(feedback_body("noisy"), "k-n2");
+    CHECK(clock.now() == t1);
+    CHECK(r.status == 429);
+    CHECK(parse(r)["error"]["refused_by"] == "tenant:noisy:rate");
+    CHECK(r.retry_after.has_value());
+  }
+
+  SECTION("a shed class is refused at once") {
+    core->set_shed(gateway::work_class::interactive, true);
+    gateway::reply r = core->feedback(feedback_body("acme"), "k-shed");
+    CHECK(r.status == 503);
+    CHECK(parse(r)["error"]["refused_by"] == "shed:interactive");
+    core->set_shed(gateway::work_class::interactive, false);
+    CHECK(core->feedback(feedback_body("acme"), "k-shed").status == 200);
+  }
+}
+
+TEST_CASE("the adaptive timeout cuts an attempt at the learned p99 plus margin, not at the stage's end",
+          "[service][plan]") {
+  temp_dir dir;
+  const gateway::gateway_options o = seed_options(dir.path());
+  kt::manual_clock clock;
+  clock.auto_advance(true);
+  auto core = open_core(o, clock);
+  // Twenty answers of exactly 400 ms: p99 400 ms, so attempts get 600 ms.
+  for (int i = 0; i < o.model_timeout.min_samples; ++i) {
+    REQUIRE(core->feedback(feedback_body("acme", "warm-up " + std::to_string(i)), "warm-" + std::to_string(i))
+                .status == 200);
+  }
+  REQUIRE(core->provider().set_fault({.kind = gateway::fault_kind::slowdown, .factor = 2}).ok());  // 800 ms
+  const std::int64_t timed_out = core->provider().figures().timed_out;
+  gateway::reply r = core->feedback(feedback_body("acme"), "k-slow");
+  REQUIRE(r.status == 200);
+  json j = parse(r);
+  CHECK(j["degraded"] == true);
+  // First attempt cut at 600 ms; the retry fits in what the stage has left
+  // (>= the 300 ms lower bound) and is cut at the stage's end. With only the
+  // stage's 1000 ms, one attempt would have waited 800 ms and answered.
+  CHECK(core->provider().figures().timed_out - timed_out == 2);
+  CHECK(j["retries"] == 1);
+  CHECK(ms_of(j["timeline_ms"], "answered") <= 5 + 1000 + 100);
+}
+
+TEST_CASE("one decision per idempotency key: replays, conflicts, and degraded answers left unrecorded",
+          "[service][idempotency]") {
+  temp_dir dir;
+  const gateway::gateway_options o = seed_options(dir.path());
+  kt::manual_clock clock;
+  clock.auto_advance(true);
+  auto core = open_core(o, clock);
+
+  gateway::reply first = core->feedback(feedback_body("acme"), "k-1");
+  REQUIRE(first.status == 200);
+  const std::string decision = parse(first)["decision_id"].get<std::string>();
+  const std::int64_t calls = core->provider().figures().calls;
+
+  SECTION("the same request again replays the decision without calling the model") {
+    gateway::reply again = core->feedback(feedback_body("acme"), "k-1");
+    REQUIRE(again.status == 200);
+    json j = parse(again);
+    CHECK(j["replayed"] == true);
+    CHECK(j["decision_id"] == decision);
+    CHECK(j["model_digest"] == "feedback-large@sim-2025-06");
+    CHECK(j["policy_revision"] == "feedback-policy-v1");
+    CHECK(core->provider().figures().calls == calls);
+  }
+
+  SECTION("another body under the same key is a conflict, and changes nothing") {
+    gateway::reply other = core->feedback(feedback_body("acme", "a different answer"), "k-1");
+    CHECK(other.status == 409);
+    CHECK(parse(other)["error"]["condition"] == "conflict");
+    CHECK(core->provider().figures().calls == calls);
+    CHECK(parse(core->feedback(feedback_body("acme"), "k-1"))["decision_id"] == decision);
+  }
+
+  SECTION("the same key under another tenant is another request") {
+    gateway::reply r = core->feedback(feedback_body("globex"), "k-1");
+    REQUIRE(r.status == 200);
+    CHECK(parse(r)["decision_id"] != decision);
+    CHECK(parse(r)["replayed"] == false);
+  }
+
+  SECTION("a degraded answer is not recorded: the retry, once the model is back, decides") {
+    REQUIRE(core->provider().set_fault({.kind = gateway::fault_kind::outage}).ok());
+    gateway::reply degraded = core->feedback(feedback_body("acme"), "k-2");
+    REQUIRE(degraded.status == 200);
+    CHECK(parse(degraded)["degraded"] == true);
+    CHECK(parse(degraded)["decision_id"].is_null());
+    REQUIRE(core->provider().set_fault({.kind = gateway::fault_kind::none}).ok());
+    // The breaker may have opened on the outage: let it probe and close.
+    clock.advance(o.breaker.open_duration);
+    gateway::reply full = core->feedback(feedback_body("acme"), "k-2");
+    REQUIRE(full.status == 200);
+    CHECK(parse(full)["degraded"] == false);
+    CHECK(parse(full)["replayed"] == false);
+    CHECK(core->effects().count("feedback", "acme", "k-2").value() == 1);
+  }
+
+  // The learner's history got exactly one entry for k-1, whatever happened above.
+  CHECK(core->effects().count("feedback", "acme", "k-1").value() == 1);
+  CHECK(core->effects().duplicated_keys("feedback").value() == 0);
+}
+
+TEST_CASE("concurrent duplicates wait for the first request: one model call, one decision, one effect",
+          "[service][idempotency][concurrency]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.provider.spread = 0;
+  auto core = open_core(o, keel::real_clock{});
+  constexpr int kThreads = 8;
+  std::vector<gateway::reply> replies(kThreads);
+  std::atomic<bool> go{false};
+  {
+    std::vector<std::jthread> threads;
+    for (int i = 0; i < kThreads; ++i) {
+      threads.emplace_back([&, i] {
+        while (!go.load()) std::this_thread::yield();
+        replies[i] = core->feedback(feedback_body("acme"), "same-key");
+      });
+    }
+    go = true;
+  }
+  std::string decision;
+  int fresh = 0;
+  for (const gateway::reply& r : replies) {
+    REQUIRE(r.status == 200);
+    json j = parse(r);
+    if (decision.empty()) decision = j["decision_id"].get<std::string>();
+    CHECK(j["decision_id"] == decision);
+    fresh += j["replayed"] == false ? 1 : 0;
+  }
+  CHECK(fresh == 1);
+  CHECK(core->provider().figures().calls == 1);
+  CHECK(core->effects().count("feedback", "acme", "same-key").value() == 1);
+}
+
+TEST_CASE("invalid gateway options are refused, naming the field and the rule", "[service][options]") {
+  temp_dir dir;
+  gateway::gateway_options o;
+  o.data_dir = dir.path();
+  REQUIRE(o.validate().ok());
+
+  gateway::gateway_options no_dir = o;
+  no_dir.data_dir.clear();
+  CHECK(no_dir.validate().message() == "gateway_options.data_dir must name a directory (got \"\")");
+
+  gateway::gateway_options over = o;
+  over.interactive.fallback = 2000ms;  // the stages no longer fit in 3 s - 200 ms
+  const absl::Status s = over.validate();
+  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(std::string(s.message()).find("deadline_plan.respond must leave the stages within deadline - "
+                                      "response_reserve (got 3600ms > 2800ms)") != std::string::npos);
+
+  gateway::gateway_options lease = o;
+  lease.idempotency_lease = 1s;
+  CHECK(std::string(lease.validate().message()).find("gateway_options.idempotency_lease must exceed the "
+                                                     "interactive deadline") != std::string::npos);
+
+  auto refused = core_t<keel::real_clock>::open(
+      over, [](const std::string& path) { return keel::sqlite_job_store<>::open(path); });
+  CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+
+  const gateway::fault bad{.kind = gateway::fault_kind::slowdown, .factor = 0.5};
+  CHECK(bad.validate().message() == "fault.factor must be in [1, 1000] (got 0.5)");
+}

@@ -1,0 +1,555 @@
+// The example gateway as an HTTP service on loopback (examples/gateway/):
+// load through normal, slowdown, outage and recovery phases while batch
+// floods; bad input to every endpoint; the operator controls; and batch
+// workers killed mid-job in child processes (this test binary re-executed).
+//
+// Times are the seed's plan scaled by keel_service::time_scale (a 750 ms
+// deadline). Latency bounds are correctness bounds — no reply may come
+// later than its deadline plus keel_service::http_slack — not speed claims.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include "gateway_service.hpp"
+#include "load_generator.hpp"
+#include "service_support.hpp"
+#include "support/catch.hpp"
+
+using namespace std::chrono_literals;
+using json = nlohmann::json;
+using keel_service::temp_dir;
+
+namespace {
+
+struct http_result {
+  int status = 0;  // 0: transport error
+  json body;
+  bool retry_after = false;
+  std::string text;
+};
+
+http_result result_of(const httplib::Result& r) {
+  http_result out;
+  if (!r) return out;
+  out.status = r->status;
+  out.text = r->body;
+  out.body = json::parse(r->body, nullptr, false);
+  out.retry_after = r->has_header("Retry-After");
+  return out;
+}
+
+class client {
+ public:
+  explicit client(int port) : c_("127.0.0.1", port) {
+    c_.set_read_timeout(10s);
+    c_.set_connection_timeout(2s);
+  }
+  http_result post(const std::string& path, const std::string& body, const std::string* key = nullptr) {
+    httplib::Headers h;
+    if (key != nullptr) h.emplace("Idempotency-Key", *key);
+    return result_of(c_.Post(path.c_str(), h, body, "application/json"));
+  }
+  http_result post_key(const std::string& path, const std::string& body, const std::string& key) {
+    return post(path, body, &key);
+  }
+  http_result get(const std::string& path) { return result_of(c_.Get(path.c_str())); }
+
+ private:
+  httplib::Client c_;
+};
+
+std::unique_ptr<gateway::service> start(const gateway::gateway_options& o) {
+  auto svc = gateway::service::open(o);
+  if (!svc.ok()) FAIL(std::string(svc.status().message()));
+  const absl::Status up = (*svc)->start("127.0.0.1", 0);
+  if (!up.ok()) FAIL(std::string(up.message()));
+  return std::move(*svc);
+}
+
+std::string feedback(const std::string& tenant, const std::string& answer = "one deadline, stages get what remains") {
+  return json{{"tenant", tenant}, {"question_id", "q-timeouts"}, {"answer", answer}}.dump();
+}
+std::string batch(const std::string& tenant, const std::string& learner = "learner-1") {
+  return json{{"tenant", tenant}, {"learner", learner}, {"sessions", {"session one", "session two"}}}.dump();
+}
+
+// A counter's value in Prometheus text, 0 when the series is absent.
+double metric(const std::string& text, const std::string& series) {
+  const std::size_t at = text.find("\n" + series + " ");
+  if (at == std::string::npos) return 0;
+  return std::stod(text.substr(at + series.size() + 2));
+}
+
+bool is_noisy(const gateway::sample& s) { return s.tenant == "noisy"; }
+
+}  // namespace
+
+TEST_CASE("load on loopback: normal, slowdown, outage, recovery, with a batch flood throughout",
+          "[service][http][load]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  std::mutex transitions_mu;
+  std::vector<std::pair<keel::breaker_state, keel::breaker_state>> transitions;
+  o.breaker.on_state_change = [&](const keel::breaker_transition& t) {
+    std::lock_guard lock(transitions_mu);
+    transitions.emplace_back(t.from, t.to);
+  };
+  auto svc = start(o);
+  const gateway::deadline_plan& plan = o.interactive;
+
+  gateway::load_generator load({.port = svc->port(), .clients = 48, .client_timeout = 5s});
+  auto fault = [&](std::string body) {
+    return [&load, body] { (void)load.post("/admin/fault", body); };
+  };
+  // At the scaled time, 40 interactive requests a second are the seed's 10
+  // a second; the batch flood is 40 submissions a second into 8 slots.
+  const std::vector<gateway::phase> phases = {
+      {.name = "normal", .length = 2s, .interactive_rate = 40, .batch_rate = 40,
+       .on_start = fault(R"({"kind":"none"})")},
+      {.name = "slowdown", .length = 2s, .interactive_rate = 40, .batch_rate = 40,
+       .on_start = fault(R"({"kind":"slowdown","factor":3})")},
+      {.name = "outage", .length = 2s, .interactive_rate = 40, .batch_rate = 40,
+       .on_start = fault(R"({"kind":"outage"})")},
+      {.name = "recovery", .length = 2s, .interactive_rate = 40, .batch_rate = 40,
+       .on_start = fault(R"({"kind":"none"})")},
+  };
+  const std::vector<gateway::phase_report> reports = load.run(phases);
+  const std::vector<gateway::sample> samples = load.samples();
+
+  // Let the workers finish the backlog (bounded), then read what happened.
+  auto& core = svc->core();
+  const auto drain_until = std::chrono::steady_clock::now() + 30s;
+  keel::job_counts jobs;
+  while (std::chrono::steady_clock::now() < drain_until) {
+    jobs = core.queue().counts().value();
+    if (jobs.queued + jobs.running == 0) break;
+    std::this_thread::sleep_for(20ms);
+  }
+  client admin(svc->port());
+  const http_result metrics = admin.get("/metrics");
+  const keel::breaker_state final_breaker = core.provider_breaker().state();
+  std::vector<std::pair<keel::breaker_state, keel::breaker_state>> seen;
+  {
+    std::lock_guard lock(transitions_mu);
+    seen = transitions;
+  }
+
+  // Per phase, the requests of the tenants within their quota.
+  struct tally {
+    int n = 0, ok = 0, degraded = 0, rejected = 0, failed = 0;
+  };
+  std::vector<tally> per_phase(phases.size());
+  for (const gateway::sample& s : samples) {
+    if (!s.interactive || is_noisy(s)) continue;
+    tally& t = per_phase[s.phase];
+    ++t.n;
+    t.ok += s.what == gateway::verdict::ok;
+    t.degraded += s.what == gateway::verdict::degraded;
+    t.rejected += s.what == gateway::verdict::rejected;
+    t.failed += s.what == gateway::verdict::failed;
+  }
+  for (std::size_t p = 0; p < phases.size(); ++p) {
+    INFO("phase " << phases[p].name << ": " << per_phase[p].n << " requests, " << per_phase[p].ok << " ok, "
+                  << per_phase[p].degraded << " degraded, " << per_phase[p].rejected << " rejected, "
+                  << per_phase[p].failed << " failed; p99 " << reports[p].interactive.p99.count() / 1'000'000
+                  << " ms");
+    CHECK(per_phase[p].n >= 40);
+    CHECK(per_phase[p].failed == 0);  // every answer is an answer or a named refusal
+    // The SLO claim: p99 of answered interactive requests within the deadline.
+    CHECK(reports[p].interactive.p99 <= plan.deadline);
+  }
+  // While batch floods, interactive work keeps its slots: full answers.
+  CHECK(per_phase[0].ok >= per_phase[0].n * 9 / 10);
+  // The slowdown and the outage become degraded answers, not failures.
+  CHECK(per_phase[1].ok + per_phase[1].degraded >= per_phase[1].n * 9 / 10);
+  CHECK(per_phase[2].degraded >= per_phase[2].n * 9 / 10);
+  CHECK(per_phase[3].ok >= per_phase[3].n / 2);
+
+  // No request runs past its deadline; rejections are fast and say who refused.
+  int rejections = 0, tenant_refusals = 0, transport_errors = 0;
+  for (const gateway::sample& s : samples) {
+    if (s.status == 0) {
+      ++transport_errors;
+      continue;
+    }
+    if (s.interactive) {
+      INFO("status " << s.status << " after " << s.latency.count() / 1'000'000 << " ms");
+      CHECK(s.latency <= plan.deadline + keel_service::http_slack);
+    }
+    if (s.what == gateway::verdict::rejected && (s.status == 429 || s.status == 503)) {
+      ++rejections;
+      tenant_refusals += s.interactive && s.refused_by == "tenant:noisy:rate";
+      INFO("refused by " << s.refused_by << " after " << s.latency.count() / 1'000'000 << " ms");
+      CHECK(!s.refused_by.empty());
+      CHECK(s.retry_after);
+      CHECK(s.latency <= plan.admit + keel_service::http_slack);
+    }
+  }
+  CHECK(transport_errors == 0);
+  CHECK(tenant_refusals > 0);
+  // ...and visible where operators look.
+  REQUIRE(metrics.status == 200);
+  CHECK(metric(metrics.text, R"(gateway_rejections_total{class="interactive",reason="tenant_quota"})") ==
+        tenant_refusals);
+  CHECK(metrics.text.find("keel_slo_error_budget_remaining{class=\"interactive\",sli=\"availability\"}") !=
+        std::string::npos);
+
+  // The breaker opened on the bad provider and closed again after recovery.
+  CHECK(std::count(seen.begin(), seen.end(), std::pair{keel::breaker_state::closed, keel::breaker_state::open}) >= 1);
+  CHECK(final_breaker == keel::breaker_state::closed);
+
+  // No effect happened twice: one learner-history row per decided key, and
+  // every reply for a key carried the same decision.
+  std::map<std::pair<std::string, std::string>, std::set<std::string>> decisions;
+  std::map<std::pair<std::string, std::string>, std::set<std::int64_t>> jobs_by_key;
+  for (const gateway::sample& s : samples) {
+    if (s.interactive && s.what == gateway::verdict::ok) decisions[{s.tenant, s.key}].insert(s.decision_id);
+    if (!s.interactive && s.what == gateway::verdict::ok) jobs_by_key[{s.tenant, s.key}].insert(s.job_id);
+  }
+  for (const auto& [key, ids] : decisions) {
+    INFO("feedback key " << key.second);
+    CHECK(ids.size() == 1);
+  }
+  for (const auto& [key, ids] : jobs_by_key) {
+    INFO("batch key " << key.second);
+    CHECK(ids.size() == 1);
+  }
+  CHECK(core.effects().count("feedback").value() == static_cast<std::int64_t>(decisions.size()));
+  CHECK(core.effects().duplicated_keys("feedback").value() == 0);
+
+  // Every accepted batch job was done, once, and its report delivered once.
+  CHECK(jobs.queued + jobs.running == 0);
+  CHECK(jobs.failed == 0);
+  CHECK(jobs.done == static_cast<std::int64_t>(jobs_by_key.size()));
+  CHECK(core.effects().count("report").value() == static_cast<std::int64_t>(jobs_by_key.size()));
+  CHECK(core.effects().duplicated_keys("report").value() == 0);
+  svc->stop();
+}
+
+TEST_CASE("bad input to every endpoint: a clear 4xx, and nothing changed", "[service][http][errors]") {
+  temp_dir dir;
+  const gateway::gateway_options o = keel_service::options(dir.path());
+  auto svc = start(o);
+  client c(svc->port());
+  auto& core = svc->core();
+  const std::string key = "key-1";
+  const std::string long_key(256, 'k');
+  const std::string huge(o.max_body_bytes + 1, 'x');
+
+  struct bad {
+    const char* what;
+    std::string method, path, body;
+    std::optional<std::string> key;
+    int status;
+  };
+  const std::string fb = "/v1/feedback", b = "/v1/batch";
+  const std::vector<bad> cases = {
+      {"malformed JSON", "POST", fb, "{\"tenant\": ", key, 400},
+      {"not an object", "POST", fb, "[1, 2]", key, 400},
+      {"no idempotency key", "POST", fb, feedback("acme"), std::nullopt, 400},
+      {"an empty idempotency key", "POST", fb, feedback("acme"), std::string(), 400},
+      {"an oversized idempotency key", "POST", fb, feedback("acme"), long_key, 400},
+      {"a key with spaces", "POST", fb, feedback("acme"), std::string("a key"), 400},
+      {"an unknown class", "POST", fb, json{{"tenant", "acme"}, {"question_id", "q"}, {"answer", "a"}, {"class", "gold"}}.dump(), key, 400},
+      {"the batch class on the feedback endpoint", "POST", fb, json{{"tenant", "acme"}, {"question_id", "q"}, {"answer", "a"}, {"class", "batch"}}.dump(), key, 400},
+      {"no tenant", "POST", fb, json{{"question_id", "q"}, {"answer", "a"}}.dump(), key, 400},
+      {"a tenant of the wrong type", "POST", fb, json{{"tenant", 7}, {"question_id", "q"}, {"answer", "a"}}.dump(), key, 400},
+      {"a tenant with a slash", "POST", fb, json{{"tenant", "a/b"}, {"question_id", "q"}, {"answer", "a"}}.dump(), key, 400},
+      {"an unknown model", "POST", fb, json{{"tenant", "acme"}, {"question_id", "q"}, {"answer", "a"}, {"model", "gpt-9"}}.dump(), key, 400},
+      {"an answer over 8 KiB", "POST", fb, json{{"tenant", "acme"}, {"question_id", "q"}, {"answer", std::string(9000, 'a')}}.dump(), key, 400},
+      {"a huge body", "POST", fb, huge, key, 413},
+      {"malformed JSON", "POST", b, "not json", key, 400},
+      {"no idempotency key", "POST", b, batch("acme"), std::nullopt, 400},
+      {"an oversized idempotency key", "POST", b, batch("acme"), long_key, 400},
+      {"an unknown class", "POST", b, json{{"tenant", "acme"}, {"learner", "l"}, {"sessions", {"s"}}, {"class", "vip"}}.dump(), key, 400},
+      {"no sessions", "POST", b, json{{"tenant", "acme"}, {"learner", "l"}, {"sessions", json::array()}}.dump(), key, 400},
+      {"sessions of the wrong type", "POST", b, json{{"tenant", "acme"}, {"learner", "l"}, {"sessions", {1, 2}}}.dump(), key, 400},
+      {"a huge body", "POST", b, huge, key, 413},
+      {"a job id that is not a number", "GET", "/v1/batch/abc?tenant=acme", "", std::nullopt, 400},
+      {"a negative job id", "GET", "/v1/batch/-3?tenant=acme", "", std::nullopt, 400},
+      {"no tenant", "GET", "/v1/batch/1", "", std::nullopt, 400},
+      {"a job that does not exist", "GET", "/v1/batch/999999?tenant=acme", "", std::nullopt, 404},
+      {"malformed JSON", "POST", "/admin/breaker", "{", std::nullopt, 400},
+      {"an unknown mode", "POST", "/admin/breaker", R"({"mode":"sideways"})", std::nullopt, 400},
+      {"an unknown provider", "POST", "/admin/breaker", R"({"provider":"other","mode":"open"})", std::nullopt, 404},
+      {"an unknown class", "POST", "/admin/shed", R"({"class":"gold","shed":true})", std::nullopt, 400},
+      {"shed not a boolean", "POST", "/admin/shed", R"({"class":"batch","shed":"yes"})", std::nullopt, 400},
+      {"the recovery class", "POST", "/admin/shed", R"({"class":"recovery","shed":true})", std::nullopt, 400},
+      {"an unknown fault", "POST", "/admin/fault", R"({"kind":"meteor"})", std::nullopt, 400},
+      {"a slowdown below 1", "POST", "/admin/fault", R"({"kind":"slowdown","factor":0.5})", std::nullopt, 400},
+      {"a ratio that is not a number", "POST", "/admin/fault", R"({"kind":"outage","ratio":"all"})", std::nullopt, 400},
+      {"a negative retry-after", "POST", "/admin/fault", R"({"kind":"rate_limit","retry_after_ms":-1})", std::nullopt, 400},
+      {"a huge body", "POST", "/admin/fault", huge, std::nullopt, 413},
+      {"an unknown path", "GET", "/v2/everything", "", std::nullopt, 404},
+  };
+  const gateway::provider_figures before = core.provider().figures();
+  for (const bad& t : cases) {
+    INFO(t.method << " " << t.path.substr(0, 40) << ": " << t.what);
+    const http_result r = t.method == "GET" ? c.get(t.path) : c.post(t.path, t.body, t.key ? &*t.key : nullptr);
+    CHECK(r.status == t.status);
+    REQUIRE(r.body.is_object());
+    REQUIRE(r.body.contains("error"));
+    CHECK(!r.body["error"]["message"].get<std::string>().empty());
+  }
+  // Nothing changed: no provider call, no job, no effect, no recorded request,
+  // no operator state; the keys used above are still free.
+  CHECK(core.provider().figures().calls == before.calls);
+  CHECK(core.queue().counts().value().total() == 0);
+  CHECK(core.effects().count("feedback").value() == 0);
+  CHECK(core.provider_breaker().state() == keel::breaker_state::closed);
+  CHECK(core.provider().current_fault().kind == gateway::fault_kind::none);
+  for (const keel::slo_report& s : core.slos().report(core.clock().now())) CHECK(s.in_window.requests() == 0);
+  const http_result health = c.get("/healthz");
+  CHECK(health.body["shed"].empty());
+  const http_result fresh = c.post_key(fb, feedback("acme"), key);
+  CHECK(fresh.status == 200);
+  CHECK(fresh.body["replayed"] == false);
+  const http_result job = c.post_key(b, batch("acme"), key);
+  CHECK(job.status == 202);
+  CHECK(job.body["created"] == true);
+  svc->stop();
+}
+
+TEST_CASE("operator controls: force the breaker, shed a class, switch the provider's faults",
+          "[service][http][operator]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  auto svc = start(o);
+  client c(svc->port());
+  auto& core = svc->core();
+  int n = 0;
+  auto next_key = [&] { return "op-" + std::to_string(++n); };
+
+  SECTION("forced open: no call reaches the provider; answers are degraded and say why; auto probes first") {
+    REQUIRE(c.post("/admin/breaker", R"({"mode":"open"})").body["state"] == "forced-open");
+    const std::int64_t calls = core.provider().figures().calls;
+    const http_result r = c.post_key("/v1/feedback", feedback("acme"), next_key());
+    REQUIRE(r.status == 200);
+    CHECK(r.body["degraded"] == true);
+    CHECK(r.body["served_by"] == "rubric-feedback");
+    CHECK(r.body["note"].get<std::string>().find("forced-open") != std::string::npos);
+    const http_result strict = c.post_key("/v1/feedback", feedback("strict"), next_key());
+    CHECK(strict.status == 503);
+    CHECK(strict.body["error"]["refused_by"] == "breaker:endpoint=sim-llm");
+    CHECK(core.provider().figures().calls == calls);
+    CHECK(c.get("/healthz").body["status"] == "degraded");
+    // Back to automatic: half-open, so recovery is verified by probes.
+    CHECK(c.post("/admin/breaker", R"({"mode":"auto"})").body["state"] == "half-open");
+    for (int i = 0; i < o.breaker.half_open_probes; ++i) {
+      CHECK(c.post_key("/v1/feedback", feedback("acme"), next_key()).body["degraded"] == false);
+    }
+    CHECK(core.provider_breaker().state() == keel::breaker_state::closed);
+  }
+
+  SECTION("forced closed: the breaker counts nothing, even through an outage") {
+    REQUIRE(c.post("/admin/breaker", R"({"mode":"closed"})").body["state"] == "forced-closed");
+    REQUIRE(c.post("/admin/fault", R"({"kind":"outage"})").status == 200);
+    for (int i = 0; i < o.breaker.minimum_calls + 2; ++i) {
+      CHECK(c.post_key("/v1/feedback", feedback("acme"), next_key()).body["degraded"] == true);
+    }
+    CHECK(core.provider_breaker().state() == keel::breaker_state::forced_closed);
+    CHECK(c.post("/admin/breaker", R"({"mode":"auto"})").body["state"] == "closed");
+  }
+
+  SECTION("shedding a class refuses it at once, with a retry hint; the other class is untouched") {
+    REQUIRE(c.post("/admin/shed", R"({"class":"interactive","shed":true})").status == 200);
+    const http_result shed = c.post_key("/v1/feedback", feedback("acme"), next_key());
+    CHECK(shed.status == 503);
+    CHECK(shed.retry_after);
+    CHECK(shed.body["error"]["refused_by"] == "shed:interactive");
+    CHECK(c.post_key("/v1/batch", batch("acme"), next_key()).status == 202);
+    REQUIRE(c.post("/admin/shed", R"({"class":"batch","shed":true})").status == 200);
+    CHECK(c.post_key("/v1/batch", batch("acme", "learner-2"), next_key()).body["error"]["refused_by"] ==
+          "shed:batch");
+    CHECK(core.queue().counts().value().total() == 1);
+    const json health = c.get("/healthz").body;
+    CHECK(health["shed"] == json({"interactive", "batch"}));
+    REQUIRE(c.post("/admin/shed", R"({"class":"interactive","shed":false})").status == 200);
+    CHECK(c.post_key("/v1/feedback", feedback("acme"), next_key()).status == 200);
+    const std::string text = c.get("/metrics").text;
+    CHECK(metric(text, R"(gateway_rejections_total{class="interactive",reason="shed"})") == 1);
+    CHECK(metric(text, R"(gateway_shed{class="batch"})") == 1);
+  }
+
+  SECTION("faults switched at run time: invalid output and rate limits end in honest degraded answers") {
+    REQUIRE(c.post("/admin/fault", R"({"kind":"invalid_output"})").status == 200);
+    const http_result invalid = c.post_key("/v1/feedback", feedback("acme"), next_key());
+    CHECK(invalid.body["degraded"] == true);
+    CHECK(invalid.body["note"].get<std::string>().find("broke the contract") != std::string::npos);
+    // A 429 asking for longer than the model stage has: not waited for.
+    REQUIRE(c.post("/admin/fault", R"({"kind":"rate_limit","retry_after_ms":5000})").status == 200);
+    const http_result limited = c.post_key("/v1/feedback", feedback("acme"), next_key());
+    CHECK(limited.body["degraded"] == true);
+    CHECK(limited.body["note"].get<std::string>().find("429") != std::string::npos);
+    CHECK(limited.body["attempts"] == 2);  // the rubric read and one model attempt
+    REQUIRE(c.post("/admin/fault", R"({"kind":"none"})").status == 200);
+    CHECK(c.post_key("/v1/feedback", feedback("acme"), next_key()).body["degraded"] == false);
+    const std::string text = c.get("/metrics").text;
+    CHECK(metric(text, R"(gateway_provider_calls_total{result="invalid_output"})") >= 1);
+    CHECK(metric(text, R"(keel_fallbacks_total{path="rubric-feedback"})") >= 2);
+  }
+  svc->stop();
+}
+
+// ---- batch workers in child processes ---------------------------------------
+
+namespace {
+
+gateway::gateway_options worker_options(const std::string& dir) {
+  gateway::gateway_options o = keel_service::options(dir);
+  o.batch_workers = 0;        // the gateway itself runs none: the children do
+  o.batch_lease = 600ms;      // a dead worker's job is taken over this long after its last renewal
+  o.provider.spread = 0;
+  return o;
+}
+
+}  // namespace
+
+// The child: a batch worker process. KEEL_SERVICE_MODE:
+//   drain         run jobs until the queue has nothing live, then exit 0
+//   run           run jobs until killed
+//   hold          like run, but after delivering a report, wait forever
+//                 (until killed) before completing the job
+// Progress lines ("start <id>", "delivered <id>", "already-delivered <id>",
+// "outcome <id> <state>") go to KEEL_SERVICE_OUT.
+TEST_CASE("service child process", "[.][child]") {
+  const std::string dir = keel_service::child_env("DIR"), out = keel_service::child_env("OUT"),
+                    mode = keel_service::child_env("MODE");
+  gateway::gateway_options o = worker_options(dir);
+  o.provider.median_latency = std::chrono::milliseconds(std::stoi(keel_service::child_env("LATENCY_MS")));
+  auto w = gateway::worker_process<keel::sqlite_job_store<>>::open(
+      o, [](const std::string& path) { return keel::sqlite_job_store<>::open(path); });
+  if (!w.ok()) {
+    keel_service::append_line(out, "open-failed " + std::string(w.status().message()));
+    std::_Exit(2);
+  }
+  (*w)->workers().set_progress_hook([&](std::string_view event, std::int64_t id) {
+    keel_service::append_line(out, std::string(event) + " " + std::to_string(id));
+    if (mode == "hold" && event == "delivered") {
+      for (;;) std::this_thread::sleep_for(1s);  // killed here, before completing
+    }
+  });
+  for (;;) {
+    std::optional<keel::job_outcome> r = (*w)->workers().run_once({});
+    if (r) {
+      keel_service::append_line(out, "outcome " + std::to_string(r->id) + " " +
+                                         std::string(keel::to_string(r->state)) + (r->lost ? " lost" : ""));
+      continue;
+    }
+    if (mode == "drain") {
+      absl::StatusOr<keel::job_counts> c = (*w)->queue().counts();
+      if (c.ok() && c->queued + c->running == 0) break;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  SUCCEED();
+}
+
+TEST_CASE("a batch worker SIGKILLed mid-job loses nothing: the job is taken over and done once",
+          "[service][http][process]") {
+  temp_dir dir;
+  const gateway::gateway_options o = worker_options(dir.path());
+  auto svc = start(o);
+  client c(svc->port());
+  constexpr int kJobs = 5;
+  std::vector<std::int64_t> ids;
+  for (int i = 0; i < kJobs; ++i) {
+    const http_result r = c.post_key("/v1/batch", batch("acme", "learner-" + std::to_string(i)),
+                                     "report-" + std::to_string(i));
+    REQUIRE(r.status == 202);
+    ids.push_back(r.body["job_id"].get<std::int64_t>());
+  }
+
+  // Worker 1 takes the first job and is killed while the model works on it.
+  const std::string out1 = dir.file("worker1.log");
+  const pid_t w1 = keel_service::spawn_child(
+      {{"DIR", dir.path()}, {"OUT", out1}, {"MODE", "run"}, {"LATENCY_MS", "300"}});
+  const std::string started = keel_service::await_text(out1, "start ");
+  REQUIRE(started.find("start ") != std::string::npos);
+  const std::int64_t killed_job = std::stoll(started.substr(started.find("start ") + 6));
+  ::kill(w1, SIGKILL);
+  CHECK(keel_service::wait_child(w1) == 128 + SIGKILL);
+
+  // Worker 2 drains the queue: it takes the dead worker's job over once its lease lapses.
+  const std::string out2 = dir.file("worker2.log");
+  const pid_t w2 = keel_service::spawn_child(
+      {{"DIR", dir.path()}, {"OUT", out2}, {"MODE", "drain"}, {"LATENCY_MS", "20"}});
+  CHECK(keel_service::wait_child(w2) == 0);
+
+  const keel::job_counts counts = svc->core().queue().counts().value();
+  CHECK(counts.done == kJobs);
+  CHECK(counts.failed == 0);
+  for (std::int64_t id : ids) {
+    const http_result st = c.get("/v1/batch/" + std::to_string(id) + "?tenant=acme");
+    INFO("job " << id);
+    REQUIRE(st.status == 200);
+    CHECK(st.body["state"] == "done");
+    CHECK(st.body["report"]["job_id"] == id);
+    if (id == killed_job) {
+      CHECK(st.body["attempts"] == 2);
+      CHECK(st.body["took_over"] == true);
+      CHECK(st.body["fence"] == 2);
+    } else {
+      CHECK(st.body["attempts"] == 1);
+    }
+  }
+  // Every report delivered exactly once; the killed worker never got that far.
+  auto& effects = svc->core().effects();
+  CHECK(effects.count("report").value() == kJobs);
+  CHECK(effects.duplicated_keys("report").value() == 0);
+  CHECK(effects.delivery_attempts().value() == kJobs);
+  svc->stop();
+}
+
+TEST_CASE("a worker killed after delivering, before completing: the takeover's delivery is absorbed",
+          "[service][http][process]") {
+  temp_dir dir;
+  const gateway::gateway_options o = worker_options(dir.path());
+  auto svc = start(o);
+  client c(svc->port());
+  const http_result submitted = c.post_key("/v1/batch", batch("acme"), "report-x");
+  REQUIRE(submitted.status == 202);
+  const std::int64_t id = submitted.body["job_id"].get<std::int64_t>();
+
+  const std::string out1 = dir.file("worker1.log");
+  const pid_t w1 = keel_service::spawn_child(
+      {{"DIR", dir.path()}, {"OUT", out1}, {"MODE", "hold"}, {"LATENCY_MS", "20"}});
+  REQUIRE(keel_service::await_text(out1, "delivered ").find("delivered " + std::to_string(id)) != std::string::npos);
+  ::kill(w1, SIGKILL);
+  CHECK(keel_service::wait_child(w1) == 128 + SIGKILL);
+
+  const std::string out2 = dir.file("worker2.log");
+  const pid_t w2 = keel_service::spawn_child(
+      {{"DIR", dir.path()}, {"OUT", out2}, {"MODE", "drain"}, {"LATENCY_MS", "20"}});
+  CHECK(keel_service::wait_child(w2) == 0);
+  CHECK(keel_service::read_file(out2).find("already-delivered " + std::to_string(id)) != std::string::npos);
+
+  const http_result st = c.get("/v1/batch/" + std::to_string(id) + "?tenant=acme");
+  REQUIRE(st.status == 200);
+  CHECK(st.body["state"] == "done");
+  CHECK(st.body["fence"] == 2);
+  // The job's result is the report the learner has: the first worker's.
+  CHECK(st.body["report"]["fence"] == 1);
+  auto& effects = svc->core().effects();
+  CHECK(effects.count("report", "acme", "report-x").value() == 1);
+  CHECK(effects.delivery_attempts().value() == 2);
+  // The same submission again is the same job, not a second one.
+  const http_result again = c.post_key("/v1/batch", batch("acme"), "report-x");
+  CHECK(again.status == 200);
+  CHECK(again.body["job_id"] == id);
+  CHECK(again.body["replayed"] == true);
+  CHECK(c.post_key("/v1/batch", batch("acme", "someone-else"), "report-x").status == 409);
+  svc->stop();
+}
