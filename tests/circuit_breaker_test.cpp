@@ -579,6 +579,29 @@ TEST_CASE("breakers are scoped to endpoint/model/region and listed with their st
   CHECK(reg.breaker_for(us).state() == breaker_state::half_open);
 }
 
+TEST_CASE("a registry outside retry counts calls; its attempt gate stops retries once the domain opens",
+          "[breaker][registry][pipeline]") {
+  manual_clock clock;
+  clock.auto_advance(true);
+  keel::breaker_registry reg({.breaker = {.window_calls = 10, .minimum_calls = 2}});
+  const keel::retry retry3({.max_attempts = 3}, keel::constant_backoff{.delay_each = 10ms});
+  auto pipe = keel::pipeline(reg, retry3, reg.attempt_gate()).on(clock);
+  const keel::labels eu{.model = "m", .endpoint = "api", .region = "eu"};
+  int calls = 0;
+  auto provider = [&](const keel::attempt&) -> absl::StatusOr<int> {
+    if (++calls == 1) feed(reg.breaker_for(eu), clock.now(), outcome_kind::transient, 2);  // others trip it
+    return absl::UnavailableError("down");
+  };
+  keel::call call(clock.now(), {.timeout = 10s, .labels = eu});
+  const absl::StatusOr<int> r = pipe.run(call, provider);
+  CHECK(calls == 1);
+  CHECK(keel::refused_by(r.status()) == std::optional<std::string>("breaker:endpoint=api,model=m,region=eu"));
+  // Another domain is untouched by this one's gate.
+  keel::call us(clock.now(), {.timeout = 10s, .labels = {.model = "m", .endpoint = "api", .region = "us"}});
+  calls = 1;
+  CHECK(pipe.run(us, [&](const keel::attempt&) -> absl::StatusOr<int> { return ++calls; }).ok());
+}
+
 TEST_CASE("the registry is bounded: extra domains share an overflow breaker", "[breaker][registry]") {
   manual_clock clock;
   keel::breaker_registry reg({.breaker = {.window_calls = 4, .minimum_calls = 2}, .max_breakers = 2});

@@ -184,6 +184,22 @@ class breaker_registry {
     return breaker_for(ctx.call.labels()).execute(ctx, std::move(plan), next);
   }
 
+  // A policy that refuses attempts while the call's domain breaker is open,
+  // counting nothing: keel::pipeline(registry, retry, registry.attempt_gate())
+  // counts calls but gates every attempt (see keel/circuit_breaker.hpp).
+  class gate {
+   public:
+    explicit gate(breaker_registry& r) noexcept : registry_(&r) {}
+    template <class Ctx, class Next>
+    auto execute(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
+      return registry_->breaker_for(ctx.call.labels()).attempt_gate().execute(ctx, std::move(plan), next);
+    }
+
+   private:
+    breaker_registry* registry_;
+  };
+  [[nodiscard]] gate attempt_gate() noexcept { return gate(*this); }
+
  private:
   struct key {
     std::string endpoint, model, region, tenant;
