@@ -354,3 +354,46 @@ TEST_CASE("K processes hammering one shared quota stay within it, measured over 
   // ... and the limit was used, not merely respected: the hammering kept it busy.
   CHECK(static_cast<double>(grants) >= 0.8 * rate * (millis / 1000.0));
 }
+
+TEMPLATE_TEST_CASE("a duplicate waits for the holder by polling, never past its own deadline",
+                   "[scaleout][once]", keel::postgres_store, keel::redis_store) {
+  using B = backend<TestType>;
+  auto store = B::open(keel_scaleout::fresh_name("wait"));
+  const std::string key = "slow-request";  // the identity views it
+  const keel::request_identity id = identity_of(key);
+  auto holder = store->begin(id, digest_of("slow-request"), keel::owner_id::random(), {.lease = 30s, .retention = 1h});
+  INFO(holder.status().ToString());
+  REQUIRE(holder.ok());
+  REQUIRE(holder->state == keel::begin_state::claimed);
+  keel::once<TestType> decide(*store, {.lease = 30s, .retention = 2h, .retry_window = 1h, .poll_initial = 5ms,
+                                       .poll_max = 50ms});
+  int calls = 0;
+  const std::uint64_t before = store->round_trips();
+  const auto t0 = std::chrono::steady_clock::now();
+  keel::call call(keel::real_clock{}.now(), {.timeout = 300ms});
+  auto r = decide.run(call, id, digest_of("slow-request"), [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
+    ++calls;
+    return keel::decision{.result = "second"};
+  });
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  INFO(r.status().ToString());
+  CHECK(keel::is_in_flight(r.status()));
+  CHECK(keel::not_started(r.status()));
+  CHECK(calls == 0);                         // never a second provider call
+  CHECK(waited >= 250ms);                    // it did wait ...
+  CHECK(waited < 1s);                        // ... within its deadline, not the holder's 30 s lease
+  const std::uint64_t polls = store->round_trips() - before;
+  CHECK(polls >= 3);                         // polled with backoff (5 ms doubling to 50 ms) ...
+  CHECK(polls <= 20);                        // ... not in a busy loop
+  // Once the holder commits, a duplicate replays its decision.
+  REQUIRE(store->commit(id, holder->ownership, keel::decision{.id = "dec-first", .result = "first"}, 1h).ok());
+  keel::call again(keel::real_clock{}.now(), {.timeout = 1s});
+  auto replay = decide.run(again, id, digest_of("slow-request"), [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
+    ++calls;
+    return keel::decision{.result = "second"};
+  });
+  REQUIRE(replay.ok());
+  CHECK(replay->replayed);
+  CHECK(replay->decision.id == "dec-first");
+  CHECK(calls == 0);
+}

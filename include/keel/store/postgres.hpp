@@ -22,8 +22,10 @@
 //     created on first open (serialised by an advisory lock), checked on
 //     every open: another keel schema version, or a schema holding tables
 //     that are not keel's, is refused and left untouched;
-//   - a client-side command timeout on every statement (and the same
-//     statement_timeout on the server).
+//   - a client-side command timeout on every statement (the client cancels
+//     the statement and drops the session), with the server's
+//     statement_timeout one second longer as a backstop for a client that
+//     vanished.
 //
 // Values always travel as bound parameters (binary format); the only text
 // put into a statement is the schema name, validated ([a-z_][a-z0-9_]*, at
@@ -100,8 +102,8 @@ struct postgres_options {
   int pool_size = 8;
   // Connecting, per attempt; in [1 s, 1 h] (libpq counts whole seconds, at least 2).
   duration connect_timeout = std::chrono::seconds(5);
-  // Every statement, from send to result (also the server's
-  // statement_timeout); in [1 ms, 1 h].
+  // Every statement, from send to result; in [1 ms, 1 h]. The server's
+  // statement_timeout is set one second longer (a backstop).
   duration command_timeout = std::chrono::seconds(5);
   // Waiting for a free connection when all pool_size are lent; in [0, 1 h].
   duration acquire_timeout = std::chrono::seconds(5);
@@ -508,7 +510,10 @@ class postgres_store {
         detail::pg_connection::connect(options_.conninfo, options_.connect_timeout, application_name(), who_);
     if (!c.ok()) return c.status();
     detail::pg_connection& conn = **c;
-    const std::string timeout = absl::StrCat(std::chrono::duration_cast<std::chrono::milliseconds>(options_.command_timeout).count(), "ms");
+    // The client's timeout fires first (it cancels and knows why); the
+    // server's stops statements whose client has gone.
+    const std::string timeout = absl::StrCat(
+        std::chrono::duration_cast<std::chrono::milliseconds>(options_.command_timeout).count() + 1000, "ms");
     detail::pg_params<1> t;
     t.add(timeout);
     if (auto r = conn.exec("SELECT set_config('statement_timeout', $1::text, false)", t, detail::pg_effect::read,
