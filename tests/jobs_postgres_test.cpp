@@ -34,7 +34,6 @@ keel::postgres_options pg_options(std::string schema) {
 // which advance() moves together with the workers' manual clock.
 struct postgres_backend {
   using store_type = keel::postgres_job_store;
-  static constexpr const char* name = "postgres";
 
   keel_jobs::manual_clock clock;
   std::shared_ptr<std::atomic<std::int64_t>> offset = std::make_shared<std::atomic<std::int64_t>>(0);

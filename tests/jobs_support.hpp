@@ -28,7 +28,6 @@ using keel::testing::manual_clock;
 // store's time source and the workers' clock at once).
 struct sqlite_backend {
   using store_type = keel::sqlite_job_store<manual_clock>;
-  static constexpr const char* name = "sqlite";
 
   keel_durable::temp_dir dir;
   std::string path = dir.file("jobs.db");

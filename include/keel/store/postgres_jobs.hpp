@@ -435,9 +435,10 @@ class postgres_job_store {
       if (holder && state == running) continue;  // it matched in the snapshot: it changed under us
       if (holder && std::find(repeat_states.begin(), repeat_states.end(), state) != repeat_states.end())
         return static_cast<job_state>(state);  // a repeat
+      const bool other_owner = x.integer(0, 3) == token.fence && x.integer(0, 2) == 0;
       return lost_ownership_error(absl::StrCat(detail::to_absl(op), " of job ", id, " by fence ", token.fence,
                                                ": the job is ", detail::to_absl(state_name(state)), " under fence ",
-                                               x.integer(0, 3), x.integer(0, 3) == token.fence ? " and another owner" : ""));
+                                               x.integer(0, 3), other_owner ? " and another owner" : ""));
     }
     return raced(op);
   }

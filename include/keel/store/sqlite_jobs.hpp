@@ -392,9 +392,10 @@ class sqlite_job_store {
 
   static absl::Status lost(std::int64_t id, const ownership& token, std::string_view op, int state,
                            const ownership& holder) {
-    return lost_ownership_error(absl::StrCat(detail::to_absl(op), " of job ", id, " by fence ", token.fence,
-                                             ": the job is ", detail::to_absl(state_name(state)), " under fence ",
-                                             holder.fence, holder.fence == token.fence ? " and another owner" : ""));
+    return lost_ownership_error(absl::StrCat(
+        detail::to_absl(op), " of job ", id, " by fence ", token.fence, ": the job is ",
+        detail::to_absl(state_name(state)), " under fence ", holder.fence,
+        holder.fence == token.fence && holder.owner != token.owner ? " and another owner" : ""));
   }
 
   // After a fenced update changed nothing: a repeat of a done operation (its
