@@ -12,6 +12,7 @@
 
 #include "keel/call.hpp"
 #include "keel/pipeline.hpp"
+#include "keel/detail/short_key.hpp"
 #include "keel/rate_limiter.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "support/catch.hpp"
@@ -92,6 +93,26 @@ TEST_CASE("invalid rate limiter options are refused with the field named", "[rat
   CHECK(std::string(keel::rate_limiter_options{.rate = 10, .burst = 0.5}.validate().message()) ==
         "rate_limiter_options.burst must be a finite number >= 1 (got 0.5)");
   CHECK_THROWS_AS(keel::rate_limiter({.rate = 0}), keel::invalid_options);
+}
+
+TEST_CASE("short-key equality sees a difference in any byte, at any length", "[admission][keys]") {
+  for (std::size_t n = 0; n <= 40; ++n) {
+    std::string a(n, 'x');
+    for (std::size_t i = 0; i < n; ++i) a[i] = static_cast<char>('a' + (i * 7) % 26);
+    const std::string same = a;
+    CHECK(keel::detail::key_equals(a, same));
+    CHECK(keel::detail::key_hash(a) == keel::detail::key_hash(same));
+    CHECK(!keel::detail::key_equals(a, a + "y"));
+    for (std::size_t i = 0; i < n; ++i) {
+      std::string b = a;
+      b[i] = static_cast<char>(b[i] ^ 0x20);
+      if (keel::detail::key_equals(a, b)) FAIL("length " << n << ": byte " << i << " differs but compared equal");
+    }
+  }
+  // Hashes spread over the low bits the tables use.
+  std::vector<int> buckets(64, 0);
+  for (int i = 0; i < 6400; ++i) ++buckets[keel::detail::key_hash("tenant-" + std::to_string(i)) & 63];
+  for (int b : buckets) CHECK((b > 50 && b < 150));
 }
 
 // --- admission ------------------------------------------------------------------

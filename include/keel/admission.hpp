@@ -75,6 +75,7 @@
 #include "keel/call.hpp"
 #include "keel/clock.hpp"
 #include "keel/detail/keyed_table.hpp"
+#include "keel/detail/short_key.hpp"
 #include "keel/policy.hpp"
 #include "keel/rate_limiter.hpp"
 #include "keel/status.hpp"

@@ -54,6 +54,7 @@
 #include "keel/circuit_breaker.hpp"
 #include "keel/clock.hpp"
 #include "keel/detail/keyed_table.hpp"
+#include "keel/detail/short_key.hpp"
 #include "keel/policy.hpp"
 #include "keel/status.hpp"
 #include "keel/telemetry.hpp"

@@ -78,6 +78,7 @@
 #include "keel/call.hpp"
 #include "keel/clock.hpp"
 #include "keel/deadline.hpp"
+#include "keel/detail/short_key.hpp"
 #include "keel/outcome.hpp"
 #include "keel/policy.hpp"
 #include "keel/status.hpp"
@@ -330,7 +331,7 @@ class bulkhead {
   [[nodiscard]] std::size_t classes() const noexcept { return options_.classes.size(); }
   [[nodiscard]] std::optional<std::size_t> class_index(std::string_view name) const noexcept {
     for (std::size_t i = 0; i < options_.classes.size(); ++i)
-      if (options_.classes[i].name == name) return i;
+      if (detail::key_equals(options_.classes[i].name, name)) return i;
     return std::nullopt;
   }
   [[nodiscard]] std::string_view class_name(std::size_t cls) const noexcept { return options_.classes[cls].name; }
