@@ -26,6 +26,7 @@
 #include "keel/fan_out.hpp"
 #include "keel/hedge.hpp"
 #include "keel/idempotency.hpp"
+#include "keel/job_queue.hpp"
 #include "keel/latency_histogram.hpp"
 #include "keel/latency_tracker.hpp"
 #include "keel/lease.hpp"
