@@ -171,6 +171,29 @@ class redis_num {
   std::size_t len_ = 0;
 };
 
+// A key built on the stack: the longest one (a 128-byte prefix, "idem:{",
+// three 255-byte parts with their lengths, "}") fits in 1 KiB, so a store
+// operation allocates no key string.
+class redis_key {
+ public:
+  redis_key& add(std::string_view s) noexcept {
+    const std::size_t n = std::min(s.size(), buf_.size() - len_);
+    std::copy_n(s.data(), n, buf_.data() + len_);
+    len_ += n;
+    return *this;
+  }
+  redis_key& add_length(std::size_t v) noexcept {
+    const auto r = std::to_chars(buf_.data() + len_, buf_.data() + buf_.size(), v);
+    len_ = static_cast<std::size_t>(r.ptr - buf_.data());
+    return add(":");
+  }
+  [[nodiscard]] std::string_view view() const noexcept { return {buf_.data(), len_}; }
+
+ private:
+  std::array<char, 1024> buf_;
+  std::size_t len_ = 0;
+};
+
 struct redis_store_scripts {
   redis_script begin, extend, commit, abandon, claim, renew, release, save, load;
 
@@ -219,18 +242,14 @@ class redis_store {
   [[nodiscard]] std::uint64_t round_trips() const noexcept { return round_trips_.load(std::memory_order_relaxed); }
   [[nodiscard]] std::size_t connections() const { return pool_.open(); }
 
-  // The keys this store uses (for operators and tests).
-  [[nodiscard]] std::string record_key(const request_identity& id) const {
-    return absl::StrCat(options_.key_prefix, "idem:{", id.tenant.size(), ":", detail::to_absl(id.tenant),
-                        id.endpoint.size(), ":", detail::to_absl(id.endpoint), id.key.size(), ":",
-                        detail::to_absl(id.key), "}");
-  }
+  // The keys this store uses (for operators and tests):
+  // <prefix>idem:{<len>:<tenant><len>:<endpoint><len>:<key>}, <prefix>lease:{<work key>},
+  // <prefix>result:{<key>}. Lengths keep the parts apart.
+  [[nodiscard]] std::string record_key(const request_identity& id) const { return std::string(record_key_of(id).view()); }
   [[nodiscard]] std::string lease_key(std::string_view work_key) const {
-    return absl::StrCat(options_.key_prefix, "lease:{", detail::to_absl(work_key), "}");
+    return std::string(lease_key_of(work_key).view());
   }
-  [[nodiscard]] std::string result_key(std::string_view key) const {
-    return absl::StrCat(options_.key_prefix, "result:{", detail::to_absl(key), "}");
-  }
+  [[nodiscard]] std::string result_key(std::string_view key) const { return std::string(result_key_of(key).view()); }
 
   // ---- idempotency_store ---------------------------------------------------
 
@@ -239,7 +258,8 @@ class redis_store {
     if (absl::Status v = id.validate(); !v.ok()) return v;
     if (absl::Status v = o.validate(); !v.ok()) return v;
     if (owner.is_nil()) return absl::InvalidArgumentError("keel: owner must not be nil");
-    const std::string key = record_key(id);
+    const detail::redis_key key_buf = record_key_of(id);
+    const std::string_view key = key_buf.view();
     const auto ob = owner.bytes();
     const detail::redis_num off(offset_us()), lease(detail::redis_us(o.lease)), ret(detail::redis_us(o.retention)),
         forget(detail::redis_us(options_.forget_after));
@@ -289,7 +309,8 @@ class redis_store {
   [[nodiscard]] absl::Status extend(const request_identity& id, const ownership& token, duration ttl) {
     if (absl::Status v = id.validate(); !v.ok()) return v;
     if (ttl <= duration::zero()) return detail::invalid_field("extend", "ttl", "be > 0", ttl);
-    const std::string key = record_key(id);
+    const detail::redis_key key_buf = record_key_of(id);
+    const std::string_view key = key_buf.view();
     const auto ob = token.owner.bytes();
     const detail::redis_num off(offset_us()), fence(token.fence), t(detail::redis_us(ttl)),
         forget(detail::redis_us(options_.forget_after));
@@ -304,7 +325,8 @@ class redis_store {
     if (absl::Status v = id.validate(); !v.ok()) return v;
     if (absl::Status v = d.validate(); !v.ok()) return v;
     if (retention <= duration::zero()) return detail::invalid_field("commit", "retention", "be > 0", retention);
-    const std::string key = record_key(id);
+    const detail::redis_key key_buf = record_key_of(id);
+    const std::string_view key = key_buf.view();
     const auto ob = token.owner.bytes();
     const detail::redis_num off(offset_us()), fence(token.fence), code(static_cast<std::int64_t>(d.error_code)),
         ret(detail::redis_us(retention)), forget(detail::redis_us(options_.forget_after));
@@ -317,7 +339,8 @@ class redis_store {
 
   [[nodiscard]] absl::Status abandon(const request_identity& id, const ownership& token) {
     if (absl::Status v = id.validate(); !v.ok()) return v;
-    const std::string key = record_key(id);
+    const detail::redis_key key_buf = record_key_of(id);
+    const std::string_view key = key_buf.view();
     const auto ob = token.owner.bytes();
     const detail::redis_num off(offset_us()), fence(token.fence), forget(detail::redis_us(options_.forget_after));
     return fenced_record(detail::redis_store_scripts::get().abandon,
@@ -331,7 +354,8 @@ class redis_store {
     if (absl::Status v = validate_key("work key", work_key); !v.ok()) return v;
     if (ttl <= duration::zero()) return detail::invalid_field("claim", "ttl", "be > 0", ttl);
     if (owner.is_nil()) return absl::InvalidArgumentError("keel: owner must not be nil");
-    const std::string key = lease_key(work_key);
+    const detail::redis_key key_buf = lease_key_of(work_key);
+    const std::string_view key = key_buf.view();
     const auto ob = owner.bytes();
     const detail::redis_num off(offset_us()), t(detail::redis_us(ttl)), forget(detail::redis_us(options_.forget_after));
     absl::StatusOr<detail::redis_reply> r =
@@ -355,7 +379,8 @@ class redis_store {
   [[nodiscard]] absl::Status renew(std::string_view work_key, const ownership& token, duration ttl) {
     if (absl::Status v = validate_key("work key", work_key); !v.ok()) return v;
     if (ttl <= duration::zero()) return detail::invalid_field("renew", "ttl", "be > 0", ttl);
-    const std::string key = lease_key(work_key);
+    const detail::redis_key key_buf = lease_key_of(work_key);
+    const std::string_view key = key_buf.view();
     const auto ob = token.owner.bytes();
     const detail::redis_num off(offset_us()), fence(token.fence), t(detail::redis_us(ttl)),
         forget(detail::redis_us(options_.forget_after));
@@ -367,7 +392,8 @@ class redis_store {
 
   [[nodiscard]] absl::Status release(std::string_view work_key, const ownership& token) {
     if (absl::Status v = validate_key("work key", work_key); !v.ok()) return v;
-    const std::string key = lease_key(work_key);
+    const detail::redis_key key_buf = lease_key_of(work_key);
+    const std::string_view key = key_buf.view();
     const auto ob = token.owner.bytes();
     const detail::redis_num off(offset_us()), fence(token.fence), forget(detail::redis_us(options_.forget_after));
     return fenced_lease(detail::redis_store_scripts::get().release,
@@ -381,7 +407,8 @@ class redis_store {
     if (absl::Status v = validate_key("result key", key); !v.ok()) return v;
     if (retention < duration::zero())
       return detail::invalid_field("save_result", "retention", "be >= 0", retention);
-    const std::string k = result_key(key);
+    const detail::redis_key key_buf = result_key_of(key);
+    const std::string_view k = key_buf.view();
     const detail::redis_num off(offset_us()),
         ret(retention == duration::zero() ? 0 : detail::redis_us(retention)), grace(1'000'000);
     absl::StatusOr<detail::redis_reply> r =
@@ -394,7 +421,8 @@ class redis_store {
 
   [[nodiscard]] absl::StatusOr<std::optional<std::string>> load_result(std::string_view key) {
     if (absl::Status v = validate_key("result key", key); !v.ok()) return v;
-    const std::string k = result_key(key);
+    const detail::redis_key key_buf = result_key_of(key);
+    const std::string_view k = key_buf.view();
     const detail::redis_num off(offset_us());
     absl::StatusOr<detail::redis_reply> r = run(detail::redis_store_scripts::get().load,
                                                 std::array<std::string_view, 2>{k, off.view()},
@@ -406,7 +434,8 @@ class redis_store {
 
   [[nodiscard]] absl::Status erase_result(std::string_view key) {
     if (absl::Status v = validate_key("result key", key); !v.ok()) return v;
-    const std::string k = result_key(key);
+    const detail::redis_key key_buf = result_key_of(key);
+    const std::string_view k = key_buf.view();
     absl::StatusOr<handle> h = lend();
     if (!h.ok()) return h.status();
     round_trips_.fetch_add(1, std::memory_order_relaxed);
@@ -426,6 +455,23 @@ class redis_store {
       : options_(std::move(o)),
         who_(absl::StrCat("redis store '", options_.host, ":", options_.port, "/", options_.key_prefix, "'")),
         pool_(static_cast<std::size_t>(options_.pool_size), [this] { return connect(); }) {}
+
+  [[nodiscard]] detail::redis_key record_key_of(const request_identity& id) const noexcept {
+    detail::redis_key k;
+    k.add(options_.key_prefix).add("idem:{").add_length(id.tenant.size()).add(id.tenant);
+    k.add_length(id.endpoint.size()).add(id.endpoint).add_length(id.key.size()).add(id.key).add("}");
+    return k;
+  }
+  [[nodiscard]] detail::redis_key lease_key_of(std::string_view work_key) const noexcept {
+    detail::redis_key k;
+    k.add(options_.key_prefix).add("lease:{").add(work_key).add("}");
+    return k;
+  }
+  [[nodiscard]] detail::redis_key result_key_of(std::string_view key) const noexcept {
+    detail::redis_key k;
+    k.add(options_.key_prefix).add("result:{").add(key).add("}");
+    return k;
+  }
 
   static std::string_view bytes_of(const std::array<unsigned char, 16>& b) noexcept {
     return {reinterpret_cast<const char*>(b.data()), b.size()};
