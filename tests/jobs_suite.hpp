@@ -537,6 +537,20 @@ void failure_kinds() {
     f.advance(1s);
     CHECK(q.run_one(echo).value()->state == job_state::done);
   }
+  SECTION("a hint shorter than the backoff does not shorten it") {
+    const std::int64_t id = q.submit("acme", "k", "p")->id;
+    auto breaker_open = [](const keel::job_context&) -> absl::StatusOr<std::string> {
+      return keel::with_retry_after(absl::UnavailableError("breaker open"), 100ms);
+    };
+    REQUIRE(q.run_one(breaker_open)->has_value());  // attempt 1: backoff 1 s > hint
+    f.advance(1s);
+    REQUIRE(q.run_one(breaker_open)->has_value());  // attempt 2: backoff 2 s > hint
+    f.advance(1s);
+    CHECK_FALSE(q.run_one(echo)->has_value());  // the 100 ms hint alone would have let it run
+    f.advance(1s);
+    CHECK(q.run_one(echo).value()->state == job_state::done);
+    CHECK(info(*s, id).attempts == 3);
+  }
   SECTION("a handler that throws is retried, not lost") {
     const std::int64_t id = q.submit("acme", "k", "p")->id;
     auto r = q.run_one([](const keel::job_context&) -> absl::StatusOr<std::string> {
@@ -549,6 +563,26 @@ void failure_kinds() {
     CHECK(q.run_one(echo).value()->state == job_state::done);
     CHECK(info(*s, id).result == "ran:p");
     CHECK(info(*s, id).attempts == 2);
+  }
+  SECTION("a handler stopped by shutdown is retried, whatever status it returns") {
+    const std::int64_t id = q.submit("acme", "k", "p")->id;
+    std::stop_source shutdown;
+    auto r = q.run_one(
+        [&](const keel::job_context& j) -> absl::StatusOr<std::string> {
+          shutdown.request_stop();  // the service is stopping while the job runs
+          if (j.stop.stop_requested()) return absl::CancelledError("stopping");  // permanent by itself
+          return "not stopped";
+        },
+        shutdown.get_token());
+    REQUIRE(r->has_value());
+    CHECK((*r)->state == job_state::queued);
+    CHECK((*r)->handler_status.code() == absl::StatusCode::kCancelled);
+    keel::job_info j = info(*s, id);
+    CHECK(j.state == job_state::queued);
+    CHECK(j.attempts == 1);
+    CHECK(j.error_code == absl::StatusCode::kCancelled);
+    f.advance(1s);
+    CHECK(q.run_one(echo).value()->state == job_state::done);
   }
   SECTION("fail and complete repeated by the same holder are answered, not applied twice") {
     const std::int64_t id = q.submit("acme", "k", "p")->id;

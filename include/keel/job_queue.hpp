@@ -85,9 +85,13 @@
 //
 // Handler outcomes: OK -> complete. A failure classified permanent by
 // keel::default_classifier (InvalidArgument, PermissionDenied, ...) fails the
-// job at once; any other failure (and an exception, and a stop) is retried
-// after the status's retry-after hint, or after retry_backoff * 2^(attempt-1)
-// capped at retry_backoff_cap, until max_attempts attempts were made.
+// job at once, unless the handler was cut short (stop requested, lease lost);
+// any other failure (and an exception, and a stop) is retried
+// after the later of the status's retry-after hint and retry_backoff *
+// 2^(attempt-1), capped at retry_backoff_cap, until max_attempts attempts were
+// made. The hint is a floor, not a replacement: a provider that keeps asking
+// for a short wait (a breaker's time left open, a 429) would otherwise let
+// one job spend all its attempts within a single outage.
 //
 // Events (keel/telemetry.hpp): events::job_rejected (queue full),
 // events::job_finished (done / queued again / failed after an attempt),
@@ -375,7 +379,7 @@ struct job_queue_options {
   // Zero: lease / 3. Must be below lease.
   duration renew_every = duration::zero();
   // Wait before attempt k+1: retry_backoff * 2^(k-1), at most retry_backoff_cap
-  // (a retry-after hint on the failure wins, also capped); >= 0, cap >= base.
+  // (a longer retry-after hint on the failure wins, also capped); >= 0, cap >= base.
   duration retry_backoff = std::chrono::seconds(1);
   duration retry_backoff_cap = std::chrono::minutes(5);
   // How long an idle work() loop waits before looking again; > 0.
@@ -559,9 +563,12 @@ class job_queue {
       out.handler_status = r.status();
       const outcome_kind kind =
           default_classifier{}(r.status(), operation{.effect = effect::write, .idempotent = true});
+      // A handler cut short (work() stopping, the lease lost) says nothing
+      // about the job: however it reports that, the job is tried again.
+      const bool cut_short = work_stop.stop_requested();
       const job_failure f{.code = r.status().code(),
                           .message = detail::to_std(r.status().message()),
-                          .permanent = kind == outcome_kind::permanent,
+                          .permanent = kind == outcome_kind::permanent && !cut_short,
                           .retry_after = retry_delay(job.attempt, r.status())};
       absl::StatusOr<job_state> next;
       written = repeat_write([&] {
@@ -599,9 +606,9 @@ class job_queue {
 
   // The wait before the attempt after `attempt` failed with `why`.
   [[nodiscard]] duration retry_delay(int attempt, const absl::Status& why) const {
-    if (std::optional<duration> hint = retry_after(why)) return std::min(*hint, options_.retry_backoff_cap);
     duration d = options_.retry_backoff;
     for (int i = 1; i < attempt && d < options_.retry_backoff_cap; ++i) d *= 2;
+    if (std::optional<duration> hint = retry_after(why)) d = std::max(d, *hint);
     return std::min(d, options_.retry_backoff_cap);
   }
 
