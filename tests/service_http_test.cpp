@@ -229,6 +229,13 @@ TEST_CASE("load on loopback: normal, slowdown, outage, recovery, with a batch fl
   CHECK(core.effects().duplicated_keys("feedback").value() == 0);
 
   // Every accepted batch job was done, once, and its report delivered once.
+  for (const auto& [key, ids] : jobs_by_key) {
+    const std::optional<keel::job_info> info = core.queue().get(*ids.begin()).value();
+    REQUIRE(info.has_value());
+    INFO("job " << info->id << " (" << key.second << "): " << keel::to_string(info->state) << " after "
+                << info->attempts << " attempts; last error: " << info->error_message);
+    CHECK(info->state == keel::job_state::done);
+  }
   CHECK(jobs.queued + jobs.running == 0);
   CHECK(jobs.failed == 0);
   CHECK(jobs.done == static_cast<std::int64_t>(jobs_by_key.size()));
@@ -326,6 +333,9 @@ TEST_CASE("operator controls: force the breaker, shed a class, switch the provid
   temp_dir dir;
   gateway::gateway_options o = keel_service::options(dir.path());
   o.batch_workers = 0;
+  // A fast provider: its answers (valid or not) come far inside every
+  // timeout, however loaded the machine, so each reply says what the fault did.
+  o.provider.median_latency = 5ms;
   auto svc = start(o);
   client c(svc->port());
   auto& core = svc->core();
@@ -386,11 +396,13 @@ TEST_CASE("operator controls: force the breaker, shed a class, switch the provid
   SECTION("faults switched at run time: invalid output and rate limits end in honest degraded answers") {
     REQUIRE(c.post("/admin/fault", R"({"kind":"invalid_output"})").status == 200);
     const http_result invalid = c.post_key("/v1/feedback", feedback("acme"), next_key());
+    INFO(invalid.text);
     CHECK(invalid.body["degraded"] == true);
     CHECK(invalid.body["note"].get<std::string>().find("broke the contract") != std::string::npos);
     // A 429 asking for longer than the model stage has: not waited for.
     REQUIRE(c.post("/admin/fault", R"({"kind":"rate_limit","retry_after_ms":5000})").status == 200);
     const http_result limited = c.post_key("/v1/feedback", feedback("acme"), next_key());
+    INFO(limited.text);
     CHECK(limited.body["degraded"] == true);
     CHECK(limited.body["note"].get<std::string>().find("429") != std::string::npos);
     CHECK(limited.body["attempts"] == 2);  // the rubric read and one model attempt

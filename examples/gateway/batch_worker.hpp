@@ -12,10 +12,14 @@
 //     takeover after a delivery the dead worker made is absorbed;
 //   - the queue refuses the dead worker's late completion (fenced write).
 //
-// Batch work waits out an outage instead of degrading: while the provider's
-// breaker is open a worker does not claim (nothing would succeed), and a job
-// whose attempt fails goes back to the queue with the breaker's or the
-// provider's retry-after hint as its delay.
+// Batch work waits out an outage instead of degrading: a worker takes the
+// provider's breaker's permission before it claims (a claim spends one of
+// the job's attempts), so while the breaker is open nothing is claimed and
+// while it is half-open only its few probes are; the breaker counts each
+// job attempt once, by its outcome, and an attempt gate stops the attempt's
+// retries as soon as the breaker opens. A job whose attempt fails goes back
+// to the queue with the provider's retry-after hint (or the backoff) as its
+// delay.
 //
 // Each running job holds a slot of the bulkhead's batch class, so batch work
 // can never take more than its 8 slots of the provider, however long the
@@ -28,8 +32,8 @@
 //   ...
 //   workers.stop();   // asks every worker to stop and joins them
 //
-// Thread-safety: start() and stop() from one controlling thread; run_job()
-// and run_once() from any thread.
+// Thread-safety: start() and stop() from one controlling thread; run_once()
+// from any thread.
 #pragma once
 
 #include <atomic>
@@ -132,18 +136,23 @@ class batch_worker {
   // Jobs this object's workers ran to a written outcome.
   [[nodiscard]] std::int64_t ran() const noexcept { return ran_.load(std::memory_order_relaxed); }
 
-  // One pass: wait for a batch slot, skip while the provider's breaker is
-  // open, claim and run one job. nullopt when nothing ran.
+  // One pass: wait for a batch slot, take the provider's breaker's
+  // permission, claim and run one job. nullopt when nothing ran.
   std::optional<keel::job_outcome> run_once(std::stop_token stop) {
     const keel::time_point now = r_.clock.now();
     absl::StatusOr<keel::bulkhead_permit> slot =
         r_.pools.acquire(r_.batch_class, r_.clock, now, keel::deadline::after(now, r_.options.batch_queue_age), stop);
     if (!slot.ok()) return std::nullopt;
-    const keel::breaker_state b = breaker().state();
-    if (b == keel::breaker_state::open || b == keel::breaker_state::forced_open) return std::nullopt;
+    // The breaker's permission comes before the claim, because a claim
+    // spends one of the job's attempts: open, no claim (nothing would
+    // succeed); half-open, this worker is one of the few probes or does not
+    // claim; closed, it costs nothing. Unused (nothing to claim), a probe
+    // slot goes back when the permit is dropped.
+    keel::breaker_permit permit = breaker().try_acquire(r_.clock.now());
+    if (!permit) return std::nullopt;
     const keel::time_point t0 = r_.clock.now();
     absl::StatusOr<std::optional<keel::job_outcome>> r =
-        r_.queue.run_one([this](const keel::job_context& job) { return run_job(job); }, stop);
+        r_.queue.run_one([&](const keel::job_context& job) { return run_job(job, permit); }, stop);
     if (!r.ok() || !r->has_value()) return std::nullopt;
     ran_.fetch_add(1, std::memory_order_relaxed);
     const keel::job_outcome& out = **r;
@@ -156,8 +165,15 @@ class batch_worker {
     return out;
   }
 
-  // The handler: one attempt at a job's report.
-  absl::StatusOr<std::string> run_job(const keel::job_context& job) {
+  [[nodiscard]] keel::circuit_breaker& breaker() {
+    return r_.breakers.breaker_for(keel::failure_domain{.endpoint = r_.provider.name()});
+  }
+
+ private:
+  // The handler: one attempt at a job's report. The breaker counts the
+  // attempt once, by its outcome (the permit); inside, the attempt gate
+  // stops retries as soon as the breaker opens.
+  absl::StatusOr<std::string> run_job(const keel::job_context& job, keel::breaker_permit& permit) {
     const keel::time_point t0 = r_.clock.now();
     const nlohmann::json payload = nlohmann::json::parse(job.payload, nullptr, false);
     if (payload.is_discarded() || !payload.is_object() || !payload.contains("model") ||
@@ -180,10 +196,11 @@ class batch_worker {
                                             .budget = &r_.budget,
                                             .min_attempt_time = r_.timeout.options().lower},
                                            r_.options.backoff),
-                               r_.breakers, r_.timeout)
+                               breaker().attempt_gate(), r_.timeout)
                     .on(r_.clock)
                     .observe(r_.listener);
     if (r_.on_progress) r_.on_progress("start", job.id);
+    const keel::time_point asked = r_.clock.now();
     absl::StatusOr<std::string> raw =
         pipe.run(call, [&](const keel::attempt& a) -> absl::StatusOr<std::string> {
           absl::StatusOr<std::string> out = r_.provider.complete(a, prompt);
@@ -195,6 +212,14 @@ class batch_worker {
           }
           return out;
         });
+    const keel::time_point answered = r_.clock.now();
+    if (raw.ok()) {
+      permit.record(keel::outcome_kind::success, answered, answered - asked);
+    } else if (keel::not_started(raw.status())) {
+      permit.ignore();  // nothing reached the provider
+    } else {
+      permit.record(keel::default_classifier{}(raw.status(), call.operation()), answered, answered - asked);
+    }
     if (job.stop.stop_requested()) {
       // Stopped or the lease was lost: back to the queue, not a failure of the job.
       return keel::with_outcome(absl::UnavailableError("batch worker stopping; the job goes back to the queue"),
@@ -231,11 +256,6 @@ class batch_worker {
     return std::move(delivered->report);
   }
 
-  [[nodiscard]] keel::circuit_breaker& breaker() {
-    return r_.breakers.breaker_for(keel::failure_domain{.endpoint = r_.provider.name()});
-  }
-
- private:
   void loop(std::stop_token stop) {
     while (!stop.stop_requested()) {
       if (run_once(stop)) continue;

@@ -36,7 +36,8 @@
 //
 //   gateway::gateway_options o;
 //   o.data_dir = dir;
-//   auto core = gateway::gateway_core<>::open(o);            // StatusOr<unique_ptr>
+//   auto core = gateway::gateway_core<keel::real_clock, keel::sqlite_job_store<>>::open(
+//       o, [](const std::string& path) { return keel::sqlite_job_store<>::open(path); });
 //   gateway::reply r = (*core)->feedback(body, "key-1");     // {"score":..., "degraded":false, ...}
 //
 // Thread-safety: every endpoint may be called from any number of threads at
@@ -390,8 +391,9 @@ class gateway_core {
                                      .field("model", rq.model)
                                      .finish();
     absl::StatusOr<keel::once_result> r =
-        once_.run(call, id, request, [&](const keel::claim_context& claim) -> absl::StatusOr<keel::decision> {
-          return decide(call, claim, rq, tenant, model, admit_by, p);
+        // The claim's deadline is the call's: the record's lease outlasts the request.
+        once_.run(call, id, request, [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
+          return decide(call, rq, tenant, model, admit_by, p);
         });
     const keel::time_point done = clock_.now();
 
@@ -460,8 +462,7 @@ class gateway_core {
     absl::StatusOr<keel::job_submission> s = queue_.submit(rq.tenant, rq.key, rq.payload);
     if (!s.ok()) {
       if (keel::is_job_queue_full(s.status())) return rejected(work_class::batch, "job_queue", s.status(), t0);
-      if (keel::is_conflict(s.status())) return answered("batch", detail::error_reply(s.status()));
-      return answered("batch", detail::error_reply(s.status()));
+      return answered("batch", detail::error_reply(s.status()));  // 409 for a key reused with another body
     }
     detail::json out = {{"job_id", s->id},
                         {"state", std::string(keel::to_string(s->state))},
@@ -902,11 +903,9 @@ class gateway_core {
   }
 
   // Inside keel::once, when this request owns the record: the stages after admission.
-  absl::StatusOr<keel::decision> decide(keel::call& call, const keel::claim_context& claim,
-                                        const feedback_request& rq, const tenant_config& tenant, model_state& model,
-                                        keel::deadline admit_by, progress& p) {
+  absl::StatusOr<keel::decision> decide(keel::call& call, const feedback_request& rq, const tenant_config& tenant,
+                                        model_state& model, keel::deadline admit_by, progress& p) {
     const deadline_plan& plan = options_.interactive;
-    (void)claim;
     // Still the admit stage: a slot of the interactive bulkhead, waiting at
     // most until the stage ends.
     absl::StatusOr<keel::bulkhead_permit> slot =

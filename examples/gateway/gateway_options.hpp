@@ -147,7 +147,9 @@ struct gateway_options {
   // The batch queue and its workers.
   std::int64_t batch_max_depth = 200;
   keel::duration batch_max_age = 10min;
-  int batch_max_job_attempts = 5;
+  // With the backoff below, 8 attempts span about 22 s: longer than an
+  // outage the breaker rides out, short enough to fail a poisoned job soon.
+  int batch_max_job_attempts = 8;
   keel::duration batch_job_deadline = 10s;  // one attempt at a report
   keel::duration batch_lease = 5s;
   keel::duration batch_poll = 100ms;

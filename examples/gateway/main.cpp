@@ -196,11 +196,11 @@ int main(int argc, char** argv) {
   service.stop();
 
   std::printf("\n%-9s %-11s %5s %5s %5s %5s %5s %7s %7s %8s  %s\n", "phase", "class", "reqs", "ok", "degr", "rej",
-              "fail", "p50 ms", "p99 ms", "rej max", "error budget left since start");
+              "fail", "p50 ms", "p99 ms", "rej max", "error budget left (bad requests the SLO allows, since start)");
   auto budget = [](const char* what, const keel::slo_report& r) {
     const keel::error_budget& b = r.availability;
-    return gateway::cat(what, " ", static_cast<int>(std::max(-999.0, 100 * b.remaining_ratio())), "% (", b.bad, " of ",
-                        b.allowed, " spent)");
+    if (b.remaining >= 0) return gateway::cat(what, " ", b.remaining, " of ", b.allowed, " left");
+    return gateway::cat(what, " 0 of ", b.allowed, " left (", -b.remaining, " over)");
   };
   for (std::size_t p = 0; p < reports.size(); ++p) {
     const gateway::phase_report& r = reports[p];
@@ -211,7 +211,8 @@ int main(int argc, char** argv) {
                   static_cast<long long>(c.failed), ms(c.p50), ms(c.p99), ms(c.rejection_max), b.c_str());
     };
     row(r.name.c_str(), "interactive", r.interactive,
-        budget("availability", ends[p].interactive) + ", " + budget("full answers", ends[p].full_answers));
+        budget("availability", ends[p].interactive) + "; full answers" +
+            budget("", ends[p].full_answers));
     row("", "batch", r.batch, budget("reports", ends[p].batch));
     const std::int64_t done_before = p == 0 ? 0 : ends[p - 1].jobs.done;
     std::printf("%-9s %-11s jobs done %lld, waiting %lld, running %lld", "", "",
