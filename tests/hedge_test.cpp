@@ -13,9 +13,12 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "keel/backoff.hpp"
 #include "keel/call.hpp"
 #include "keel/executor.hpp"
 #include "keel/pipeline.hpp"
+#include "keel/retry.hpp"
 #include "keel/retry_budget.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_provider.hpp"
@@ -321,6 +324,78 @@ TEST_CASE("the retry budget stops hedges", "[hedge][budget]") {
   CHECK(events.snapshot() == std::vector<std::string>{"started 1", "winner 1, outstanding 1", "skipped budget"});
 }
 
+TEST_CASE("retries and hedges spend one retry budget: retries that drained it stop the hedge",
+          "[hedge][budget][retry]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  // No ratio, and a floor of exactly two retries in the window.
+  keel::retry_budget shared({.ratio = 0.0, .min_per_second = 0.2, .window = 10s});
+  keel::retry_budget elsewhere({.ratio = 0.0, .min_per_second = 0.2, .window = 10s});
+  event_log events;
+  keel::hedge hedger({.delay = 100ms, .budget = &shared}, pool, clock);
+  // The primary's first two tries fail after 10 ms each and are retried
+  // without a wait; its third is slow (300 ms). A hedge answers in 10 ms.
+  provider_t primary(clock, {kt::unavailable(10ms), kt::unavailable(10ms), kt::answer(1, 300ms)}, sleep_mode);
+  provider_t backup(clock, {kt::answer(2, 10ms)}, sleep_mode);
+  auto both = keel::alternates(std::ref(primary), std::ref(backup));
+  keel::call call(clock.now(), {.timeout = 1s, .max_attempts = 5});  // the attempt cap is not what stops it
+  const keel::time_point t0 = clock.now();
+
+  // Hedge outside, retry inside: each attempt of the race is a retry loop,
+  // so the primary's retries happen before the hedge is due.
+  auto retry_until_the_hedge_is_due = [&] {
+    clock.await_sleepers(2);  // the primary's first try, and the timer waiting for the hedge delay
+    clock.advance(10ms);
+    REQUIRE(eventually([&] { return primary.calls() == 2; }));
+    clock.await_sleepers(2);
+    clock.advance(10ms);
+    REQUIRE(eventually([&] { return primary.calls() == 3; }));
+    clock.await_sleepers(2);  // the slow third try, and the timer
+    clock.advance(80ms);      // 100 ms: the hedge is due
+  };
+  constexpr keel::constant_backoff at_once{.delay_each = keel::duration::zero()};
+
+  SECTION("the retries spent the shared budget: the hedge is skipped for the budget") {
+    keel::retry retrier({.max_attempts = 3, .budget = &shared}, at_once);
+    auto pipe = keel::pipeline(hedger, retrier).on(clock).observe(recorder{&events});
+    async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, both); });
+    retry_until_the_hedge_is_due();
+    // Decided either way (not REQUIRE'd: a started hedge must fail the checks
+    // below, not leave the call waiting on the clock).
+    REQUIRE(eventually([&] {
+      const keel::hedge_figures f = hedger.figures();
+      return f.hedges_started + f.skipped_budget + f.skipped_executor + f.skipped_other == 1;
+    }));
+    CHECK(hedger.figures().skipped_budget == 1);
+    CHECK(shared.read(clock.now()).retries == 2);  // both spent by the retries; none by the hedge
+    clock.advance(220ms);
+    CHECK(run.get().value() == 1);  // the slow primary's answer, at 320 ms
+    CHECK(clock.now() - t0 == ms(320));
+    CHECK(backup.calls() == 0);
+    const keel::hedge_figures f = hedger.figures();
+    CHECK(f.hedges_started == 0);
+    CHECK(f.skipped_other == 0);
+    CHECK(events.snapshot() == std::vector<std::string>{"skipped budget"});
+  }
+
+  SECTION("control: retries spending another budget leave room, and the same hedge starts") {
+    keel::retry retrier({.max_attempts = 3, .budget = &elsewhere}, at_once);
+    auto pipe = keel::pipeline(hedger, retrier).on(clock).observe(recorder{&events});
+    async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, both); });
+    retry_until_the_hedge_is_due();
+    REQUIRE(eventually([&] { return backup.calls() == 1; }));
+    clock.await_sleepers(2);  // the primary's third try and the hedge
+    clock.advance(10ms);
+    CHECK(run.get().value() == 2);  // the hedge's answer, at 110 ms
+    CHECK(elsewhere.read(clock.now()).retries == 2);
+    CHECK(shared.read(clock.now()).retries == 1);  // the hedge's
+    CHECK(hedger.figures().hedges_started == 1);
+    CHECK(hedger.figures().skipped_budget == 0);
+    CHECK(events.snapshot() == std::vector<std::string>{"started 1", "winner 1, outstanding 1"});
+  }
+  CHECK(call.record().retries == 2);
+}
+
 TEST_CASE("a consequential write without an idempotency identity is never hedged", "[hedge][write]") {
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
@@ -589,47 +664,75 @@ TEST_CASE("hedged calls race correctly under contention", "[hedge][stress]") {
   std::atomic<int> invocations{0};
   constexpr int threads = 4;
   constexpr int per_thread = 60;
+  // Every answer names its call and its attempt: call * 4 + attempt.hedge.
+  constexpr int attempt_slots = 4;
   std::vector<int> ok(threads, 0);
-  std::vector<int> correct(threads, 0);
+  std::vector<int> hedge_wins(threads, 0);
   std::vector<int> attempts(threads, 0);
+  std::vector<std::vector<std::string>> wrong(threads);
   {
     std::vector<std::thread> callers;
     for (int t = 0; t < threads; ++t) {
       callers.emplace_back([&, t] {
+        const auto ti = static_cast<std::size_t>(t);
         std::minstd_rand rng(static_cast<unsigned>(t + 1));
         for (int i = 0; i < per_thread; ++i) {
+          const int id = t * per_thread + i;
           keel::call call(keel::real_clock{}.now(), {.timeout = 5s});
+          // One call in four has a primary that never answers on its own (it
+          // waits for its stop token): a hedge must win those. The others
+          // take up to 3 ms, so either side may win.
+          const bool primary_stalls = rng() % 4 == 0;
           const int latency_us = static_cast<int>(rng() % 3000);
+          std::atomic<unsigned> answered{0};  // bit k: attempt k returned its answer
+          std::atomic<bool> primary_stopped{false};
           const absl::StatusOr<int> r = pipe.run(call, [&](const keel::attempt& a) -> absl::StatusOr<int> {
             ++invocations;
-            // Attempts after the first answer fast; the first may be slow.
-            const auto wait = a.hedge == 0 ? std::chrono::microseconds(latency_us) : std::chrono::microseconds(200);
-            if (!keel::real_clock{}.sleep_until(keel::real_clock{}.now() + wait, a.stop)) {
+            // Hedges answer fast; the primary may be slow, or stall until its deadline.
+            const keel::time_point now = keel::real_clock{}.now();
+            const keel::time_point until = a.hedge > 0      ? now + std::chrono::microseconds(200)
+                                           : primary_stalls ? a.deadline.when()
+                                                            : now + std::chrono::microseconds(latency_us);
+            if (!keel::real_clock{}.sleep_until(until, a.stop)) {
+              if (a.hedge == 0) primary_stopped = true;
               return absl::CancelledError("lost the race");
             }
-            return 1000 + a.hedge;
+            if (a.hedge == 0 && primary_stalls) return absl::DeadlineExceededError("stalled primary ran out");
+            answered.fetch_or(1u << a.hedge);
+            return id * attempt_slots + a.hedge;
           });
-          attempts[static_cast<std::size_t>(t)] += call.record().attempts;
-          if (r.ok()) {
-            ++ok[static_cast<std::size_t>(t)];
-            if (*r >= 1000 && *r <= 1002) ++correct[static_cast<std::size_t>(t)];
+          attempts[ti] += call.record().attempts;
+          if (!r.ok()) {
+            wrong[ti].push_back(absl::StrCat("call ", id, ": ", r.status().ToString()));
+            continue;
           }
+          ++ok[ti];
+          const int winner = *r % attempt_slots;
+          if (*r / attempt_slots != id) wrong[ti].push_back(absl::StrCat("call ", id, ": another call's answer ", *r));
+          if (((answered.load() >> winner) & 1u) == 0)
+            wrong[ti].push_back(absl::StrCat("call ", id, ": attempt ", winner, " won but never answered"));
+          if (primary_stalls && (winner == 0 || !primary_stopped.load()))
+            wrong[ti].push_back(absl::StrCat("call ", id, ": the stalled primary was not beaten and stopped"));
+          if (winner > 0) ++hedge_wins[ti];
         }
       });
     }
     for (std::thread& c : callers) c.join();
   }
   int total_ok = 0;
-  int total_correct = 0;
+  int total_hedge_wins = 0;
   int total_attempts = 0;
   for (int t = 0; t < threads; ++t) {
-    total_ok += ok[static_cast<std::size_t>(t)];
-    total_correct += correct[static_cast<std::size_t>(t)];
-    total_attempts += attempts[static_cast<std::size_t>(t)];
+    const auto ti = static_cast<std::size_t>(t);
+    total_ok += ok[ti];
+    total_hedge_wins += hedge_wins[ti];
+    total_attempts += attempts[ti];
+    for (const std::string& w : wrong[ti]) FAIL_CHECK(w);
   }
   const keel::hedge_figures f = hedger.figures();
   CHECK(total_ok == threads * per_thread);
-  CHECK(total_correct == threads * per_thread);
+  CHECK(f.hedge_wins == total_hedge_wins);  // the figures agree with the answers callers got
+  CHECK(total_hedge_wins > 0);              // at least the stalled primaries lost
   CHECK(f.calls == threads * per_thread);
   CHECK(f.outstanding == 0);
   CHECK(f.hedges_started > 0);
