@@ -6,12 +6,14 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -602,9 +604,34 @@ TEST_CASE("concurrent fan-outs on one pool and store stay consistent", "[fan_out
     CHECK(ok[static_cast<std::size_t>(t)] == rounds);
     CHECK(consistent[static_cast<std::size_t>(t)] == rounds);
   }
-  // Every stored value is the one valid answer for its unit.
+  // Every stored value is the one valid answer for its unit: "score:<index>"
+  // for units 0-4, nothing for unit 5 (its answer fails validation), and each
+  // key holds the answer of the one save that created it.
   const keel::fan_out_figures f = panel.figures();
   CHECK(f.save_errors == 0);
+  std::set<std::string> seen;  // shared keys are looked at once
+  std::vector<std::string> wrong;
+  for (int t = 0; t < callers; ++t) {
+    for (int round = 0; round < rounds; ++round) {
+      int kept = 0;
+      for (int u = 0; u < 6; ++u) {
+        const std::string model = absl::StrCat("m", u);
+        const std::string facts = u % 2 == 0 ? absl::StrCat("shared-", round) : absl::StrCat("own-", t, "-", round);
+        const std::string key = panel.key_of({.name = model, .key = unit_key(facts, model, "r")});
+        const absl::StatusOr<std::optional<std::string>> value = store.load_result(key);
+        REQUIRE(value.ok());
+        if (!value->has_value()) continue;  // cancelled once the quorum was met: never saved
+        ++kept;
+        seen.insert(key);
+        if (u == 5 || **value != absl::StrCat("score:", u)) {
+          wrong.push_back(absl::StrCat(facts, "/", model, ": ", **value));
+        }
+      }
+      if (kept < 3) wrong.push_back(absl::StrCat("caller ", t, " round ", round, ": only ", kept, " results stored"));
+    }
+  }
+  CHECK(wrong.empty());
+  CHECK(static_cast<std::int64_t>(seen.size()) == f.saved);  // no key holds a result no save created
   CHECK(worker_calls.load() <= f.started);  // a unit cancelled before it ran never calls the worker
   CHECK(f.started + f.cached >= callers * rounds * 3);
 }
