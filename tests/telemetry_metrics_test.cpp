@@ -5,7 +5,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -21,6 +24,7 @@
 #include "keel/fan_out.hpp"
 #include "keel/hedge.hpp"
 #include "keel/idempotency.hpp"
+#include "keel/job_queue.hpp"
 #include "keel/lease.hpp"
 #include "keel/metrics.hpp"
 #include "keel/pipeline.hpp"
@@ -489,4 +493,124 @@ TEST_CASE("admission and bulkhead rejections are counted with the limit that ref
   CHECK(value(s, "keel_bulkhead_rejections_total", {"batch", "queue_full"}) == 1);
   CHECK(value(s, "keel_bulkhead_rejections_total", {"reports", "unknown_class"}) == 1);
   CHECK(keel::to_prometheus_text(s).ok());
+}
+
+namespace {
+
+// A job store that always has a job to claim and answers each fenced write as
+// the test says: enough to drive a real keel::job_queue through every event.
+struct scripted_job_store {
+  bool full = false;                                   // submit() refuses: the queue is full
+  absl::Status complete_answer = absl::OkStatus();     // what complete() answers
+  keel::job_state fail_answer = keel::job_state::queued;  // where fail() sends the job
+  std::int64_t next_id = 0;
+  int claims = 0;
+
+  absl::StatusOr<keel::job_submission> submit(const keel::job_key& k, const keel::digest&, std::string_view,
+                                              const keel::job_limits& limits) {
+    if (full) return keel::job_queue_full_error(k.queue, limits.max_depth, limits.max_depth, 1s);
+    return keel::job_submission{.id = ++next_id, .created = true};
+  }
+  absl::StatusOr<std::optional<keel::job_claim>> claim(std::string_view, const keel::owner_id& owner,
+                                                       keel::duration lease) {
+    ++claims;
+    return std::optional<keel::job_claim>(keel::job_claim{.id = claims,
+                                                          .tenant = "acme",
+                                                          .key = "k",
+                                                          .ownership = {.owner = owner, .fence = claims},
+                                                          .attempt = 1,
+                                                          .max_attempts = 3,
+                                                          .lease = lease});
+  }
+  absl::Status renew(std::int64_t, const keel::ownership&, keel::duration) { return absl::OkStatus(); }
+  absl::Status complete(std::int64_t, const keel::ownership&, std::string_view) { return complete_answer; }
+  absl::StatusOr<keel::job_state> fail(std::int64_t, const keel::ownership&, const keel::job_failure&) {
+    return fail_answer;
+  }
+  absl::StatusOr<std::optional<keel::job_info>> get(std::int64_t) { return std::optional<keel::job_info>(); }
+  absl::StatusOr<std::optional<keel::job_info>> find(const keel::job_key&) {
+    return std::optional<keel::job_info>();
+  }
+  absl::StatusOr<keel::job_counts> counts(std::string_view) { return keel::job_counts{}; }
+  absl::StatusOr<std::int64_t> purge_finished(std::string_view, keel::duration) { return std::int64_t{0}; }
+};
+static_assert(keel::job_store<scripted_job_store>);
+
+}  // namespace
+
+TEST_CASE("job attempts are counted by queue and where the job went; full-queue rejections by queue",
+          "[telemetry][jobs]") {
+  manual_clock clock;
+  keel::metrics_registry registry;
+  const keel::metrics_listener listener(registry);
+
+  SECTION("a job queue's own events, through a real keel::job_queue") {
+    scripted_job_store store;
+    keel::job_queue reports(store, {.queue = "reports"}, clock, listener);
+    auto ok = [](const keel::job_context&) -> absl::StatusOr<std::string> { return std::string("report"); };
+    auto down = [](const keel::job_context&) -> absl::StatusOr<std::string> {
+      return absl::UnavailableError("upstream down");
+    };
+    auto bad = [](const keel::job_context&) -> absl::StatusOr<std::string> {
+      return absl::InvalidArgumentError("no such report");
+    };
+
+    REQUIRE(reports.submit("acme", "a", "{}").ok());
+    store.full = true;
+    CHECK(keel::is_job_queue_full(reports.submit("acme", "b", "{}").status()));
+    CHECK(keel::is_job_queue_full(reports.submit("acme", "c", "{}").status()));
+
+    for (int i = 0; i < 3; ++i) CHECK(reports.run_one(ok).value()->state == keel::job_state::done);
+    CHECK(reports.run_one(down).value()->state == keel::job_state::queued);  // tried again later
+    store.fail_answer = keel::job_state::failed;
+    CHECK(reports.run_one(bad).value()->state == keel::job_state::failed);
+    store.complete_answer = keel::lost_ownership_error("job taken over by another worker");
+    CHECK(reports.run_one(ok).value()->lost);
+
+    const auto s = registry.snapshot();
+    CHECK(value(s, "keel_job_attempts_total", {"reports", "done"}) == 3);
+    CHECK(value(s, "keel_job_attempts_total", {"reports", "requeued"}) == 1);
+    CHECK(value(s, "keel_job_attempts_total", {"reports", "failed"}) == 1);
+    CHECK(value(s, "keel_job_attempts_total", {"reports", "lost"}) == 1);
+    CHECK(value(s, "keel_job_rejections_total", {"reports"}) == 2);
+    const absl::StatusOr<std::string> text = keel::to_prometheus_text(s);
+    REQUIRE(text.ok());
+    CHECK(contains(*text, "# TYPE keel_job_attempts_total counter\n"));
+    CHECK(contains(*text, "keel_job_attempts_total{queue=\"reports\",result=\"done\"} 3\n"));
+    CHECK(contains(*text, "keel_job_attempts_total{queue=\"reports\",result=\"requeued\"} 1\n"));
+    CHECK(contains(*text, "keel_job_attempts_total{queue=\"reports\",result=\"failed\"} 1\n"));
+    CHECK(contains(*text, "keel_job_attempts_total{queue=\"reports\",result=\"lost\"} 1\n"));
+    CHECK(contains(*text, "# TYPE keel_job_rejections_total counter\n"));
+    CHECK(contains(*text, "keel_job_rejections_total{queue=\"reports\"} 2\n"));
+  }
+
+  SECTION("events fed directly, queues kept apart and capped like other names") {
+    const keel::metrics_listener capped(registry, {.max_series = 1});  // the same families, capped at one series
+    const absl::Status full = keel::job_queue_full_error("exports", 10, 10, 1s);
+    const absl::Status taken = keel::lost_ownership_error("taken over");
+    keel::observe(listener, keel::events::job_finished{"exports", 1, 1, keel::job_state::queued});
+    keel::observe(listener, keel::events::job_finished{"exports", 1, 2, keel::job_state::done});
+    keel::observe(listener, keel::events::job_finished{"imports", 2, 1, keel::job_state::failed});
+    keel::observe(listener, keel::events::job_lost{"imports", 3, taken});
+    keel::observe(listener, keel::events::job_rejected{"exports", full});
+    keel::observe(capped, keel::events::job_rejected{"exports", full});
+    keel::observe(capped, keel::events::job_rejected{"third", full});  // a second queue: past max_series
+
+    const auto s = registry.snapshot();
+    CHECK(value(s, "keel_job_attempts_total", {"exports", "requeued"}) == 1);
+    CHECK(value(s, "keel_job_attempts_total", {"exports", "done"}) == 1);
+    CHECK(value(s, "keel_job_attempts_total", {"exports", "failed"}) == -1);
+    CHECK(value(s, "keel_job_attempts_total", {"imports", "failed"}) == 1);
+    CHECK(value(s, "keel_job_attempts_total", {"imports", "lost"}) == 1);
+    CHECK(value(s, "keel_job_rejections_total", {"exports"}) == 2);
+    CHECK(value(s, "keel_job_rejections_total", {"third"}) == -1);
+    CHECK(value(s, "keel_job_rejections_total", {"_other"}) == 1);
+    const absl::StatusOr<std::string> text = keel::to_prometheus_text(s);
+    REQUIRE(text.ok());
+    CHECK(contains(*text, "keel_job_attempts_total{queue=\"imports\",result=\"lost\"} 1\n"));
+    CHECK(contains(*text, "keel_job_rejections_total{queue=\"_other\"} 1\n"));
+  }
+  STATIC_REQUIRE(keel::wants<keel::metrics_listener, keel::events::job_finished>);
+  STATIC_REQUIRE(keel::wants<keel::metrics_listener, keel::events::job_lost>);
+  STATIC_REQUIRE(keel::wants<keel::metrics_listener, keel::events::job_rejected>);
 }

@@ -7,10 +7,10 @@
 // resolves every series with fixed labels then: handling a retry, hedge,
 // lease or idempotency event is one or two relaxed atomic adds, with no
 // lookup, lock or allocation. Events labelled by a name (a tenant, a work
-// class, a breaker, a fallback path) find their series under the family's
-// mutex (a map lookup by string_view; it allocates only the first time a
-// name is seen). It is a handful of pointers, cheap to copy; copies count
-// into the same registry.
+// class, a breaker, a fallback path, a job queue) find their series under
+// the family's mutex (a map lookup by string_view; it allocates only the
+// first time a name is seen). It is a handful of pointers, cheap to copy;
+// copies count into the same registry.
 //
 // What it counts (names with the default prefix "keel_"):
 //
@@ -45,10 +45,17 @@
 //   durable state (keel/lease.hpp, keel/idempotency.hpp)
 //     keel_leases_lost_total                  lease keepers that gave up: the work was stopped
 //     keel_idempotency_begins_total{state}    claimed, in-flight, replay, conflict
+//   batch jobs (keel/job_queue.hpp; its lease keepers count in keel_leases_lost_total)
+//     keel_job_attempts_total{queue,result}   job attempts that ended, by where the job went:
+//                                             done, requeued (to be tried again), failed
+//                                             (for good), or lost (the worker's fenced write
+//                                             was refused: another worker holds the job)
+//     keel_job_rejections_total{queue}        submissions refused because the queue was full
 //
 // Labels taken from names the listener does not control (tenants, models,
-// work classes, breakers, paths, gates) are capped at `max_series` series per
-// family; past that, new names are counted under the value "_other".
+// work classes, breakers, paths, gates, job queues) are capped at
+// `max_series` series per family; past that, new names are counted under the
+// value "_other".
 //
 // Example:
 //
@@ -67,6 +74,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -80,6 +88,7 @@
 #include "keel/fan_out.hpp"
 #include "keel/hedge.hpp"
 #include "keel/idempotency.hpp"
+#include "keel/job_queue.hpp"
 #include "keel/lease.hpp"
 #include "keel/metrics.hpp"
 #include "keel/retry.hpp"
@@ -163,6 +172,12 @@ inline constexpr std::size_t begin_states = 4;
   return "unknown";
 }
 
+// Where a job went after an attempt (events::job_finished): a job queued
+// again is a retry.
+[[nodiscard]] constexpr std::string_view job_attempt_result(job_state s) noexcept {
+  return s == job_state::queued ? "requeued" : to_string(s);
+}
+
 inline constexpr std::string_view other_label = "_other";
 
 }  // namespace detail
@@ -242,6 +257,14 @@ class metrics_listener {
     for (std::size_t i = 0; i < detail::begin_states; ++i) {
       idempotency_begins_[i] = &begins.with({to_string(static_cast<begin_state>(i))});
     }
+
+    job_attempts_ = &registry.counter({.name = p + "job_attempts_total",
+                                       .help = "Job attempts that ended, by where the job went: done, requeued, "
+                                               "failed, or lost (the fenced write was refused).",
+                                       .labels = {"queue", "result"}});
+    job_rejections_ = &registry.counter({.name = p + "job_rejections_total",
+                                         .help = "Job submissions refused because the queue was full.",
+                                         .labels = {"queue"}});
   }
 
   // --- retries
@@ -304,6 +327,20 @@ class metrics_listener {
     if (i < detail::begin_states) idempotency_begins_[i]->inc();
   }
 
+  // --- batch jobs (looked up by queue name: the family's lock, no allocation once seen)
+  void operator()(const events::job_finished& e) const {
+    std::string_view labels[] = {e.queue, detail::job_attempt_result(e.state)};
+    named(*job_attempts_, labels, 0b01).inc();
+  }
+  void operator()(const events::job_lost& e) const {
+    std::string_view labels[] = {e.queue, "lost"};
+    named(*job_attempts_, labels, 0b01).inc();
+  }
+  void operator()(const events::job_rejected& e) const {
+    std::string_view labels[] = {e.queue};
+    named(*job_rejections_, labels, 0b1).inc();
+  }
+
  private:
   // The series for `labels`; the values whose bit is set in `named` are
   // names from outside, which become "_other" once the family is full.
@@ -331,6 +368,8 @@ class metrics_listener {
   counter_family* fallback_skips_ = nullptr;
   counter_metric* leases_lost_ = nullptr;
   std::array<counter_metric*, detail::begin_states> idempotency_begins_{};
+  counter_family* job_attempts_ = nullptr;
+  counter_family* job_rejections_ = nullptr;
 };
 
 namespace detail {
