@@ -35,7 +35,26 @@ using namespace std::chrono_literals;
 using keel_scaleout::backend;
 using keel_scaleout::child_env;
 
+// Sanitizer builds run this binary (and the children it re-executes) several
+// times slower, on 2-core machines that are often busy with other builds.
+// The wall-clock lower bounds on throughput and polling below are relaxed
+// there; the bounds that prove correctness (grants never above the limit, a
+// duplicate never waits for the holder's lease, no busy polling) are the
+// same in every build.
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+#define KEEL_SCALEOUT_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer) || __has_feature(address_sanitizer)
+#define KEEL_SCALEOUT_SANITIZED 1
+#endif
+#endif
+#ifndef KEEL_SCALEOUT_SANITIZED
+#define KEEL_SCALEOUT_SANITIZED 0
+#endif
+
 namespace {
+
+constexpr bool sanitized = KEEL_SCALEOUT_SANITIZED != 0;
 
 keel::request_identity identity_of(const std::string& key) { return {.tenant = "t-1", .endpoint = "decide", .key = key}; }
 keel::digest digest_of(const std::string& key) { return keel::digest_builder().field("request", key).finish(); }
@@ -350,9 +369,14 @@ TEST_CASE("K processes hammering one shared quota stay within it, measured over 
   const double allowed = burst + rate * (t1 - t0);
   INFO("granted " << grants << " in " << (t1 - t0) << " s on the server's clock; the limit allows " << allowed);
   CHECK(fallbacks == 0);
-  CHECK(static_cast<double>(grants) <= allowed);
-  // ... and the limit was used, not merely respected: the hammering kept it busy.
-  CHECK(static_cast<double>(grants) >= 0.8 * rate * (millis / 1000.0));
+  CHECK(static_cast<double>(grants) <= allowed);  // the safety bound: exact, in every build
+  // ... and the limit was used, not merely respected: the hammering kept it
+  // busy well past the burst. Only a sanity floor (how close a run comes to
+  // the rate depends on the machine's load and, under sanitizers, on their
+  // slowdown), so it is loose, and looser still under sanitizers.
+  const double at_least = (sanitized ? 0.25 : 0.5) * rate * (millis / 1000.0);
+  CHECK(at_least > burst);
+  CHECK(static_cast<double>(grants) >= at_least);
 }
 
 TEMPLATE_TEST_CASE("a duplicate waits for the holder by polling, never past its own deadline",
@@ -380,11 +404,21 @@ TEMPLATE_TEST_CASE("a duplicate waits for the holder by polling, never past its 
   CHECK(keel::is_in_flight(r.status()));
   CHECK(keel::not_started(r.status()));
   CHECK(calls == 0);                         // never a second provider call
-  CHECK(waited >= 250ms);                    // it did wait ...
-  CHECK(waited < 1s);                        // ... within its deadline, not the holder's 30 s lease
+  CHECK(waited >= 250ms);                    // it did wait (its 300 ms deadline; load only lengthens this) ...
+  // ... until its own deadline, not the holder's 30 s lease. The margin past
+  // the deadline (one last round trip and a wake-up) is wall-clock time on a
+  // possibly busy machine, so it is wide, and wider under sanitizers; both
+  // are far below the lease.
+  CHECK(waited < (sanitized ? 10s : 2s));
   const std::uint64_t polls = store->round_trips() - before;
-  CHECK(polls >= 3);                         // polled with backoff (5 ms doubling to 50 ms) ...
-  CHECK(polls <= 20);                        // ... not in a busy loop
+  // It polled with backoff (5 ms doubling to 50 ms) ... Under sanitizers on a
+  // busy machine a round trip can take most of the deadline: one poll after
+  // the first begin is enough there.
+  CHECK(polls >= (sanitized ? 2u : 3u));
+  // ... and not in a busy loop: each pause is drawn from [p/2, p], so 300 ms
+  // hold at most ~16 round trips however fast the store answers (a slow
+  // machine only makes fewer).
+  CHECK(polls <= 20);
   // Once the holder commits, a duplicate replays its decision.
   REQUIRE(store->commit(id, holder->ownership, keel::decision{.id = "dec-first", .result = "first"}, 1h).ok());
   keel::call again(keel::real_clock{}.now(), {.timeout = 1s});

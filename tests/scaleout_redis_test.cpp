@@ -7,7 +7,9 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <arpa/inet.h>
@@ -139,26 +141,83 @@ int paused_clients(raw_redis& admin) {
   return n;
 }
 
+// The ids of clients newer than `after` (ids grow with each connection)
+// whose script the server is holding back (CLIENT PAUSE): flags with 'b',
+// last command evalsha or eval. Other clients of the server are not counted.
+std::vector<std::string> postponed_scripts(raw_redis& admin, long long after) {
+  const std::string list = admin.run({"CLIENT", "LIST"});
+  auto field = [](std::string_view line, std::string_view name) {
+    const std::size_t p = line.find(name);
+    if (p == std::string_view::npos || (p > 0 && line[p - 1] != ' ')) return std::string_view();
+    const std::size_t from = p + name.size(), end = line.find(' ', from);
+    return line.substr(from, end == std::string_view::npos ? std::string_view::npos : end - from);
+  };
+  std::vector<std::string> ids;
+  std::string_view rest = list;
+  while (!rest.empty()) {
+    const std::size_t nl = rest.find('\n');
+    const std::string_view line = rest.substr(0, nl);
+    rest = nl == std::string_view::npos ? std::string_view() : rest.substr(nl + 1);
+    const std::string_view id = field(line, "id="), cmd = field(line, "cmd=");
+    if (id.empty() || std::stoll(std::string(id)) <= after) continue;
+    if (field(line, "flags=").find('b') == std::string_view::npos) continue;
+    if (cmd == "evalsha" || cmd == "eval") ids.emplace_back(id);
+  }
+  return ids;
+}
+
+// Holds writes on the whole server (CLIENT PAUSE ... WRITE) until destroyed,
+// so a failed assertion never leaves the server paused for the next test.
+class write_pause {
+ public:
+  explicit write_pause(raw_redis& admin) : admin_(admin) {
+    if (admin_.run({"CLIENT", "PAUSE", "20000", "WRITE"}) != "OK") throw std::runtime_error("CLIENT PAUSE failed");
+  }
+  ~write_pause() {
+    try {
+      end();
+    } catch (const std::exception&) {  // the server went away: nothing is paused
+    }
+  }
+  write_pause(const write_pause&) = delete;
+  write_pause& operator=(const write_pause&) = delete;
+  void end() {
+    if (std::exchange(paused_, false)) admin_.run({"CLIENT", "UNPAUSE"});
+  }
+
+ private:
+  raw_redis& admin_;
+  bool paused_ = true;
+};
+
 }  // namespace
 
-TEST_CASE("redis options are validated, naming the field", "[scaleout][redis]") {
+TEST_CASE("redis options are validated, naming the field and the rule", "[scaleout][redis]") {
   const std::pair<keel::redis_options, std::string> bad[] = {
-      {{.host = ""}, "redis_options.host"},
-      {{.port = 0}, "redis_options.port"},
-      {{.database = -1}, "redis_options.database"},
-      {{.key_prefix = "a{b"}, "redis_options.key_prefix"},
-      {{.key_prefix = std::string(129, 'p')}, "redis_options.key_prefix"},
-      {{.pool_size = 0}, "redis_options.pool_size"},
-      {{.command_timeout = 0ms}, "redis_options.command_timeout"},
-      {{.acquire_timeout = -1ms}, "redis_options.acquire_timeout"},
-      {{.forget_after = 10ms}, "redis_options.forget_after"},
+      {{.host = ""}, "redis_options.host must not be empty (got \"\")"},
+      {{.port = 0}, "redis_options.port must be in [1, 65535] (got 0)"},
+      {{.port = 65536}, "redis_options.port must be in [1, 65535] (got 65536)"},
+      {{.database = -1}, "redis_options.database must be >= 0 (got -1)"},
+      {{.key_prefix = "a{b"}, "redis_options.key_prefix must not contain '{' or '}' (got \"a{b\")"},
+      {{.key_prefix = "b}"}, "redis_options.key_prefix must not contain '{' or '}' (got \"b}\")"},
+      {{.key_prefix = std::string(129, 'p')}, "redis_options.key_prefix must be at most 128 bytes (got 129)"},
+      {{.pool_size = 0}, "redis_options.pool_size must be in [1, 1000] (got 0)"},
+      {{.pool_size = 1001}, "redis_options.pool_size must be in [1, 1000] (got 1001)"},
+      {{.connect_timeout = 2h}, "redis_options.connect_timeout must be in [1ms, 1h] (got 7200s)"},
+      {{.command_timeout = 0ms}, "redis_options.command_timeout must be in [1ms, 1h] (got 0s)"},
+      {{.acquire_timeout = -1ms}, "redis_options.acquire_timeout must be in [0, 1h] (got -1ms)"},
+      {{.forget_after = 10ms}, "redis_options.forget_after must be in [1s, 365 days] (got 10ms)"},
   };
-  for (const auto& [o, field] : bad) {
+  for (const auto& [o, message] : bad) {
     const absl::Status v = o.validate();
     CHECK(v.code() == absl::StatusCode::kInvalidArgument);
-    CHECK(std::string(v.message()).find(field) != std::string::npos);
-    CHECK(keel::redis_store::open(o).status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK(std::string(v.message()) == message);
+    CHECK(keel::redis_store::open(o).status() == v);  // refused before connecting, with the same status
   }
+  // The edges of each range are accepted.
+  CHECK(keel::redis_options{.host = "/run/redis.sock", .port = 0}.validate().ok());  // a Unix socket has no port
+  CHECK(keel::redis_options{.port = 65535, .key_prefix = std::string(128, 'p'), .pool_size = 1000}.validate().ok());
+  CHECK(keel::redis_options{.connect_timeout = 1ms, .command_timeout = 1h, .acquire_timeout = 0ms}.validate().ok());
 }
 
 TEST_CASE("redis: a server nobody listens on is unavailable and nothing started", "[scaleout][redis][faults]") {
@@ -250,6 +309,51 @@ TEST_CASE("redis: idle connections the server closed are replaced before use", "
   REQUIRE(l.ok());
   CHECK(l->value_or("") == "v");
   CHECK(s->round_trips() == before + 1);
+}
+
+TEST_CASE("redis: a commit whose connection drops is an unknown outcome, and repeating it settles it",
+          "[scaleout][redis][faults]") {
+  raw_redis admin;
+  // Every client that connects later gets a larger id: the store's are above this.
+  const long long admin_id = std::stoll(admin.run({"CLIENT", "ID"}));
+  keel::redis_options o = redis_options(keel_scaleout::fresh_name("drop"));
+  o.pool_size = 1;
+  o.command_timeout = 20s;  // the dropped connection, not the timeout, must end the commit
+  auto s = open_redis(o);
+  const keel::owner_id owner = keel::owner_id::random();
+  auto b = s->begin(receipt, receipt_a(), owner, bo);
+  REQUIRE(b.ok());
+  REQUIRE(b->state == keel::begin_state::claimed);
+  absl::Status commit;
+  std::jthread t;        // joined after the pause ends (declared first, destroyed last)
+  write_pause pause(admin);
+  t = std::jthread([&] { commit = s->commit(receipt, b->ownership, decided("dec-1"), 60s); });
+  // The commit's script has reached the server and is held there, unanswered.
+  std::vector<std::string> held;
+  REQUIRE(eventually([&] { return (held = postponed_scripts(admin, admin_id)).size() == 1; }));
+  REQUIRE(admin.run({"CLIENT", "KILL", "ID", held[0]}) == "1");
+  t.join();
+  pause.end();
+  INFO(commit.ToString());
+  CHECK(keel::is_unknown_outcome(commit));
+  CHECK(commit.code() == absl::StatusCode::kUnknown);
+  CHECK(std::string(commit.message()).find("commit: connection lost") != std::string::npos);
+  CHECK(keel::default_classifier{}(commit, {.effect = keel::effect::write}) == keel::outcome_kind::ambiguous);
+  // The truth: the killed client's script never ran; the record is still ours, in flight.
+  auto other = s->begin(receipt, receipt_a(), keel::owner_id::random(), bo);
+  REQUIRE(other.ok());
+  CHECK(other->state == keel::begin_state::in_flight);
+  CHECK(other->ownership.fence == b->ownership.fence);
+  // Repeating the commit with the same owner and fence settles it (rule 7), on a new connection ...
+  CHECK(s->commit(receipt, b->ownership, decided("dec-1"), 60s).ok());
+  CHECK(s->commit(receipt, b->ownership, decided("dec-1"), 60s).ok());  // ... and again: a repeat
+  CHECK(s->connections() == 1);
+  // ... and every later begin replays that decision.
+  auto r = s->begin(receipt, receipt_a(), keel::owner_id::random(), bo);
+  REQUIRE(r.ok());
+  CHECK(r->state == keel::begin_state::replay);
+  CHECK(r->decision == decided("dec-1"));
+  CHECK(r->ownership.fence == b->ownership.fence);
 }
 
 TEST_CASE("redis: past the command timeout a write is an unknown outcome and a read is transient",
