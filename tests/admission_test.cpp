@@ -10,10 +10,14 @@
 #include <thread>
 #include <vector>
 
+#include "keel/backoff.hpp"
+#include "keel/bulkhead.hpp"
 #include "keel/call.hpp"
+#include "keel/circuit_breaker.hpp"
 #include "keel/pipeline.hpp"
 #include "keel/detail/short_key.hpp"
 #include "keel/rate_limiter.hpp"
+#include "keel/retry.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "support/catch.hpp"
 
@@ -312,6 +316,84 @@ TEST_CASE("as a policy: refusal before the work, compute reconciled with what at
   keel::call replayed(clock.now(), {.labels = acme});
   replayed.mark_replayed();
   CHECK(replay_pipe.run(replayed, provider).ok());
+}
+
+TEST_CASE("a level further in that refuses before any work rolls admission back, rate tokens included",
+          "[admission][pipeline]") {
+  manual_clock clock;
+  keel::admission quotas({.tenant_defaults = {.rate = 2, .burst = 2, .max_in_flight = 4, .compute_budget = 1000},
+                          .model_defaults = {.rate = 5, .burst = 5, .max_in_flight = 4}});
+  const keel::labels acme{.tenant = "acme", .model = "m"};
+  auto tenant = [&] { return *quotas.tenant_usage("acme", clock.now()); };
+  auto model = [&] { return *quotas.model_usage("m", clock.now()); };
+  int ran = 0;
+  auto provider = [&](const keel::attempt& a) -> absl::Status {
+    ++ran;
+    a.charge(100);
+    return absl::UnavailableError("the model is down");
+  };
+
+  // An open breaker inside admission refuses five calls, more than the
+  // tenant's burst: none of them keeps a token, a slot or compute.
+  keel::circuit_breaker breaker({.name = "llm"});
+  breaker.force_open(clock.now());
+  auto guarded = keel::pipeline(quotas.with_estimate([](const keel::call&) { return 300; }), breaker).on(clock);
+  for (int i = 0; i < 5; ++i) {
+    keel::call c(clock.now(), {.labels = acme});
+    const absl::Status s = guarded.run(c, provider);
+    CHECK(refused_by(s) == "breaker:llm");  // never "tenant:acme:rate"
+    CHECK(keel::not_started(s));
+  }
+  CHECK(tenant().rate_available == 2.0);
+  CHECK(tenant().in_flight == 0);
+  CHECK(tenant().compute_available == 1000.0);
+  CHECK(model().rate_available == 5.0);
+  CHECK(model().in_flight == 0);
+
+  // A full bulkhead inside admission: the same.
+  keel::bulkhead pools({.classes = {{.name = "only", .capacity = 1}}});
+  keel::bulkhead_permit held = pools.try_acquire(0);
+  REQUIRE(held);
+  auto pooled = keel::pipeline(quotas, pools.for_class("only")).on(clock);
+  for (int i = 0; i < 3; ++i) {
+    keel::call c(clock.now(), {.labels = acme});
+    CHECK(refused_by(pooled.run(c, provider)) == "bulkhead:only");
+  }
+  CHECK(tenant().rate_available == 2.0);
+  CHECK(model().rate_available == 5.0);
+  CHECK(ran == 0);
+
+  // Work that ran keeps its token, even when a later attempt of the same
+  // call is refused: the breaker opens on attempt 1's failure and refuses
+  // attempt 2, so the call ends not started, but attempt 1 reached the model.
+  keel::circuit_breaker tripping({.name = "dep", .window_calls = 10, .minimum_calls = 1});
+  auto retried =
+      keel::pipeline(quotas, keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = keel::duration::zero()}),
+                     tripping)
+          .on(clock);
+  keel::call c(clock.now(), {.labels = acme});
+  const absl::Status s = retried.run(c, provider);
+  CHECK(refused_by(s) == "breaker:dep");
+  CHECK(keel::not_started(s));
+  CHECK(c.record().attempts == 1);
+  CHECK(ran == 1);
+  CHECK(tenant().rate_available == 1.0);
+  CHECK(model().rate_available == 4.0);
+  CHECK(tenant().in_flight == 0);
+
+  // Standalone: roll_back() after admit() undoes the whole admission.
+  absl::StatusOr<keel::admission_ticket> t = quotas.admit({.tenant = "acme", .model = "m", .estimate = 400}, clock.now());
+  REQUIRE(t.ok());
+  CHECK(tenant().compute_available == 600.0);
+  t->roll_back();
+  CHECK(!*t);
+  CHECK(tenant().rate_available == 1.0);
+  CHECK(tenant().in_flight == 0);
+  CHECK(tenant().compute_available == 1000.0);
+  CHECK(model().rate_available == 4.0);
+  CHECK(model().in_flight == 0);
+  t->roll_back();  // once
+  CHECK(tenant().rate_available == 1.0);
 }
 
 TEST_CASE("invalid quota options are refused with the field named", "[admission][options]") {

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "keel/admission.hpp"
+#include "keel/circuit_breaker.hpp"
 #include "keel/pipeline.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "scaleout_support.hpp"
@@ -62,16 +63,38 @@ int nobody_listens() {
 
 }  // namespace
 
-TEST_CASE("shared quota options are validated, naming the field", "[scaleout][quota]") {
+TEST_CASE("shared quota options are validated, naming the field and the rule", "[scaleout][quota]") {
   auto message = [](keel::shared_quota_options o) { return std::string(o.validate().message()); };
-  CHECK(message({.name = "", .fallback_rate = 1}).find("shared_quota_options.name") == 0);
-  CHECK(message({.name = "a\nb", .fallback_rate = 1}).find("shared_quota_options.name") == 0);
-  CHECK(message({.name = "p", .rate = 0, .fallback_rate = 1}).find("shared_quota_options.rate") == 0);
-  CHECK(message({.name = "p", .rate = 2e6, .fallback_rate = 1}).find("shared_quota_options.rate") == 0);
-  CHECK(message({.name = "p", .burst = 0.5, .fallback_rate = 1}).find("shared_quota_options.burst") == 0);
-  CHECK(message({.name = "p"}).find("shared_quota_options.fallback_rate") == 0);
-  CHECK(message({.name = "p", .fallback_rate = 1, .fallback_hold = -1s}).find("shared_quota_options.fallback_hold") == 0);
+  CHECK(message({.name = "", .fallback_rate = 1}) ==
+        "shared_quota_options.name must be 1-255 bytes without control characters (got shared quota name must not "
+        "be empty)");
+  CHECK(message({.name = "a\nb", .fallback_rate = 1}) ==
+        "shared_quota_options.name must be 1-255 bytes without control characters (got shared quota name must not "
+        "contain control characters (byte 0x0a at offset 1))");
+  CHECK(message({.name = "p", .per = 0s, .fallback_rate = 1}) == "shared_quota_options.per must be > 0 (got 0s)");
+  CHECK(message({.name = "p", .rate = 0, .fallback_rate = 1}) ==
+        "shared_quota_options.rate must be in (0, 1e6] units per second (got 0)");
+  CHECK(message({.name = "p", .rate = 2e6, .fallback_rate = 1}) ==
+        "shared_quota_options.rate must be in (0, 1e6] units per second (got 2e+06)");
+  CHECK(message({.name = "p", .rate = 120, .per = 1min, .fallback_rate = 1}).empty());  // 2 per second
+  CHECK(message({.name = "p", .burst = 0.5, .fallback_rate = 1}) ==
+        "shared_quota_options.burst must be a finite number >= 1 (got 0.5)");
+  CHECK(message({.name = "p"}) ==
+        "shared_quota_options.fallback_rate must be set (> 0): the local limit while Redis is unreachable (got 0)");
+  CHECK(message({.name = "p", .fallback_rate = 2e9}) ==
+        "shared_quota_options.fallback_rate must be at most 1e6 units per second (got 2e+09)");
+  CHECK(message({.name = "p", .fallback_rate = 1, .fallback_burst = 0}) ==
+        "shared_quota_options.fallback_burst must be a finite number >= 1 (got 0)");
+  CHECK(message({.name = "p", .fallback_rate = 1e-6, .fallback_burst = 1000}) ==
+        "shared_quota_options.fallback_burst must be at most 1e8 seconds of fallback_rate (got 1000)");
+  CHECK(message({.name = "p", .fallback_rate = 1, .fallback_hold = -1s}) ==
+        "shared_quota_options.fallback_hold must be in [0, 1h] (got -1s)");
+  CHECK(message({.name = "p", .fallback_rate = 1, .fallback_hold = 2h}) ==
+        "shared_quota_options.fallback_hold must be in [0, 1h] (got 7200s)");
   CHECK_THROWS_AS(keel::shared_quota(quota_redis("q"), {.name = "p"}), keel::invalid_options);
+  CHECK_THROWS_WITH(
+      keel::shared_quota(quota_redis("q"), {.name = "p"}),
+      "shared_quota_options.fallback_rate must be set (> 0): the local limit while Redis is unreachable (got 0)");
   CHECK(keel::shared_quota_options{.name = "p", .fallback_rate = 1}.validate().ok());
 }
 
@@ -191,4 +214,68 @@ TEST_CASE("as a pipeline level after admission: refusal before the work, replays
   replayed.mark_replayed();
   CHECK(pipe.run(replayed, work).ok());  // a replay spends no provider capacity
   CHECK(provider.shared_decisions() == 2);
+}
+
+TEST_CASE("all-or-nothing across the shared level: its refusal leaves the tenant's tokens as they were",
+          "[scaleout][quota][pipeline]") {
+  manual_clock clock;  // frozen: the tenant's bucket refills nothing while the test runs
+  keel::admission quotas({.tenant_defaults = {.rate = 2, .burst = 2}});
+  keel::shared_quota provider(quota_redis(keel_scaleout::fresh_name("quota")),
+                              {.name = "provider:m", .rate = 1, .per = 1h, .burst = 1, .fallback_rate = 1});
+  auto pipe = keel::pipeline(quotas, provider).on(clock);
+  int ran = 0;
+  auto work = [&](const keel::attempt&) -> absl::StatusOr<int> {
+    ++ran;
+    return 7;
+  };
+  const keel::labels acme{.tenant = "acme", .model = "m"};
+  keel::call first(clock.now(), {.labels = acme});
+  REQUIRE(pipe.run(first, work).ok());  // the fleet's one unit, and one of the tenant's two tokens
+  REQUIRE(quotas.tenant_usage("acme", clock.now())->rate_available == 1.0);
+
+  // The shared quota is exhausted: every further call is refused by it, never
+  // by the tenant's rate, because a refused call gives the tenant's token back.
+  for (int i = 0; i < 3; ++i) {
+    keel::call c(clock.now(), {.labels = acme});
+    const absl::StatusOr<int> r = pipe.run(c, work);
+    CHECK(r.status().code() == absl::StatusCode::kResourceExhausted);
+    CHECK(r.status().message() == "keel: shared quota 'provider:m' is over its rate");
+    CHECK(keel::refused_by(r.status()) == std::optional<std::string>("shared:provider:m:rate"));
+    CHECK(keel::not_started(r.status()));
+  }
+  CHECK(ran == 1);
+  CHECK(quotas.tenant_usage("acme", clock.now())->rate_available == 1.0);
+  CHECK(provider.fallback_decisions() == 0);
+}
+
+TEST_CASE("all-or-nothing across the shared level: a refusal further in gives the shared unit back",
+          "[scaleout][quota][pipeline]") {
+  manual_clock clock;
+  keel::admission quotas({.tenant_defaults = {.rate = 2, .burst = 2}});
+  keel::shared_quota provider(quota_redis(keel_scaleout::fresh_name("quota")),
+                              {.name = "provider:m", .rate = 2, .per = 1h, .burst = 2, .fallback_rate = 1});
+  keel::circuit_breaker breaker({.name = "llm"});
+  breaker.force_open(clock.now());
+  auto pipe = keel::pipeline(quotas, provider, breaker).on(clock);
+  int ran = 0;
+  auto work = [&](const keel::attempt&) -> absl::StatusOr<int> {
+    ++ran;
+    return 7;
+  };
+  const keel::labels acme{.tenant = "acme", .model = "m"};
+  // More refusals than either bucket holds: the breaker refuses them all,
+  // and neither the shared unit nor the tenant's token is kept.
+  for (int i = 0; i < 3; ++i) {
+    keel::call c(clock.now(), {.labels = acme});
+    const absl::StatusOr<int> r = pipe.run(c, work);
+    CHECK(keel::refused_by(r.status()) == std::optional<std::string>("breaker:llm"));
+  }
+  CHECK(ran == 0);
+  CHECK(quotas.tenant_usage("acme", clock.now())->rate_available == 2.0);
+  // The fleet's bucket still holds both units.
+  const keel::time_point now = clock.now();
+  CHECK(provider.try_acquire(now).granted);
+  CHECK(provider.try_acquire(now).granted);
+  CHECK_FALSE(provider.try_acquire(now).granted);
+  CHECK(provider.fallback_decisions() == 0);
 }

@@ -18,10 +18,15 @@
 //
 // Levels are taken in a fixed order and any refusal rolls back everything
 // already taken (tokens refunded, slots released), so no level keeps a
-// reservation when another refuses. Refusal is absl::ResourceExhaustedError,
-// marked not-started, with refused-by "<level>:<key>:<limit>" (for example
-// "tenant:acme:rate") and a retry-after hint (when the bucket will hold the
-// request; for in-flight and queued limits, options.busy_retry_after).
+// reservation when another refuses. The same holds for levels further in:
+// when a later level refuses the admitted request before any work started
+// (keel::shared_quota, a bulkhead, a breaker), ticket.roll_back() gives
+// everything back, rate tokens included; the policy does this itself.
+//
+// Refusal is absl::ResourceExhaustedError, marked not-started, with
+// refused-by "<level>:<key>:<limit>" (for example "tenant:acme:rate") and a
+// retry-after hint (when the bucket will hold the request; for in-flight
+// and queued limits, options.busy_retry_after).
 //
 // A replay (an answer served from a cache or an idempotency record) spends
 // no model capacity but counts toward its tenant's request rate: admit it
@@ -45,7 +50,11 @@
 // As a policy (keel::pipeline(quotas, ...)) it admits each pass from the
 // call's tenant and model labels, as a replay when the call is marked
 // replayed, and reconciles the compute estimate against the cost the
-// attempts charged to the call (keel::attempt::charge). Use
+// attempts charged to the call (keel::attempt::charge). A pass that comes
+// back marked not started with no attempt begun and no cost charged (a
+// level further in refused it: keel::shared_quota, a bulkhead, a breaker,
+// no time left) did no work, so admission rolls it back: the request counts
+// nowhere, not even toward its rate. Use
 // quotas.with_estimate(f) to reserve f(call) units per call. Place it
 // outermost, so refusal comes before any expensive work.
 //
@@ -288,6 +297,18 @@ class admission_ticket {
     release();
   }
 
+  // Another level of an all-or-nothing admission refused the request after
+  // this one admitted it (a keel::shared_quota, a bulkhead, a breaker), so
+  // nothing ran: gives back everything the admission took, the rate tokens
+  // too, as if it had never been admitted. Call it before reconcile(); a
+  // ticket once rolled back, cancelled or released does nothing.
+  void roll_back() noexcept {
+    if (!live_) return;
+    if (tenant_ != nullptr && tenant_->rate) tenant_->rate->refund();
+    if (model_ != nullptr && model_->rate) model_->rate->refund();
+    cancel();
+  }
+
  private:
   friend class admission;
 
@@ -490,6 +511,15 @@ class admission {
       return R(refusal(why));
     }
     R r = next(ctx, plan);
+    if (const absl::Status& s = status_of(r); !s.ok() && not_started(s)) {
+      // Refused further in (or out of time) before any attempt began: all or
+      // nothing, so this level keeps nothing either.
+      const call_record after = ctx.call.record();
+      if (after.attempts == before.attempts && after.cost == before.cost) {
+        ticket.roll_back();
+        return r;
+      }
+    }
     if (ticket.estimate() > 0) ticket.reconcile(ctx.call.record().cost - before.cost, plan.now);
     return r;
   }

@@ -34,10 +34,21 @@
 // hold the units. A replayed call (served from an idempotency record)
 // spends no provider capacity and is not charged (charge_replays).
 //
-// Standalone:
+// Admission across the levels is all-or-nothing, in both directions: when
+// this level refuses, keel::admission outside it rolls back what it took
+// (slots, compute, and the rate tokens); when a level inside this one
+// refuses the pass before any attempt began (a breaker, no time left),
+// this level refunds its unit (one more round trip, on that refusal only).
 //
-//   keel::shared_quota_decision d = provider.try_acquire(keel::real_clock{}.now());
-//   if (!d) return keel::shared_quota::refusal(provider.name(), d);
+// Standalone, after keel::admission:
+//
+//   absl::StatusOr<keel::admission_ticket> t = quotas.admit({.tenant = "acme"}, now);
+//   if (!t.ok()) return t.status();
+//   keel::shared_quota_decision d = provider.try_acquire(now);
+//   if (!d) {
+//     t->roll_back();  // the tenant's token and slot go back
+//     return keel::shared_quota::refusal(provider.name(), d);
+//   }
 //
 // Cost: one Redis round trip per decision (none while holding the fallback).
 //
@@ -103,10 +114,16 @@ struct shared_quota_options {
     if (!(fallback_rate > 0.0))
       return detail::invalid_field(who, "fallback_rate", "be set (> 0): the local limit while Redis is unreachable",
                                    fallback_rate);
+    const double fallback_per_second = fallback_rate / std::chrono::duration<double>(per).count();
+    if (!(fallback_per_second <= 1e6))
+      return detail::invalid_field(who, "fallback_rate", "be at most 1e6 units per second", fallback_per_second);
     if (!(fallback_burst >= 1.0) || !std::isfinite(fallback_burst))
       return detail::invalid_field(who, "fallback_burst", "be a finite number >= 1", fallback_burst);
+    if (fallback_burst / fallback_per_second > 1e8)
+      return detail::invalid_field(who, "fallback_burst", "be at most 1e8 seconds of fallback_rate", fallback_burst);
     if (fallback_hold < duration::zero() || fallback_hold > std::chrono::hours(1))
       return detail::invalid_field(who, "fallback_hold", "be in [0, 1h]", fallback_hold);
+    // Implied by the checks above; kept so the fallback bucket can never be built invalid.
     return rate_limiter_options{.rate = fallback_rate, .per = per, .burst = fallback_burst}.validate();
   }
 };
@@ -241,18 +258,26 @@ class shared_quota {
   }
 
   // The policy: one unit per pass (place it inside keel::retry to charge
-  // every attempt).
+  // every attempt). A pass that comes back marked not started with no
+  // attempt begun and no cost charged (a level further in refused it)
+  // refunds its unit.
   template <class Ctx, class Next>
   auto execute(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
-    if (!options_.charge_replays && ctx.call.record().replayed) return next(ctx, plan);
+    const call_record before = ctx.call.record();
+    if (!options_.charge_replays && before.replayed) return next(ctx, plan);
     const shared_quota_decision d = try_acquire(plan.now);
     if (d.source == quota_source::fallback) observe(ctx.listener, events::shared_quota_fallback{name(), d.redis_error});
     if (!d) {
       observe(ctx.listener, events::shared_quota_refused{ctx.call, name(), d.source});
       return R(refusal(name(), d));
     }
-    return next(ctx, plan);
+    R r = next(ctx, plan);
+    if (const absl::Status& s = status_of(r); !s.ok() && not_started(s)) {
+      const call_record after = ctx.call.record();
+      if (after.attempts == before.attempts && after.cost == before.cost) refund(d);
+    }
+    return r;
   }
 
  private:
