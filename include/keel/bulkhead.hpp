@@ -486,9 +486,7 @@ class bulkhead {
     // the borrower's queue) and a borrower joining its queue (write its
     // word, read the lender's) must not both miss each other.
     alignas(64) std::atomic<std::uint64_t> word{0};
-    // Beside the word: every release writes both, so under contention they
-    // travel between cores as one cache line.
-    std::atomic<std::int64_t> completed{0};
+    alignas(64) std::atomic<std::int64_t> completed{0};
     std::atomic<std::int64_t> rejected{0}, timed_out{0}, cancelled{0};
     std::array<std::atomic<std::int64_t>, bulkhead_figures::delay_bounds.size() + 1> delay{};
     int capacity = 0, guaranteed = 0, max_queue = 0;
@@ -674,23 +672,21 @@ class bulkhead {
   // Frees one slot of `owner` held as `unit` (own or lent): to the owner's
   // first waiter when there is one, else idle (and offered to borrowers).
   void give_back(class_state& owner, std::uint64_t unit, std::uint16_t owner_index) noexcept {
-    // One RMW on the common path. With callers queued the slot is idle only
-    // for a moment: nobody takes an idle slot of a class with waiters (take_own
-    // and borrowing both require an empty queue) except through its lock,
-    // where it goes to the first waiter.
-    const std::uint64_t before = owner.word.fetch_sub(unit);
-    if (queued_of(before) != 0) {
-      std::unique_lock lock(owner.mu);
-      std::uint64_t w = owner.word.load();
-      while (queued_of(w) != 0) {
-        // The slot becomes the waiter's own, and the waiter leaves the queue,
-        // in one step.
-        if (owner.word.compare_exchange_weak(w, w + kOwnOne - kQueuedOne)) {
-          grant_head(owner, owner_index, -1);
-          return;
-        }
+    std::uint64_t w = owner.word.load();
+    for (;;) {
+      if (queued_of(w) == 0) {
+        if (owner.word.compare_exchange_weak(w, w - unit)) break;
+        continue;
       }
-      // The waiters left meanwhile: the slot stays idle.
+      std::unique_lock lock(owner.mu);
+      w = owner.word.load();
+      if (queued_of(w) == 0) continue;  // the waiters left meanwhile
+      // Hand the slot over: it becomes the waiter's own slot, and the waiter
+      // leaves the queue, in one step.
+      while (!owner.word.compare_exchange_weak(w, w - unit + kOwnOne - kQueuedOne)) {
+      }
+      grant_head(owner, owner_index, -1);
+      return;
     }
     if (!owner.lends_via.empty()) offer_to_borrowers(owner);
   }
