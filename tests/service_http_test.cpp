@@ -177,7 +177,7 @@ TEST_CASE("load on loopback: normal, slowdown, outage, recovery, with a batch fl
   CHECK(per_phase[3].ok >= per_phase[3].n / 2);
 
   // No request runs past its deadline; rejections are fast and say who refused.
-  int rejections = 0, tenant_refusals = 0, transport_errors = 0;
+  int rejections = 0, tenant_refusals = 0, transport_errors = 0, answers = 0, answers_timed = 0;
   for (const gateway::sample& s : samples) {
     if (s.status == 0) {
       ++transport_errors;
@@ -186,6 +186,13 @@ TEST_CASE("load on loopback: normal, slowdown, outage, recovery, with a batch fl
     if (s.interactive) {
       INFO("status " << s.status << " after " << s.latency.count() / 1'000'000 << " ms");
       CHECK(s.latency <= plan.deadline + keel_service::http_slack);
+      answers += s.what == gateway::verdict::ok || s.what == gateway::verdict::degraded;
+      if (s.elapsed) {
+        // The service's own clock, from arrival to the reply built: within
+        // the deadline with no allowance for HTTP.
+        ++answers_timed;
+        CHECK(*s.elapsed <= plan.deadline);
+      }
     }
     if (s.what == gateway::verdict::rejected && (s.status == 429 || s.status == 503)) {
       ++rejections;
@@ -197,6 +204,8 @@ TEST_CASE("load on loopback: normal, slowdown, outage, recovery, with a batch fl
     }
   }
   CHECK(transport_errors == 0);
+  CHECK(answers_timed >= answers * 9 / 10);  // (nearly) every answer reports its time: the check above ran
+  CHECK(answers_timed > 0);
   CHECK(tenant_refusals > 0);
   // ...and visible where operators look.
   REQUIRE(metrics.status == 200);

@@ -90,6 +90,7 @@ struct sample {
   verdict what = verdict::failed;
   keel::duration latency{};
   keel::duration deadline{};  // what the service promised (interactive), from its reply
+  std::optional<keel::duration> elapsed{};  // the service's own time for the request, from its reply
   std::string refused_by{};
   std::string served_by{};
   std::string decision_id{};
@@ -295,6 +296,8 @@ class load_generator {
         s.decision_id = j["decision_id"].get<std::string>();
       if (j.contains("deadline_ms") && j["deadline_ms"].is_number_integer())
         s.deadline = std::chrono::milliseconds(j["deadline_ms"].get<std::int64_t>());
+      if (j.contains("elapsed_ms") && j["elapsed_ms"].is_number_integer())
+        s.elapsed = std::chrono::milliseconds(j["elapsed_ms"].get<std::int64_t>());
       if (j.contains("job_id") && j["job_id"].is_number_integer()) s.job_id = j["job_id"].get<std::int64_t>();
       return;
     }
