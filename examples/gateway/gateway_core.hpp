@@ -281,30 +281,10 @@ struct answer {
 
 }  // namespace detail
 
-// A listener that counts keel's events into the metrics registry, plus the
-// job queue's own events.
-struct gateway_listener {
-  keel::metrics_listener keel_events;
-  keel::counter_metric* jobs_done = nullptr;
-  keel::counter_metric* jobs_requeued = nullptr;
-  keel::counter_metric* jobs_failed = nullptr;
-  keel::counter_metric* jobs_lost = nullptr;
-  keel::counter_metric* jobs_rejected = nullptr;
-
-  template <class Event>
-    requires std::invocable<const keel::metrics_listener&, const Event&>
-  void operator()(const Event& e) const {
-    keel_events(e);
-  }
-  void operator()(const keel::events::job_finished& e) const noexcept {
-    (e.state == keel::job_state::done     ? jobs_done
-     : e.state == keel::job_state::failed ? jobs_failed
-                                          : jobs_requeued)
-        ->inc();
-  }
-  void operator()(const keel::events::job_lost&) const noexcept { jobs_lost->inc(); }
-  void operator()(const keel::events::job_rejected&) const noexcept { jobs_rejected->inc(); }
-};
+// The service's listener: keel's metrics_listener counts every component's
+// events, the job queue's included (keel_job_attempts_total{queue,result},
+// keel_job_rejections_total{queue}).
+using gateway_listener = keel::metrics_listener;
 
 template <keel::clock Clock, keel::job_store JobStore>
 class gateway_core {
@@ -779,18 +759,7 @@ class gateway_core {
         .slo = slos_.find("batch")});
   }
 
-  static gateway_listener make_listener(keel::metrics_registry& r) {
-    auto& jobs = r.counter({.name = "gateway_batch_job_attempts_total",
-                            .help = "Batch job attempts by where the job went: done, queued again, failed, lost "
-                                    "(its fenced write was refused), and submissions rejected by a full queue.",
-                            .labels = {"result"}});
-    return gateway_listener{.keel_events = keel::metrics_listener(r),
-                            .jobs_done = &jobs.with({"done"}),
-                            .jobs_requeued = &jobs.with({"requeued"}),
-                            .jobs_failed = &jobs.with({"failed"}),
-                            .jobs_lost = &jobs.with({"lost"}),
-                            .jobs_rejected = &jobs.with({"rejected"})};
-  }
+  static gateway_listener make_listener(keel::metrics_registry& r) { return keel::metrics_listener(r); }
 
   static keel::admission_options admission_options(const gateway_options& o) {
     keel::admission_options a{.tenant_defaults = o.tenant_defaults};
