@@ -80,6 +80,7 @@
 #include "keel/clock.hpp"
 #include "keel/detail/client_pool.hpp"
 #include "keel/detail/pg_connection.hpp"
+#include "keel/detail/pg_schema.hpp"
 #include "keel/digest.hpp"
 #include "keel/idempotency.hpp"
 #include "keel/lease.hpp"
@@ -552,62 +553,20 @@ class postgres_store {
     return c;
   }
 
-  // Creates or checks the schema, in one transaction under an advisory lock
-  // so that replicas starting together do not race.
+  // Creates or checks the schema (detail::pg_create_or_check).
   absl::Status initialise() {
     absl::StatusOr<std::unique_ptr<detail::pg_connection>> made =
         detail::pg_connection::connect(options_.conninfo, options_.connect_timeout, application_name(), who_);
     if (!made.ok()) return made.status();
-    detail::pg_connection& c = **made;
-    const duration t = std::max<duration>(options_.command_timeout, std::chrono::seconds(30));
-    const std::string schema = c.quote_identifier(options_.schema);
-    auto exec = [&](std::string_view sql) -> absl::Status {
-      auto r = c.exec(sql, detail::pg_effect::write, t);
-      return r.ok() ? absl::OkStatus() : r.status();
-    };
-    if (absl::Status s = exec("BEGIN"); !s.ok()) return s;
-    absl::Status s = [&]() -> absl::Status {
-      detail::pg_params<1> name;
-      name.add(options_.schema);
-      if (auto r = c.exec("SELECT pg_advisory_xact_lock(1801807212, hashtext($1::text))", name,
-                          detail::pg_effect::write, t);
-          !r.ok())
-        return r.status();
-      const std::string meta = absl::StrCat(schema, ".keel_meta");
-      detail::pg_params<2> q;
-      q.add(options_.schema).add(meta);
-      auto look = c.exec(
-          "SELECT (SELECT count(*) FROM pg_namespace WHERE nspname = $1::text),"
-          " to_regclass($2::text) IS NOT NULL,"
-          " (SELECT count(*) FROM pg_class k JOIN pg_namespace n ON n.oid = k.relnamespace WHERE n.nspname = $1::text)",
-          q, detail::pg_effect::read, t);
-      if (!look.ok()) return look.status();
-      const bool schema_exists = look->integer(0, 0) > 0;
-      const bool has_meta = look->integer(0, 1) != 0;
-      const std::int64_t relations = look->integer(0, 2);
-      if (has_meta) {
-        auto v = c.exec(absl::StrCat("SELECT schema_version::int8 FROM ", schema, ".keel_meta"), detail::pg_effect::read, t);
-        if (!v.ok()) return v.status();
-        if (v->rows() != 1 || v->integer(0, 0) != postgres_schema_version)
-          return absl::FailedPreconditionError(absl::StrCat(
-              "keel: ", who_, ": the schema holds keel schema version ",
-              v->rows() == 1 ? absl::StrCat(v->integer(0, 0)) : std::string("(none)"), "; this keel uses version ",
-              postgres_schema_version, ". Nothing was changed."));
-        return absl::OkStatus();
-      }
-      if (relations > 0)
-        return absl::FailedPreconditionError(absl::StrCat(
-            "keel: ", who_, ": the schema exists and holds ", relations,
-            " relations but no keel_meta table: it is not a keel store. Nothing was changed."));
-      if (!options_.create_schema)
-        return absl::FailedPreconditionError(
-            absl::StrCat("keel: ", who_, ": no keel schema here and create_schema is off"));
-      const std::string ddl[] = {
-          schema_exists ? std::string() : absl::StrCat("CREATE SCHEMA ", schema),
-          absl::StrCat("CREATE TABLE ", schema,
-                       ".keel_meta (singleton bool PRIMARY KEY DEFAULT true CHECK (singleton),"
-                       " schema_version int NOT NULL, created_at timestamptz NOT NULL DEFAULT now())"),
-          absl::StrCat("INSERT INTO ", schema, ".keel_meta (schema_version) VALUES (", postgres_schema_version, ")"),
+    const detail::pg_schema_plan plan{.schema = options_.schema,
+                                      .meta_table = "keel_meta",
+                                      .version = postgres_schema_version,
+                                      .version_words = "keel schema version",
+                                      .not_ours = "it is not a keel store",
+                                      .absent = "no keel schema here",
+                                      .create = options_.create_schema};
+    auto tables = [](const std::string& schema) {
+      return std::vector<std::string>{
           absl::StrCat("CREATE TABLE ", schema,
                        ".idempotency (tenant bytea NOT NULL, endpoint bytea NOT NULL, key bytea NOT NULL,"
                        " request bytea NOT NULL, state smallint NOT NULL, owner bytea NOT NULL, fence int8 NOT NULL,"
@@ -622,17 +581,9 @@ class postgres_store {
                        ".result (key bytea PRIMARY KEY, value bytea NOT NULL, saved_at int8 NOT NULL,"
                        " expires int8 NOT NULL)"),
       };
-      for (const std::string& stmt : ddl) {
-        if (stmt.empty()) continue;
-        if (absl::Status e = exec(stmt); !e.ok()) return e;
-      }
-      return absl::OkStatus();
-    }();
-    if (!s.ok()) {
-      (void)exec("ROLLBACK");
+    };
+    if (absl::Status s = detail::pg_create_or_check(**made, plan, options_.command_timeout, who_, tables); !s.ok())
       return s;
-    }
-    if (absl::Status e = exec("COMMIT"); !e.ok()) return e;
     // The setup connection is not prepared for operations; let it go and
     // make the pool's first connection now, so open() reports a broken setup.
     absl::StatusOr<detail::client_pool<detail::pg_connection>::handle> h = pool_.acquire(options_.acquire_timeout, who_);

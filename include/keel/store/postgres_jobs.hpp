@@ -68,6 +68,7 @@
 #include "keel/clock.hpp"
 #include "keel/detail/client_pool.hpp"
 #include "keel/detail/pg_connection.hpp"
+#include "keel/detail/pg_schema.hpp"
 #include "keel/digest.hpp"
 #include "keel/job_queue.hpp"
 #include "keel/ownership.hpp"
@@ -526,63 +527,22 @@ class postgres_job_store {
     return c;
   }
 
-  // Creates or checks the job tables, in one transaction under the advisory
-  // lock keel::postgres_store takes for the same schema name.
+  // Creates or checks the job tables (detail::pg_create_or_check, under the
+  // advisory lock keel::postgres_store takes for the same schema name).
   absl::Status initialise() {
     absl::StatusOr<std::unique_ptr<detail::pg_connection>> made =
         detail::pg_connection::connect(options_.conninfo, options_.connect_timeout, application_name(), who_);
     if (!made.ok()) return made.status();
-    detail::pg_connection& c = **made;
-    const duration t = std::max<duration>(options_.command_timeout, std::chrono::seconds(30));
-    const std::string schema = c.quote_identifier(options_.schema);
-    auto exec = [&](std::string_view sql) -> absl::Status {
-      auto r = c.exec(sql, detail::pg_effect::write, t);
-      return r.ok() ? absl::OkStatus() : r.status();
-    };
-    if (absl::Status s = exec("BEGIN"); !s.ok()) return s;
-    absl::Status s = [&]() -> absl::Status {
-      detail::pg_params<1> name;
-      name.add(options_.schema);
-      if (auto r = c.exec("SELECT pg_advisory_xact_lock(1801807212, hashtext($1::text))", name,
-                          detail::pg_effect::write, t);
-          !r.ok())
-        return r.status();
-      const std::string meta = absl::StrCat(schema, ".job_meta");  // pg_params keeps a view
-      detail::pg_params<2> q;
-      q.add(options_.schema).add(meta);
-      auto look = c.exec(
-          "SELECT (SELECT count(*) FROM pg_namespace WHERE nspname = $1::text),"
-          " to_regclass($2::text) IS NOT NULL,"
-          " (SELECT count(*) FROM pg_class k JOIN pg_namespace n ON n.oid = k.relnamespace WHERE n.nspname = $1::text)",
-          q, detail::pg_effect::read, t);
-      if (!look.ok()) return look.status();
-      const bool schema_exists = look->integer(0, 0) > 0;
-      const bool has_meta = look->integer(0, 1) != 0;
-      const std::int64_t relations = look->integer(0, 2);
-      if (has_meta) {
-        auto v = c.exec(absl::StrCat("SELECT schema_version::int8 FROM ", schema, ".job_meta"), detail::pg_effect::read, t);
-        if (!v.ok()) return v.status();
-        if (v->rows() != 1 || v->integer(0, 0) != postgres_jobs_schema_version)
-          return absl::FailedPreconditionError(absl::StrCat(
-              "keel: ", who_, ": the schema holds job tables of version ",
-              v->rows() == 1 ? absl::StrCat(v->integer(0, 0)) : std::string("(none)"), "; this keel uses version ",
-              postgres_jobs_schema_version, ". Nothing was changed."));
-        return absl::OkStatus();
-      }
-      if (relations > 0)
-        return absl::FailedPreconditionError(absl::StrCat(
-            "keel: ", who_, ": the schema exists and holds ", relations,
-            " relations but no job_meta table: it is not a keel job store (give the job store a schema of its own)."
-            " Nothing was changed."));
-      if (!options_.create_schema)
-        return absl::FailedPreconditionError(
-            absl::StrCat("keel: ", who_, ": no keel job tables here and create_schema is off"));
-      const std::string ddl[] = {
-          schema_exists ? std::string() : absl::StrCat("CREATE SCHEMA ", schema),
-          absl::StrCat("CREATE TABLE ", schema,
-                       ".job_meta (singleton bool PRIMARY KEY DEFAULT true CHECK (singleton),"
-                       " schema_version int NOT NULL, created_at timestamptz NOT NULL DEFAULT now())"),
-          absl::StrCat("INSERT INTO ", schema, ".job_meta (schema_version) VALUES (", postgres_jobs_schema_version, ")"),
+    const detail::pg_schema_plan plan{
+        .schema = options_.schema,
+        .meta_table = "job_meta",
+        .version = postgres_jobs_schema_version,
+        .version_words = "job tables of version",
+        .not_ours = "it is not a keel job store (give the job store a schema of its own)",
+        .absent = "no keel job tables here",
+        .create = options_.create_schema};
+    auto tables = [](const std::string& schema) {
+      return std::vector<std::string>{
           absl::StrCat("CREATE TABLE ", schema,
                        ".job (id int8 GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
                        " queue bytea NOT NULL, tenant bytea NOT NULL, key bytea NOT NULL, digest bytea NOT NULL,"
@@ -606,17 +566,9 @@ class postgres_job_store {
                        " USING ERRCODE = '",
                        detail::to_absl(detail::pg_job_full_sqlstate), "'; END $f$"),
       };
-      for (const std::string& stmt : ddl) {
-        if (stmt.empty()) continue;
-        if (absl::Status e = exec(stmt); !e.ok()) return e;
-      }
-      return absl::OkStatus();
-    }();
-    if (!s.ok()) {
-      (void)exec("ROLLBACK");
+    };
+    if (absl::Status s = detail::pg_create_or_check(**made, plan, options_.command_timeout, who_, tables); !s.ok())
       return s;
-    }
-    if (absl::Status e = exec("COMMIT"); !e.ok()) return e;
     absl::StatusOr<detail::client_pool<detail::pg_connection>::handle> h = pool_.acquire(options_.acquire_timeout, who_);
     return h.ok() ? absl::OkStatus() : h.status();
   }
