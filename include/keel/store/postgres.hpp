@@ -80,7 +80,7 @@
 #include "keel/clock.hpp"
 #include "keel/detail/client_pool.hpp"
 #include "keel/detail/pg_connection.hpp"
-#include "keel/detail/pg_schema.hpp"
+#include "keel/detail/pg_store.hpp"
 #include "keel/digest.hpp"
 #include "keel/idempotency.hpp"
 #include "keel/lease.hpp"
@@ -325,7 +325,7 @@ class postgres_store {
     p.add(id.tenant).add(id.endpoint).add(id.key).add(request.view()).add(owner);
     p.add(detail::pg_ns(o.lease)).add(detail::pg_ns(o.retention)).add(o.supersede_revision).add(offset());
     for (int attempt = 0; attempt < max_races; ++attempt) {
-      absl::StatusOr<detail::pg_result> r = run(detail::pg_begin, p, detail::pg_effect::write, "begin");
+      absl::StatusOr<detail::pg_result> r = run(detail::pg_begin, p, detail::pg_effect::write);
       if (!r.ok()) return r.status();
       if (r->rows() == 0) continue;  // a concurrent first insert: look again
       const detail::pg_result& x = *r;
@@ -407,7 +407,7 @@ class postgres_store {
     detail::pg_params<4> p;
     p.add(work_key).add(owner).add(detail::pg_ns(ttl)).add(offset());
     for (int attempt = 0; attempt < max_races; ++attempt) {
-      absl::StatusOr<detail::pg_result> r = run(detail::pg_claim, p, detail::pg_effect::write, "claim");
+      absl::StatusOr<detail::pg_result> r = run(detail::pg_claim, p, detail::pg_effect::write);
       if (!r.ok()) return r.status();
       if (r->rows() == 0) continue;
       const detail::pg_result& x = *r;
@@ -451,7 +451,7 @@ class postgres_store {
       return detail::invalid_field("save_result", "retention", "be >= 0", retention);
     detail::pg_params<4> p;
     p.add(key).add(value).add(detail::pg_ns(retention)).add(offset());
-    absl::StatusOr<detail::pg_result> r = run(detail::pg_save, p, detail::pg_effect::write, "save_result");
+    absl::StatusOr<detail::pg_result> r = run(detail::pg_save, p, detail::pg_effect::write);
     if (!r.ok()) return r.status();
     return r->rows() == 1;
   }
@@ -460,7 +460,7 @@ class postgres_store {
     if (absl::Status v = validate_key("result key", key); !v.ok()) return v;
     detail::pg_params<2> p;
     p.add(key).add(offset());
-    absl::StatusOr<detail::pg_result> r = run(detail::pg_load, p, detail::pg_effect::read, "load_result");
+    absl::StatusOr<detail::pg_result> r = run(detail::pg_load, p, detail::pg_effect::read);
     if (!r.ok()) return r.status();
     if (r->rows() == 0) return std::optional<std::string>();
     return std::optional<std::string>(std::string(r->bytes(0, 0)));
@@ -470,7 +470,7 @@ class postgres_store {
     if (absl::Status v = validate_key("result key", key); !v.ok()) return v;
     detail::pg_params<1> p;
     p.add(key);
-    absl::StatusOr<detail::pg_result> r = run(detail::pg_erase, p, detail::pg_effect::write, "erase_result");
+    absl::StatusOr<detail::pg_result> r = run(detail::pg_erase, p, detail::pg_effect::write);
     return r.ok() ? absl::OkStatus() : r.status();
   }
 
@@ -482,7 +482,7 @@ class postgres_store {
   absl::StatusOr<std::int64_t> purge_expired() {
     detail::pg_params<1> p;
     p.add(offset());
-    absl::StatusOr<detail::pg_result> r = run(detail::pg_purge, p, detail::pg_effect::write, "purge_expired");
+    absl::StatusOr<detail::pg_result> r = run(detail::pg_purge, p, detail::pg_effect::write);
     if (!r.ok()) return r.status();
     return r->integer(0, 0);
   }
@@ -593,23 +593,9 @@ class postgres_store {
   // One operation: a connection from the pool (replaced if the server
   // closed it while idle), one statement.
   template <int N>
-  absl::StatusOr<detail::pg_result> run(const char* stmt, const detail::pg_params<N>& p, detail::pg_effect effect,
-                                        std::string_view op) {
-    absl::StatusOr<detail::client_pool<detail::pg_connection>::handle> h = pool_.acquire(options_.acquire_timeout, who_);
-    if (!h.ok()) return h.status();
-    if (!(*h)->idle_and_alive()) {
-      absl::StatusOr<std::unique_ptr<detail::pg_connection>> fresh = pool_.make();
-      if (!fresh.ok()) {
-        h->mark_broken();
-        return fresh.status();
-      }
-      h->replace(std::move(*fresh));
-    }
-    round_trips_.fetch_add(1, std::memory_order_relaxed);
-    absl::StatusOr<detail::pg_result> r = (*h)->exec_prepared(stmt, p, effect, options_.command_timeout);
-    if ((*h)->broken()) h->mark_broken();
-    (void)op;
-    return r;
+  absl::StatusOr<detail::pg_result> run(const char* stmt, const detail::pg_params<N>& p, detail::pg_effect effect) {
+    return detail::pg_run_pooled(pool_, options_.acquire_timeout, options_.command_timeout, who_, round_trips_, stmt,
+                                 p, effect);
   }
 
   // A fenced write on a record; `done_state` is the state a repeat of it
@@ -618,7 +604,7 @@ class postgres_store {
   absl::Status fenced_record(const char* stmt, const detail::pg_params<N>& p, const ownership& token,
                              std::string_view op, std::int64_t done_state) {
     for (int attempt = 0; attempt < max_races; ++attempt) {
-      absl::StatusOr<detail::pg_result> r = run(stmt, p, detail::pg_effect::write, op);
+      absl::StatusOr<detail::pg_result> r = run(stmt, p, detail::pg_effect::write);
       if (!r.ok()) return r.status();
       if (r->rows() == 0)
         return lost_ownership_error(absl::StrCat(detail::to_absl(op), " by fence ", token.fence,
@@ -647,7 +633,7 @@ class postgres_store {
   absl::Status fenced_lease(const char* stmt, const detail::pg_params<N>& p, const ownership& token,
                             std::string_view op, bool release) {
     for (int attempt = 0; attempt < max_races; ++attempt) {
-      absl::StatusOr<detail::pg_result> r = run(stmt, p, detail::pg_effect::write, op);
+      absl::StatusOr<detail::pg_result> r = run(stmt, p, detail::pg_effect::write);
       if (!r.ok()) return r.status();
       if (r->rows() == 0)
         return lost_ownership_error(

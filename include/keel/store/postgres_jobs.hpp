@@ -68,7 +68,7 @@
 #include "keel/clock.hpp"
 #include "keel/detail/client_pool.hpp"
 #include "keel/detail/pg_connection.hpp"
-#include "keel/detail/pg_schema.hpp"
+#include "keel/detail/pg_store.hpp"
 #include "keel/digest.hpp"
 #include "keel/job_queue.hpp"
 #include "keel/ownership.hpp"
@@ -577,20 +577,8 @@ class postgres_job_store {
   // while idle), one statement.
   template <int N>
   absl::StatusOr<detail::pg_result> run(const char* stmt, const detail::pg_params<N>& p, detail::pg_effect effect) {
-    absl::StatusOr<detail::client_pool<detail::pg_connection>::handle> h = pool_.acquire(options_.acquire_timeout, who_);
-    if (!h.ok()) return h.status();
-    if (!(*h)->idle_and_alive()) {
-      absl::StatusOr<std::unique_ptr<detail::pg_connection>> fresh = pool_.make();
-      if (!fresh.ok()) {
-        h->mark_broken();
-        return fresh.status();
-      }
-      h->replace(std::move(*fresh));
-    }
-    round_trips_.fetch_add(1, std::memory_order_relaxed);
-    absl::StatusOr<detail::pg_result> r = (*h)->exec_prepared(stmt, p, effect, options_.command_timeout);
-    if ((*h)->broken()) h->mark_broken();
-    return r;
+    return detail::pg_run_pooled(pool_, options_.acquire_timeout, options_.command_timeout, who_, round_trips_, stmt,
+                                 p, effect);
   }
 
   postgres_options options_;

@@ -1,6 +1,12 @@
-// keel/detail/pg_schema.hpp — creates or checks the tables one keel
-// component keeps in a PostgreSQL schema (the idempotency/lease/result store,
-// the job store), so every component starts the same way:
+// keel/detail/pg_store.hpp — what every keel PostgreSQL store (the
+// idempotency/lease/result store, the job store) does the same way: run one
+// prepared statement on a pooled connection, and create or check the tables
+// it keeps in its schema.
+//
+//   absl::StatusOr<pg_result> r = detail::pg_run_pooled(pool, acquire_timeout, command_timeout, who,
+//                                                       round_trips, stmt, params, pg_effect::write);
+//
+// Schema setup:
 //
 //   in one transaction, under an advisory lock on the schema name (replicas
 //   starting together do not race): the component's meta table present ->
@@ -12,23 +18,53 @@
 //   absl::Status s = detail::pg_create_or_check(conn, plan, timeout, who,
 //       [](const std::string& schema) { return std::vector<std::string>{"CREATE TABLE " + schema + ".t (...)"}; });
 //
-// Thread-safety: uses the one connection it is given (not shared).
+// Thread-safety: pg_run_pooled from any thread (the pool lends each
+// connection to one holder); pg_create_or_check uses the one connection it
+// is given.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "keel/clock.hpp"
+#include "keel/detail/client_pool.hpp"
 #include "keel/detail/pg_connection.hpp"
 #include "keel/status.hpp"
 
 namespace keel::detail {
+
+// One operation: a pooled connection (replaced if the server closed it while
+// idle), one prepared statement under the command timeout. A connection the
+// statement broke goes back marked broken and is not lent again.
+template <int N>
+absl::StatusOr<pg_result> pg_run_pooled(client_pool<pg_connection>& pool, duration acquire_timeout,
+                                        duration command_timeout, std::string_view who,
+                                        std::atomic<std::uint64_t>& round_trips, const char* stmt,
+                                        const pg_params<N>& p, pg_effect effect) {
+  absl::StatusOr<client_pool<pg_connection>::handle> h = pool.acquire(acquire_timeout, who);
+  if (!h.ok()) return h.status();
+  if (!(*h)->idle_and_alive()) {
+    absl::StatusOr<std::unique_ptr<pg_connection>> fresh = pool.make();
+    if (!fresh.ok()) {
+      h->mark_broken();
+      return fresh.status();
+    }
+    h->replace(std::move(*fresh));
+  }
+  round_trips.fetch_add(1, std::memory_order_relaxed);
+  absl::StatusOr<pg_result> r = (*h)->exec_prepared(stmt, p, effect, command_timeout);
+  if ((*h)->broken()) h->mark_broken();
+  return r;
+}
 
 struct pg_schema_plan {
   std::string_view schema;          // unquoted; validated by the store's options
