@@ -282,28 +282,13 @@ class shared_quota {
 
  private:
   absl::StatusOr<std::unique_ptr<detail::redis_connection>> connect() {
-    return detail::redis_connection::connect(
-        detail::redis_endpoint{.host = redis_.host,
-                               .port = redis_.port,
-                               .username = redis_.username,
-                               .password = redis_.password,
-                               .database = redis_.database,
-                               .connect_timeout = redis_.connect_timeout,
-                               .command_timeout = redis_.command_timeout},
-        who_);
+    return detail::redis_connection::connect(redis_.endpoint(), who_);
   }
 
   absl::StatusOr<detail::redis_reply> eval(double units) {
-    absl::StatusOr<detail::client_pool<detail::redis_connection>::handle> h = pool_.acquire(redis_.acquire_timeout, who_);
+    absl::StatusOr<detail::client_pool<detail::redis_connection>::handle> h =
+        pool_.acquire_alive(redis_.acquire_timeout, who_);
     if (!h.ok()) return h.status();
-    if (!(*h)->idle_and_alive()) {
-      absl::StatusOr<std::unique_ptr<detail::redis_connection>> fresh = pool_.make();
-      if (!fresh.ok()) {
-        h->mark_broken();
-        return fresh.status();
-      }
-      h->replace(std::move(*fresh));
-    }
     const std::int64_t offset =
         redis_.testing_clock_offset ? redis_.testing_clock_offset->load(std::memory_order_relaxed) / 1000 : 0;
     const detail::redis_num off(offset);

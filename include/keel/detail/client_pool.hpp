@@ -3,7 +3,8 @@
 //
 // At most `capacity` connections exist at once. They are made on demand
 // (outside the pool's lock, so a slow connect blocks only its caller) and a
-// connection is handed to exactly one thread at a time: acquire() returns a
+// connection is handed to exactly one thread at a time: acquire() (or
+// acquire_alive(), which first replaces one found dead while idle) returns a
 // move-only handle that gives the connection back when it is destroyed,
 // or discards it when the user marked it broken (a dropped connection, a
 // command that timed out). A caller that finds every connection busy waits
@@ -108,8 +109,20 @@ class client_pool {
     return handle(this, std::move(*made));
   }
 
-  // Makes a fresh connection for a slot the caller already holds.
-  [[nodiscard]] absl::StatusOr<std::unique_ptr<Conn>> make() { return make_(); }
+  // acquire(), and a connection the server closed while it sat idle
+  // (Conn::idle_and_alive() false) replaced by a fresh one in the same slot,
+  // so an operation never starts on a dead connection.
+  [[nodiscard]] absl::StatusOr<handle> acquire_alive(duration wait, std::string_view who) {
+    absl::StatusOr<handle> h = acquire(wait, who);
+    if (!h.ok() || (*h)->idle_and_alive()) return h;
+    absl::StatusOr<std::unique_ptr<Conn>> fresh = make_();
+    if (!fresh.ok()) {
+      h->mark_broken();
+      return fresh.status();
+    }
+    h->replace(std::move(*fresh));
+    return h;
+  }
 
   // Connections open now (lent or idle).
   [[nodiscard]] std::size_t open() const {

@@ -50,16 +50,8 @@ absl::StatusOr<pg_result> pg_run_pooled(client_pool<pg_connection>& pool, durati
                                         duration command_timeout, std::string_view who,
                                         std::atomic<std::uint64_t>& round_trips, const char* stmt,
                                         const pg_params<N>& p, pg_effect effect) {
-  absl::StatusOr<client_pool<pg_connection>::handle> h = pool.acquire(acquire_timeout, who);
+  absl::StatusOr<client_pool<pg_connection>::handle> h = pool.acquire_alive(acquire_timeout, who);
   if (!h.ok()) return h.status();
-  if (!(*h)->idle_and_alive()) {
-    absl::StatusOr<std::unique_ptr<pg_connection>> fresh = pool.make();
-    if (!fresh.ok()) {
-      h->mark_broken();
-      return fresh.status();
-    }
-    h->replace(std::move(*fresh));
-  }
   round_trips.fetch_add(1, std::memory_order_relaxed);
   absl::StatusOr<pg_result> r = (*h)->exec_prepared(stmt, p, effect, command_timeout);
   if ((*h)->broken()) h->mark_broken();

@@ -127,6 +127,17 @@ struct redis_options {
   // script, shared by every store given the same pointer. Leave empty in production.
   std::shared_ptr<std::atomic<std::int64_t>> testing_clock_offset{};
 
+  // Where and how to connect, for detail::redis_connection.
+  [[nodiscard]] detail::redis_endpoint endpoint() const {
+    return {.host = host,
+            .port = port,
+            .username = username,
+            .password = password,
+            .database = database,
+            .connect_timeout = connect_timeout,
+            .command_timeout = command_timeout};
+  }
+
   [[nodiscard]] absl::Status validate() const {
     constexpr std::string_view who = "redis_options";
     if (host.empty()) return detail::invalid_field(who, "host", "not be empty", "\"\"");
@@ -487,15 +498,7 @@ class redis_store {
   }
 
   absl::StatusOr<std::unique_ptr<detail::redis_connection>> connect() {
-    return detail::redis_connection::connect(
-        detail::redis_endpoint{.host = options_.host,
-                               .port = options_.port,
-                               .username = options_.username,
-                               .password = options_.password,
-                               .database = options_.database,
-                               .connect_timeout = options_.connect_timeout,
-                               .command_timeout = options_.command_timeout},
-        who_);
+    return detail::redis_connection::connect(options_.endpoint(), who_);
   }
 
   absl::Status initialise() {
@@ -535,19 +538,7 @@ class redis_store {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<handle> lend() {
-    absl::StatusOr<handle> h = pool_.acquire(options_.acquire_timeout, who_);
-    if (!h.ok()) return h;
-    if (!(*h)->idle_and_alive()) {
-      absl::StatusOr<std::unique_ptr<detail::redis_connection>> fresh = pool_.make();
-      if (!fresh.ok()) {
-        h->mark_broken();
-        return fresh.status();
-      }
-      h->replace(std::move(*fresh));
-    }
-    return h;
-  }
+  absl::StatusOr<handle> lend() { return pool_.acquire_alive(options_.acquire_timeout, who_); }
 
   template <std::size_t N>
   absl::StatusOr<detail::redis_reply> run(const detail::redis_script& script, const std::array<std::string_view, N>& args,
