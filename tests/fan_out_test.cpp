@@ -550,6 +550,47 @@ TEST_CASE("a full executor delays units but never loses them", "[fan_out][execut
   CHECK(calls == 6);
 }
 
+namespace {
+// A pool that answers a refusal only once everything it took has finished:
+// the refusal is stale by the time fan_out hears of it, which on a real
+// pool happens when the units ahead finish while fan_out submits.
+struct stale_refusal_pool {
+  keel::bounded_pool& pool;
+  std::atomic<int> stale_refusals{0};
+  absl::Status try_execute(keel::unique_task task) {
+    absl::Status s = pool.try_execute(std::move(task));
+    if (s.ok()) return s;
+    stale_refusals.fetch_add(1);  // lets the held worker go
+    while (pool.queued() > 0 || pool.running() > 0) std::this_thread::yield();
+    return s;
+  }
+};
+}  // namespace
+
+TEST_CASE("a refusal that goes stale while fan_out submits is tried again, not reported missing",
+          "[fan_out][executor]") {
+  keel::memory_store<> store;
+  keel::bounded_pool inner({.threads = 1, .queue_capacity = 1});
+  stale_refusal_pool pool{inner};
+  keel::fan_out<std::string, keel::memory_store<>, stale_refusal_pool> panel({.width = 6}, store, pool);
+  const std::vector<keel::unit> units = panel_units({"A", "B", "C", "D", "E", "F"});
+  std::atomic<int> calls{0};
+  auto worker = [&](const keel::unit_context& u) -> absl::StatusOr<std::string> {
+    ++calls;
+    // The first unit holds the one thread until the queue behind it has
+    // refused, so a refusal happens on every run.
+    while (pool.stale_refusals.load() == 0) std::this_thread::yield();
+    return "score:" + u.unit.name;
+  };
+  keel::call call(keel::real_clock{}.now(), {.timeout = 30s});
+  const keel::fan_out_report<std::string> r = panel.run(call, units, worker);
+  REQUIRE(pool.stale_refusals > 0);  // the case under test happened
+  CHECK(r.status().ok());
+  CHECK(r.count(keel::unit_state::succeeded) == 6);
+  CHECK(r.count(keel::unit_state::missing) == 0);
+  CHECK(calls == 6);
+}
+
 TEST_CASE("concurrent fan-outs on one pool and store stay consistent", "[fan_out][stress]") {
   keel::memory_store<> store;
   keel::bounded_pool pool({.threads = 4, .queue_capacity = 64});

@@ -458,22 +458,29 @@ class fan_out {
     // another of ours is still running (try again after it answers).
     bool submit_locked(std::unique_lock<std::mutex>& lock, std::size_t i, time_point now, keel::deadline work) {
       slot& s = slots[i];
-      s.stop.emplace();
-      s.submitted = true;
-      s.start = now;
-      ++in_flight;
       const keel::deadline d = work.within(now, owner.options_.unit_at_most);
-      lock.unlock();
-      absl::Status refused = owner.executor_.try_execute([this, i, d] { run_unit(i, d); });
-      lock.lock();
-      if (refused.ok()) {
-        owner.started_.fetch_add(1, std::memory_order_relaxed);
-        return true;
+      absl::Status refused;
+      for (;;) {
+        s.stop.emplace();
+        s.submitted = true;
+        s.start = now;
+        ++in_flight;
+        const std::uint64_t seen = completions;
+        lock.unlock();
+        refused = owner.executor_.try_execute([this, i, d] { run_unit(i, d); });
+        lock.lock();
+        if (refused.ok()) {
+          owner.started_.fetch_add(1, std::memory_order_relaxed);
+          return true;
+        }
+        s.submitted = false;
+        s.stop.reset();
+        --in_flight;
+        if (in_flight > 0) return false;  // ours will finish and make room
+        // Ours that filled the queue finished while the lock was free: the
+        // refusal is stale, and none is left whose answer would retry it.
+        if (completions == seen) break;
       }
-      s.submitted = false;
-      s.stop.reset();
-      --in_flight;
-      if (in_flight > 0) return false;  // ours will finish and make room
       unit_result<T>& r = report.units[i];
       r.state = unit_state::missing;
       r.status = annotate(refused, "keel: not started: the executor refused");

@@ -614,6 +614,10 @@ class hedge {
       if (idle_) {
         wake = true;
       } else if (t.due < armed_) {
+        // The thread wakes by t.due at the latest now. Saying so here, not
+        // when it gets to run, keeps an older, later linger time from
+        // outliving this entry if the clock passes t.due first.
+        armed_ = t.due;
         changed_ = true;
         wake = true;
       }
