@@ -31,6 +31,9 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <stop_token>
@@ -120,9 +123,24 @@ class manual_clock {
   // Blocks (in real time) until exactly n threads are blocked on this
   // clock. Tests call it before advance() so a worker is known to be parked,
   // and after, to know how many woke.
-  void await_sleepers(int n) const {
+  //
+  // A count that never comes means a broken test or component, and every
+  // thread behind it would hang until the test runner's timeout. After
+  // `give_up` of real time it prints what it waited for and what it saw to
+  // stderr and aborts the process: a failure naming the cause, in a minute.
+  void await_sleepers(int n, std::chrono::milliseconds give_up = std::chrono::seconds(60)) const {
     std::unique_lock registry(state_->mu);
-    state_->changed.wait(registry, [&] { return static_cast<int>(state_->waiters.size()) == n; });
+    auto count = [&] { return static_cast<int>(state_->waiters.size()); };
+    if (state_->changed.wait_for(registry, give_up, [&] { return count() == n; })) return;
+    std::fprintf(stderr,
+                 "keel::testing::manual_clock: await_sleepers(%d) gave up after %lld ms of real time with %d "
+                 "thread(s) blocked on the clock\n",
+                 n, static_cast<long long>(give_up.count()), count());
+    std::fflush(stderr);
+    // Past any test framework's handler: it would report again, and under
+    // TSan its unsafe work inside a signal handler muddies the failure.
+    std::signal(SIGABRT, SIG_DFL);
+    std::abort();
   }
 
  private:
