@@ -6,25 +6,18 @@
 #include <chrono>
 #include <condition_variable>
 #include <csignal>
-#include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <mutex>
-#include <sstream>
 #include <stop_token>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
-
-extern char** environ;
 
 #include "keel/testing/manual_clock.hpp"
 #include "support/catch.hpp"
+#include "support/child_process.hpp"
 
 using namespace std::chrono_literals;
 using keel::testing::manual_clock;
@@ -185,38 +178,14 @@ TEST_CASE("await_sleepers gives up in real time, naming the count, instead of ha
   const int err_fd = ::mkstemp(err_path);
   REQUIRE(err_fd >= 0);
   ::close(err_fd);
-  std::string exe = "/proc/self/exe";
-  std::string spec = "[manual_clock_child]";
-  char* argv[] = {exe.data(), spec.data(), nullptr};
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
-  posix_spawn_file_actions_addopen(&fa, 2, err_path, O_WRONLY | O_TRUNC, 0);
-  pid_t pid = 0;
-  const int spawned = posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv, environ);
-  posix_spawn_file_actions_destroy(&fa);
-  REQUIRE(spawned == 0);
   // Bounded: a child that never gives up is the failure under test, not a hang.
-  int status = 0;
-  pid_t waited = 0;
-  for (int i = 0; i < 3000 && waited == 0; ++i) {
-    waited = ::waitpid(pid, &status, WNOHANG);
-    if (waited == 0) std::this_thread::sleep_for(10ms);
-  }
-  if (waited == 0) {
-    ::kill(pid, SIGKILL);
-    ::waitpid(pid, &status, 0);
-    ::unlink(err_path);
-    FAIL("the child was still waiting after 30 s");
-  }
-  REQUIRE(waited == pid);
-  std::ifstream in(err_path);
-  std::ostringstream err;
-  err << in.rdbuf();
+  const int code = keel_test::wait_child(
+      keel_test::spawn_self({.test_case = "[manual_clock_child]", .stderr_path = err_path}), std::chrono::seconds(30));
+  const std::string err = keel_test::read_file(err_path);
   ::unlink(err_path);
-  INFO("child stderr: " << err.str());
-  REQUIRE(WIFSIGNALED(status));
-  CHECK(WTERMSIG(status) == SIGABRT);
-  CHECK(err.str().find("await_sleepers(1) gave up after 50 ms of real time with 0 thread(s) blocked on the clock") !=
+  INFO("child stderr: " << err);
+  REQUIRE(code != -1);  // -1: still waiting after 30 s, and killed
+  CHECK(code == 128 + SIGABRT);
+  CHECK(err.find("await_sleepers(1) gave up after 50 ms of real time with 0 thread(s) blocked on the clock") !=
         std::string::npos);
 }

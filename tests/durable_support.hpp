@@ -18,9 +18,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/mman.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -31,6 +29,8 @@
 
 #include "keel/clock.hpp"
 #include "keel/store/sqlite.hpp"
+
+#include "support/child_process.hpp"
 
 namespace keel_durable {
 
@@ -126,65 +126,24 @@ static_assert(keel::store_time_source<shared_clock>);
 // Parameters travel in KEEL_CHILD_* environment variables; results come back
 // through files.
 
-inline std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream out;
-  out << in.rdbuf();
-  return out.str();
-}
+using keel_test::read_file;
 
 inline void write_file(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out << bytes;
 }
 
-// Starts a child running `role`. `close_in_child` are fds the child must not
-// inherit (the write end of a start-gate pipe).
-inline pid_t spawn_child(const std::string& role, const std::map<std::string, std::string>& vars,
+inline pid_t spawn_child(const std::string& role, std::map<std::string, std::string> vars,
                          const std::vector<int>& close_in_child = {}) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    if (std::string_view(*e).rfind("KEEL_CHILD_", 0) != 0) env.emplace_back(*e);
-  }
-  env.push_back("KEEL_CHILD_ROLE=" + role);
-  for (const auto& [k, v] : vars) env.push_back("KEEL_CHILD_" + k + "=" + v);
-  std::vector<char*> envp;
-  for (std::string& e : env) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  std::string exe = "/proc/self/exe", name = "durable child process";
-  char* argv[] = {exe.data(), name.data(), nullptr};
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
-  for (int fd : close_in_child) posix_spawn_file_actions_addclose(&fa, fd);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv, envp.data());
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) throw std::runtime_error("posix_spawn failed");
-  return pid;
+  vars["ROLE"] = role;
+  return keel_test::spawn_self({.test_case = "durable child process",
+                                .env_prefix = "KEEL_CHILD_",
+                                .vars = std::move(vars),
+                                .close_in_child = close_in_child});
 }
 
-// The child's exit code, or 128 + signal when it was killed.
-inline int wait_child(pid_t pid) {
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) return -1;
-  }
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return -1;
-}
+using keel_test::wait_child;
 
-// Waits (in real time, bounded) until `path` holds a complete line: how a
-// test learns that a child reached a point. Returns the contents.
-inline std::string await_line(const std::string& path, std::chrono::seconds limit = std::chrono::seconds(30)) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  for (;;) {
-    std::string s = read_file(path);
-    if (!s.empty() && s.back() == '\n') return s;
-    if (std::chrono::steady_clock::now() > end) return s;
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-}
+using keel_test::await_line;
 
 }  // namespace keel_durable

@@ -6,9 +6,6 @@
 // The child is this test binary re-executed (posix_spawn of /proc/self/exe)
 // running only the hidden test case "fan-out child process": a clean,
 // single-threaded process, which also works under the sanitizers.
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -33,8 +30,7 @@
 #include "keel/testing/scripted_provider.hpp"
 #include "keel/time_limit.hpp"
 #include "support/catch.hpp"
-
-extern char** environ;
+#include "support/child_process.hpp"
 
 using namespace std::chrono_literals;
 using keel::testing::manual_clock;
@@ -98,41 +94,15 @@ std::string summary(const keel::fan_out_report<std::string>& r,
   return out.str();
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using keel_test::read_file;
 
 // Spawns this binary running only the child test case; returns its exit code.
 int run_child(const std::map<std::string, std::string>& vars) {
-  std::vector<std::string> env_strings;
-  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
-  for (const auto& [k, v] : vars) env_strings.push_back("KEEL_FANOUT_CHILD_" + k + "=" + v);
-  std::vector<char*> envp;
-  for (std::string& s : env_strings) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  std::string exe = "/proc/self/exe";
-  std::string spec = "[fanout-child]";
-  std::string quiet = "--reporter=compact";
-  char* argv[] = {exe.data(), spec.data(), quiet.data(), nullptr};
-  posix_spawn_file_actions_t quiet_stdout;
-  posix_spawn_file_actions_init(&quiet_stdout);
-  posix_spawn_file_actions_addopen(&quiet_stdout, 1, "/dev/null", O_WRONLY, 0);
-  pid_t pid = 0;
-  const int spawned = posix_spawn(&pid, exe.c_str(), &quiet_stdout, nullptr, argv, envp.data());
-  posix_spawn_file_actions_destroy(&quiet_stdout);
-  if (spawned != 0) return -1;
-  int status = 0;
-  if (waitpid(pid, &status, 0) != pid) return -1;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return keel_test::wait_child(
+      keel_test::spawn_self({.test_case = "[fanout-child]", .env_prefix = "KEEL_FANOUT_CHILD_", .vars = vars}));
 }
 
-std::string child_env(const char* name) {
-  const char* v = std::getenv((std::string("KEEL_FANOUT_CHILD_") + name).c_str());
-  return v != nullptr ? v : "";
-}
+std::string child_env(const char* name) { return keel_test::child_var("KEEL_FANOUT_CHILD_", name); }
 
 class temp_dir {
  public:

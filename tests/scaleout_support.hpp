@@ -4,8 +4,6 @@
 #pragma once
 
 #include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -26,7 +24,7 @@
 
 #include "absl/strings/str_cat.h"
 
-extern char** environ;
+#include "support/child_process.hpp"
 
 namespace keel_scaleout {
 
@@ -104,63 +102,22 @@ class restart_guard {
 
 namespace keel_scaleout {
 
-inline std::string child_env(const char* name) {
-  const char* v = std::getenv((std::string("KEEL_SCALE_") + name).c_str());
-  return v ? v : "";
-}
+inline std::string child_env(const char* name) { return keel_test::child_var("KEEL_SCALE_", name); }
 
-inline pid_t spawn_child(const std::string& role, const std::map<std::string, std::string>& vars,
+inline pid_t spawn_child(const std::string& role, std::map<std::string, std::string> vars,
                          const std::vector<int>& close_in_child = {}) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    if (std::string_view(*e).rfind("KEEL_SCALE_", 0) != 0) env.emplace_back(*e);
-  }
-  env.push_back("KEEL_SCALE_ROLE=" + role);
-  for (const auto& [k, v] : vars) env.push_back("KEEL_SCALE_" + k + "=" + v);
-  std::vector<char*> envp;
-  for (std::string& e : env) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  std::string exe = "/proc/self/exe", name = "scaleout child process";
-  char* argv[] = {exe.data(), name.data(), nullptr};
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
-  for (int fd : close_in_child) posix_spawn_file_actions_addclose(&fa, fd);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv, envp.data());
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) throw std::runtime_error("posix_spawn failed");
-  return pid;
+  vars["ROLE"] = role;
+  return keel_test::spawn_self({.test_case = "scaleout child process",
+                                .env_prefix = "KEEL_SCALE_",
+                                .vars = std::move(vars),
+                                .close_in_child = close_in_child});
 }
 
-// The child's exit code, or 128 + signal when it was killed.
-inline int wait_child(pid_t pid) {
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) return -1;
-  }
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return -1;
-}
+using keel_test::wait_child;
 
-inline std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream out;
-  out << in.rdbuf();
-  return out.str();
-}
+using keel_test::read_file;
 
-// Waits (real time, bounded) until `path` holds a complete line.
-inline std::string await_line(const std::string& path, std::chrono::seconds limit = std::chrono::seconds(60)) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  for (;;) {
-    std::string s = read_file(path);
-    if (!s.empty() && s.back() == '\n') return s;
-    if (std::chrono::steady_clock::now() > end) return s;
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-}
+using keel_test::await_line;
 
 // A fresh temporary file path (the file is not created).
 inline std::string temp_path(const std::string& stem) {

@@ -18,13 +18,11 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "gateway_options.hpp"
 
-extern char** environ;
+#include "support/child_process.hpp"
 
 namespace keel_service {
 
@@ -71,12 +69,7 @@ class temp_dir {
   std::string path_;
 };
 
-inline std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using keel_test::read_file;
 
 // One line appended with O_APPEND: visible to other processes at once.
 inline void append_line(const std::string& path, const std::string& line) {
@@ -87,67 +80,20 @@ inline void append_line(const std::string& path, const std::string& line) {
   ::close(fd);
 }
 
-// Waits (in real time, bounded) until `path` holds a line containing
-// `needle`. Returns the file's contents.
-inline std::string await_text(const std::string& path, std::string_view needle,
-                              std::chrono::seconds limit = std::chrono::seconds(30)) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  for (;;) {
-    std::string s = read_file(path);
-    if (s.find(needle) != std::string::npos) return s;
-    if (std::chrono::steady_clock::now() > end) return s;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-}
+using keel_test::await_text;
 
 // This test binary, re-executed to run only the hidden test case
 // "service child process" with KEEL_SERVICE_<name> variables: a clean
 // single-threaded process (fork() in a threaded test binary is not).
 inline pid_t spawn_child(const std::map<std::string, std::string>& vars) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    if (std::string_view(*e).rfind("KEEL_SERVICE_", 0) != 0) env.emplace_back(*e);
-  }
-  for (const auto& [k, v] : vars) env.push_back("KEEL_SERVICE_" + k + "=" + v);
-  std::vector<char*> envp;
-  for (std::string& e : env) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  std::string exe = "/proc/self/exe", name = "service child process";
-  char* argv[] = {exe.data(), name.data(), nullptr};
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv, envp.data());
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) throw std::runtime_error("posix_spawn failed");
-  return pid;
+  return keel_test::spawn_self({.test_case = "service child process", .env_prefix = "KEEL_SERVICE_", .vars = vars});
 }
 
-inline std::string child_env(const char* name) {
-  const char* v = std::getenv((std::string("KEEL_SERVICE_") + name).c_str());
-  return v ? v : "";
-}
+inline std::string child_env(const char* name) { return keel_test::child_var("KEEL_SERVICE_", name); }
 
-// The child's exit code, or 128 + signal when it was killed; -1 if it is
-// still running after `limit`.
+// A stuck child is killed after a minute.
 inline int wait_child(pid_t pid, std::chrono::seconds limit = std::chrono::seconds(60)) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  int status = 0;
-  for (;;) {
-    const pid_t r = ::waitpid(pid, &status, WNOHANG);
-    if (r == pid) break;
-    if (r < 0 && errno != EINTR) return -1;
-    if (std::chrono::steady_clock::now() > end) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      return -1;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return -1;
+  return keel_test::wait_child(pid, limit);
 }
 
 }  // namespace keel_service
