@@ -204,7 +204,7 @@ TEST_CASE("load on loopback: normal, slowdown, outage, recovery, with a batch fl
     }
   }
   CHECK(transport_errors == 0);
-  CHECK(answers_timed >= answers * 9 / 10);  // (nearly) every answer reports its time: the check above ran
+  CHECK(answers_timed == answers);  // every answer reports its time: the check above ran on each
   CHECK(answers_timed > 0);
   CHECK(tenant_refusals > 0);
   // ...and visible where operators look.

@@ -685,7 +685,7 @@ class gateway_core {
                std::unique_ptr<effect_log> effects, Clock clock)
       : options_(std::move(o)),
         clock_(std::move(clock)),
-        listener_(make_listener(registry_)),
+        listener_(registry_),
         provider_(options_.provider, clock_),
         rubrics_(options_.rubric_latency, clock_),
         breakers_(keel::breaker_registry_options{
@@ -758,8 +758,6 @@ class gateway_core {
         .clock = clock_,
         .slo = slos_.find("batch")});
   }
-
-  static gateway_listener make_listener(keel::metrics_registry& r) { return keel::metrics_listener(r); }
 
   static keel::admission_options admission_options(const gateway_options& o) {
     keel::admission_options a{.tenant_defaults = o.tenant_defaults};
