@@ -263,7 +263,7 @@ TEST_CASE("handler failure, forget: the record is removed and a retry decides af
   manual_clock clock;
   store_t store(clock);
   auto o = opts();
-  o.on_failure = keel::on_failure::forget;
+  o.remember_failures = {.permanent = false};
   keel::once decide(store, o, clock);
   int calls = 0;
   auto flaky = [&](const keel::claim_context& c) -> absl::StatusOr<keel::decision> {
@@ -287,7 +287,7 @@ TEST_CASE("handler failure, remember: the failure is stored and replayed without
   manual_clock clock;
   store_t store(clock);
   auto o = opts();
-  o.on_failure = keel::on_failure::remember;
+  o.remember_failures = {.permanent = true, .transient = true, .throttled = true, .ambiguous = true};
   keel::once decide(store, o, clock);
   int calls = 0;
   auto failing = [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
@@ -305,11 +305,12 @@ TEST_CASE("handler failure, remember: the failure is stored and replayed without
   CHECK(calls == 1);
 }
 
-TEST_CASE("handler failure, remember_permanent: permanent failures stored, transient ones forgotten", "[once]") {
+TEST_CASE("handler failure, by default: permanent failures stored, transient ones forgotten", "[once]") {
   manual_clock clock;
   store_t store(clock);
-  keel::once decide(store, opts(), clock);  // remember_permanent is the default
-  REQUIRE(decide.options().on_failure == keel::on_failure::remember_permanent);
+  keel::once decide(store, opts(), clock);  // permanent failures only, by default
+  REQUIRE(decide.options().remember_failures.permanent);
+  REQUIRE_FALSE(decide.options().remember_failures.transient);
   int calls = 0;
   auto transient = [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
     ++calls;
@@ -512,4 +513,155 @@ TEST_CASE("an invalid identity is refused before the store is touched", "[once]"
   CHECK(r.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(r.status().message() == "idempotency key must not contain control characters (byte 0x0a at offset 3)");
   CHECK(calls == 0);
+}
+
+TEST_CASE("refusals and cancellations are never stored as the key's decision", "[once][outcome]") {
+  manual_clock clock;
+  store_t store(clock);
+  // Even with every provider failure remembered: nothing ran here. Before
+  // refusals had their own kind, the breaker's and the attempt's refusals
+  // were "permanent" and replayed to every retry for 24 h.
+  auto o = opts();
+  o.remember_failures = {.permanent = true, .transient = true, .throttled = true, .ambiguous = true};
+  keel::once decide(store, o, clock);
+  const absl::Status refusals[] = {
+      keel::refusal(absl::UnavailableError("keel: circuit breaker 'llm' is open"), "breaker:llm", 5s),
+      keel::refusal(absl::DeadlineExceededError("keel: attempt not started: 10 ms left"), "adaptive_timeout"),
+      absl::CancelledError("keel: call cancelled before the attempt started"),
+  };
+  const std::string keys[] = {"key-breaker", "key-attempt", "key-cancelled"};
+  for (int i = 0; i < 3; ++i) {
+    const absl::Status& refusal = refusals[i];
+    INFO(refusal.ToString());
+    const keel::request_identity id{.tenant = "merchant-82", .endpoint = "receipts", .key = keys[i]};
+    int refused_calls = 0;
+    keel::call first(clock.now(), {.timeout = 3s});
+    auto a = decide.run(first, id, receipt("receipt-A"), [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
+      ++refused_calls;
+      return refusal;
+    });
+    // The caller hears the refusal with its payloads: not started, who, when.
+    CHECK(a.status().code() == refusal.code());
+    CHECK(keel::not_started(a.status()) == keel::not_started(refusal));
+    CHECK(keel::retry_after(a.status()) == keel::retry_after(refusal));
+    CHECK(keel::refused_by(a.status()) == keel::refused_by(refusal));
+    // The provider recovered: the retry runs it instead of replaying the refusal.
+    std::atomic<int> calls{0};
+    keel::call retry(clock.now(), {.timeout = 3s});
+    auto b = decide.run(retry, id, receipt("receipt-A"), counting_provider{&calls});
+    REQUIRE(b.ok());
+    CHECK_FALSE(b->replayed);
+    CHECK(calls == 1);
+    CHECK(refused_calls == 1);
+  }
+}
+
+TEST_CASE("once takes the pipeline's classifier to choose what it stores", "[once][outcome]") {
+  manual_clock clock;
+  store_t store(clock);
+  // This service's provider reports a revoked key as Unavailable; its own
+  // classifier knows that is permanent, and so must once.
+  struct revoked_is_permanent {
+    keel::outcome_kind operator()(const absl::Status& s, const keel::operation& op) const {
+      if (s.message() == "key revoked") return keel::outcome_kind::permanent;
+      return keel::default_classifier{}(s, op);
+    }
+  };
+  keel::once<store_t, manual_clock, keel::null_listener, revoked_is_permanent> decide(store, opts(), clock, {}, {});
+  int calls = 0;
+  auto revoked = [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
+    ++calls;
+    return absl::UnavailableError("key revoked");
+  };
+  keel::call first(clock.now(), {.timeout = 3s});
+  CHECK(decide.run(first, receipt_key, receipt("receipt-A"), revoked).status().code() == absl::StatusCode::kUnavailable);
+  keel::call retry(clock.now(), {.timeout = 3s});
+  auto b = decide.run(retry, receipt_key, receipt("receipt-A"), revoked);
+  CHECK(b.status().message() == "key revoked");
+  CHECK(retry.record().replayed);
+  CHECK(calls == 1);
+}
+
+TEST_CASE("an ambiguous write stays unresolved until settled: never charged twice", "[once][outcome][seed]") {
+  manual_clock clock;
+  store_t store(clock);
+  keel::once decide(store, opts(), clock);
+  constexpr keel::operation charge{.effect = keel::effect::write};  // not idempotent downstream
+  int charges = 0;
+  auto charge_card = [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
+    ++charges;
+    if (charges == 1) return absl::InternalError("500 after the request was sent");
+    return keel::decision{.model_digest = "m-large@1", .result = "charged"};
+  };
+  keel::call first(clock.now(), {.timeout = 3s, .operation = charge});
+  auto a = decide.run(first, receipt_key, receipt("receipt-A"), charge_card);
+  REQUIRE(keel::is_unresolved(a.status()));
+  CHECK(keel::default_classifier{}(a.status(), charge) == keel::outcome_kind::ambiguous);
+  // The client's retry, even after the lease would have ended: not re-run.
+  clock.advance(2min);
+  keel::call retry(clock.now(), {.timeout = 3s, .operation = charge});
+  auto b = decide.run(retry, receipt_key, receipt("receipt-A"), charge_card);
+  CHECK(keel::is_unresolved(b.status()));
+  CHECK(charges == 1);
+
+  SECTION("settled as applied: retries replay the settled decision under the attempt's id") {
+    const keel::digest request = receipt("receipt-A");
+    REQUIRE(decide.resolve(receipt_key, request, keel::settlement::applied,
+                           {.model_digest = "m-large@1", .result = "charged (found at the processor)"})
+                .ok());
+    keel::call later(clock.now(), {.timeout = 3s, .operation = charge});
+    auto c = decide.run(later, receipt_key, request, charge_card);
+    REQUIRE(c.ok());
+    CHECK(c->replayed);
+    CHECK(c->decision.result == "charged (found at the processor)");
+    CHECK(c->decision.policy_revision == "rev-1");
+    CHECK(charges == 1);
+    // Settled once: a second settlement finds nothing to settle.
+    CHECK(decide.resolve(receipt_key, request, keel::settlement::not_applied).code() ==
+          absl::StatusCode::kFailedPrecondition);
+    keel::call again(clock.now(), {.timeout = 3s, .operation = charge});
+    CHECK(decide.run(again, receipt_key, request, charge_card)->decision.id == c->decision.id);
+  }
+  SECTION("settled as not applied: the next request decides afresh, with a higher fence") {
+    REQUIRE(decide.resolve(receipt_key, receipt("receipt-A"), keel::settlement::not_applied).ok());
+    keel::call later(clock.now(), {.timeout = 3s, .operation = charge});
+    auto c = decide.run(later, receipt_key, receipt("receipt-A"), charge_card);
+    REQUIRE(c.ok());
+    CHECK_FALSE(c->replayed);
+    CHECK(c->decision.result == "charged");
+    CHECK(charges == 2);
+    CHECK(c->fence > 2);
+  }
+  SECTION("a settlement for other contents is a conflict and settles nothing") {
+    CHECK(keel::is_conflict(decide.resolve(receipt_key, receipt("receipt-B"), keel::settlement::not_applied)));
+    keel::call later(clock.now(), {.timeout = 3s, .operation = charge});
+    CHECK(keel::is_unresolved(decide.run(later, receipt_key, receipt("receipt-A"), charge_card).status()));
+  }
+  SECTION("an invalid settled decision is refused and leaves the record unresolved") {
+    CHECK(decide.resolve(receipt_key, receipt("receipt-A"), keel::settlement::applied,
+                         {.model_digest = std::string(300, 'm')})
+              .code() == absl::StatusCode::kInvalidArgument);
+    keel::call later(clock.now(), {.timeout = 3s, .operation = charge});
+    CHECK(keel::is_unresolved(decide.run(later, receipt_key, receipt("receipt-A"), charge_card).status()));
+    CHECK(charges == 1);
+  }
+}
+
+TEST_CASE("resolve finds nothing to settle for a decided or absent key, and leaves no record", "[once]") {
+  manual_clock clock;
+  store_t store(clock);
+  keel::once decide(store, opts(), clock);
+  const keel::request_identity absent{.tenant = "merchant-82", .endpoint = "receipts", .key = "never-seen"};
+  CHECK(decide.resolve(absent, receipt("receipt-A"), keel::settlement::not_applied).code() ==
+        absl::StatusCode::kFailedPrecondition);
+  std::atomic<int> calls{0};
+  keel::call c(clock.now(), {.timeout = 3s});
+  auto fresh = decide.run(c, absent, receipt("receipt-A"), counting_provider{&calls});
+  REQUIRE(fresh.ok());
+  CHECK_FALSE(fresh->replayed);  // resolve left no record in flight
+  CHECK(decide.resolve(absent, receipt("receipt-A"), keel::settlement::not_applied).code() ==
+        absl::StatusCode::kFailedPrecondition);
+  keel::call again(clock.now(), {.timeout = 3s});
+  CHECK(decide.run(again, absent, receipt("receipt-A"), counting_provider{&calls})->replayed);
+  CHECK(calls == 1);
 }

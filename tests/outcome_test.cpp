@@ -24,7 +24,7 @@ TEST_CASE("default classification of absl codes", "[outcome]") {
   CHECK(classify(absl::OkStatus()) == outcome_kind::success);
   CHECK(classify(absl::UnavailableError("503")) == outcome_kind::transient);
   CHECK(classify(absl::AbortedError("conflict, try again")) == outcome_kind::transient);
-  CHECK(classify(absl::InternalError("500")) == outcome_kind::transient);
+  CHECK(classify(absl::InternalError("500")) == outcome_kind::transient);  // a read
   CHECK(classify(absl::ResourceExhaustedError("429")) == outcome_kind::throttled);
   // Bad credential, unsupported model, invalid argument: permanent.
   CHECK(classify(absl::UnauthenticatedError("bad key")) == outcome_kind::permanent);
@@ -33,8 +33,77 @@ TEST_CASE("default classification of absl codes", "[outcome]") {
   CHECK(classify(absl::NotFoundError("no such model")) == outcome_kind::permanent);
   CHECK(classify(absl::UnimplementedError("unsupported")) == outcome_kind::permanent);
   CHECK(classify(absl::FailedPreconditionError("x")) == outcome_kind::permanent);
-  CHECK(classify(absl::CancelledError("caller left")) == outcome_kind::permanent);
+  CHECK(classify(absl::CancelledError("caller left")) == outcome_kind::cancelled);
   CHECK(classify(absl::UnknownError("?")) == outcome_kind::ambiguous);
+}
+
+// The whole table of docs/outcomes.md, row by row, for a read and a write.
+TEST_CASE("the default classifier's table: for a write, whether it may have been applied decides", "[outcome]") {
+  struct row {
+    absl::Status status;
+    outcome_kind read;
+    outcome_kind write;
+  };
+  const absl::Status refused = keel::refusal(absl::UnavailableError("breaker open"), "breaker:llm", 5s);
+  const row rows[] = {
+      {absl::CancelledError("caller left"), outcome_kind::cancelled, outcome_kind::cancelled},
+      {keel::mark_not_started(absl::CancelledError("before start")), outcome_kind::cancelled, outcome_kind::cancelled},
+      {refused, outcome_kind::refused, outcome_kind::refused},
+      // A refused-by without "not started" is a provider's failure annotated
+      // by keel (the retry budget's): its own kind stands.
+      {keel::with_refused_by(absl::InternalError("500"), "retry_budget"), outcome_kind::transient,
+       outcome_kind::ambiguous},
+      {keel::with_refused_by(keel::mark_not_started(absl::ResourceExhaustedError("full")), "bulkhead:batch"),
+       outcome_kind::refused, outcome_kind::refused},
+      {absl::UnavailableError("503"), outcome_kind::transient, outcome_kind::transient},
+      {absl::AbortedError("conflict"), outcome_kind::transient, outcome_kind::transient},
+      {absl::ResourceExhaustedError("429"), outcome_kind::throttled, outcome_kind::throttled},
+      {absl::InternalError("500"), outcome_kind::transient, outcome_kind::ambiguous},
+      {keel::mark_not_started(absl::InternalError("before sending")), outcome_kind::transient,
+       outcome_kind::transient},
+      {absl::UnknownError("?"), outcome_kind::ambiguous, outcome_kind::ambiguous},
+      {keel::mark_not_started(absl::UnknownError("connect failed")), outcome_kind::transient,
+       outcome_kind::transient},
+      {absl::DeadlineExceededError("timed out"), outcome_kind::transient, outcome_kind::ambiguous},
+      {keel::mark_not_started(absl::DeadlineExceededError("not sent")), outcome_kind::transient,
+       outcome_kind::transient},
+      {absl::InvalidArgumentError("bad"), outcome_kind::permanent, outcome_kind::permanent},
+      {absl::UnauthenticatedError("key"), outcome_kind::permanent, outcome_kind::permanent},
+      {absl::PermissionDeniedError("denied"), outcome_kind::permanent, outcome_kind::permanent},
+      {absl::NotFoundError("model"), outcome_kind::permanent, outcome_kind::permanent},
+      {absl::FailedPreconditionError("x"), outcome_kind::permanent, outcome_kind::permanent},
+      {absl::AlreadyExistsError("x"), outcome_kind::permanent, outcome_kind::permanent},
+      {absl::OutOfRangeError("x"), outcome_kind::permanent, outcome_kind::permanent},
+      {absl::UnimplementedError("x"), outcome_kind::permanent, outcome_kind::permanent},
+      {absl::DataLossError("x"), outcome_kind::permanent, outcome_kind::permanent},
+      {keel::with_outcome(absl::InternalError("marked"), outcome_kind::transient), outcome_kind::transient,
+       outcome_kind::transient},
+  };
+  for (const row& r : rows) {
+    INFO(r.status.ToString());
+    CHECK(classify(r.status, read_op) == r.read);
+    CHECK(classify(r.status, write_op) == r.write);
+    CHECK(classify(r.status, idempotent_write) == r.write);
+  }
+}
+
+TEST_CASE("a refusal says who refused and when to come back; it is retried only by that hint", "[outcome]") {
+  const absl::Status with_hint = keel::refusal(absl::UnavailableError("breaker open"), "breaker:llm", 5s);
+  CHECK(keel::not_started(with_hint));
+  CHECK(keel::refused_by(with_hint) == "breaker:llm");
+  CHECK(keel::retry_after(with_hint) == keel::duration(5s));
+  CHECK(keel::marked_outcome(with_hint) == outcome_kind::refused);
+  CHECK(keel::retryable(with_hint, outcome_kind::refused, write_op));
+  const absl::Status no_hint = keel::refusal(absl::ResourceExhaustedError("cap"), "attempt_cap");
+  CHECK_FALSE(keel::retry_after(no_hint).has_value());
+  CHECK_FALSE(keel::retryable(no_hint, outcome_kind::refused, read_op));
+  CHECK_FALSE(keel::retryable(outcome_kind::refused, read_op));
+  CHECK_FALSE(keel::retryable(outcome_kind::cancelled, read_op));
+  CHECK_FALSE(keel::provider_outcome(outcome_kind::refused));
+  CHECK_FALSE(keel::provider_outcome(outcome_kind::cancelled));
+  CHECK(keel::provider_outcome(outcome_kind::permanent));
+  CHECK(keel::to_string(outcome_kind::refused) == "refused");
+  CHECK(keel::to_string(outcome_kind::cancelled) == "cancelled");
 }
 
 TEST_CASE("a timed-out read is transient, a timed-out write is ambiguous", "[outcome]") {

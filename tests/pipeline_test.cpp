@@ -149,6 +149,38 @@ TEST_CASE("time_limit narrows the stage and refuses when out of time", "[pipelin
   CHECK_THROWS_AS(keel::time_limit({.at_most = 0ms}), keel::invalid_options);
 }
 
+TEST_CASE("keel's own refusals are classified refused and name the refuser", "[pipeline][outcome]") {
+  manual_clock clock;
+  keel::default_classifier classify;
+  constexpr keel::operation read{};
+  // time_limit with no time left.
+  auto limited = keel::pipeline(keel::time_limit({.at_most = 300ms})).on(clock);
+  keel::call late(clock.now(), {.timeout = 1s});
+  clock.advance(2s);
+  const absl::Status no_time = limited.run(late, [] { return absl::OkStatus(); });
+  CHECK(classify(no_time, read) == keel::outcome_kind::refused);
+  CHECK(keel::refused_by(no_time) == "time_limit");
+  // The pipeline itself with no time left to start an attempt.
+  keel::call expired(clock.now(), {.timeout = 1s});
+  clock.advance(2s);
+  const absl::Status none = keel::pipeline().on(clock).run(expired, [] { return absl::OkStatus(); });
+  CHECK(classify(none, read) == keel::outcome_kind::refused);
+  CHECK(keel::refused_by(none) == "deadline");
+  // The call's attempt cap.
+  keel::call capped(clock.now(), {.timeout = 1s, .max_attempts = 1});
+  auto pipe = keel::pipeline().on(clock);
+  REQUIRE(pipe.run(capped, [] { return absl::OkStatus(); }).ok());
+  const absl::Status over = pipe.run(capped, [] { return absl::OkStatus(); });
+  CHECK(classify(over, read) == keel::outcome_kind::refused);
+  CHECK(keel::refused_by(over) == "attempt_cap");
+  CHECK(keel::not_started(over));
+  // The caller's cancellation is its own kind, not a refusal.
+  std::stop_source stop;
+  stop.request_stop();
+  keel::call gone(clock.now(), {.timeout = 1s, .stop = stop.get_token()});
+  CHECK(classify(pipe.run(gone, [] { return absl::OkStatus(); }), read) == keel::outcome_kind::cancelled);
+}
+
 TEST_CASE("a cancelled call does not start an attempt", "[pipeline]") {
   std::stop_source stop;
   stop.request_stop();

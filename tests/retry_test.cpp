@@ -120,6 +120,49 @@ TEST_CASE("a hint longer than max_retry_after ends the retries", "[retry]") {
   CHECK(provider.calls() == 1);
 }
 
+TEST_CASE("a keel refusal is retried only after its own hint, and never without one", "[retry]") {
+  manual_clock clock;
+  clock.auto_advance(true);
+  // A full bulkhead further in said when a slot is expected: waited exactly,
+  // even with provider hints turned off.
+  int calls = 0;
+  std::vector<keel::time_point> starts;
+  auto hinted = [&](const keel::attempt& a) -> absl::StatusOr<int> {
+    starts.push_back(a.start);
+    if (++calls == 1)
+      return keel::refusal(absl::ResourceExhaustedError("bulkhead full"), "bulkhead:batch", 300ms);
+    return 7;
+  };
+  auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .honour_retry_after = false})).on(clock);
+  keel::call call(clock.now(), {.timeout = 10s});
+  REQUIRE(pipe.run(call, hinted).value() == 7);
+  REQUIRE(starts.size() == 2);
+  CHECK(starts[1] - starts[0] == ms(300));
+
+  // No hint: keel declined and said nothing of coming back (the attempt
+  // cap, no time left): not hammered. Before refusals had their own kind,
+  // this full bulkhead (ResourceExhausted) was "throttled" and retried.
+  int plain_calls = 0;
+  auto unhinted = [&]() -> absl::Status {
+    ++plain_calls;
+    return keel::with_refused_by(keel::mark_not_started(absl::ResourceExhaustedError("bulkhead full")),
+                                 "bulkhead:batch");
+  };
+  keel::call second(clock.now(), {.timeout = 10s});
+  const absl::Status r = pipe.run(second, unhinted);
+  CHECK(keel::refused_by(r) == "bulkhead:batch");
+  CHECK(plain_calls == 1);
+
+  // The caller's cancellation reported by the provider is never retried.
+  int cancelled_calls = 0;
+  keel::call third(clock.now(), {.timeout = 10s});
+  CHECK(pipe.run(third, [&]() -> absl::Status {
+              ++cancelled_calls;
+              return absl::CancelledError("client went away");
+            }).code() == absl::StatusCode::kCancelled);
+  CHECK(cancelled_calls == 1);
+}
+
 TEST_CASE("permanent failures are never retried", "[retry]") {
   manual_clock clock;
   clock.auto_advance(true);

@@ -712,9 +712,9 @@ class gateway_core {
                                         .retention = options_.idempotency_retention,
                                         .retry_window = std::min<keel::duration>(std::chrono::hours(1),
                                                                                  options_.idempotency_retention / 2),
-                                        // Only decisions are kept: a failure (a refusal, an open breaker, a
-                                        // model that did not answer) leaves the key free for a retry.
-                                        .on_failure = keel::on_failure::forget,
+                                        // Only decisions are kept: a provider's failure leaves the key free
+                                        // for a retry (refusals and cancellations always do).
+                                        .remember_failures = {.permanent = false},
                                         .policy_revision = options_.policy_revision},
               clock_, listener_),
         jobs_(std::move(jobs)),

@@ -140,11 +140,10 @@ class adaptive_timeout {
     const duration left = plan.deadline.remaining(plan.now);
     const std::optional<duration> timeout = attempt_timeout(left);
     if (!timeout) {
-      return R(with_outcome(
-          mark_not_started(absl::DeadlineExceededError(
-              absl::StrCat("keel: attempt not started: ", detail::describe(left), " left, below the ",
-                           detail::describe(options_.lower), " an attempt needs"))),
-          outcome_kind::permanent));
+      return R(refusal(absl::DeadlineExceededError(absl::StrCat("keel: attempt not started: ", detail::describe(left),
+                                                                " left, below the ", detail::describe(options_.lower),
+                                                                " an attempt needs")),
+                       "adaptive_timeout"));
     }
     const time_point start = plan.now;
     plan.deadline = plan.deadline.within(start, *timeout);

@@ -30,10 +30,11 @@
 // What counts is decided by the outcome classification (keel/outcome.hpp):
 // by default transient and ambiguous outcomes (unavailable, timeouts, a
 // thrown provider) are failures; permanent ones (bad credential, invalid
-// argument, unsupported model, cancelled) and throttled ones are ignored —
-// one tenant's bad key is not a provider outage. Each kind is configurable.
-// A status marked "not started" (nothing reached the dependency) never
-// counts.
+// argument, unsupported model) and throttled ones are ignored — one
+// tenant's bad key is not a provider outage. Each of those is configurable.
+// Refusals (keel declined before any work) and cancellations (the caller
+// left) are never counted, whatever the options say: they say nothing about
+// the dependency. A status marked "not started" never counts either.
 //
 // Standalone:
 //
@@ -194,7 +195,7 @@ struct circuit_breaker_options {
   breaker_verdict transient = breaker_verdict::failure;
   breaker_verdict ambiguous = breaker_verdict::failure;  // a write's timeout, a thrown provider
   breaker_verdict throttled = breaker_verdict::ignore;
-  breaker_verdict permanent = breaker_verdict::ignore;   // bad credential, invalid argument, cancelled
+  breaker_verdict permanent = breaker_verdict::ignore;   // bad credential, invalid argument
 
   // Called on every state change (see the thread-safety note above).
   std::function<void(const breaker_transition&)> on_state_change{};
@@ -475,8 +476,8 @@ class circuit_breaker {
   // then the first caller becomes the first half-open probe.
   [[nodiscard]] breaker_permit try_acquire(time_point now) noexcept { return acquire(now, nullptr); }
 
-  // The status for a call refused at `now`: Unavailable, not started,
-  // classified permanent, refused-by "breaker:<name>", with a retry-after of
+  // The status for a call refused at `now`: Unavailable, keel::refusal()
+  // (not started, classified refused), refused-by "breaker:<name>", with a retry-after of
   // the time left open (or, half-open, until a lost probe would be reclaimed).
   // Allocates: call it on the refusal path only.
   [[nodiscard]] absl::Status refusal(time_point now) const {
@@ -504,9 +505,7 @@ class circuit_breaker {
         wait = duration::zero();
         break;
     }
-    if (wait) st = with_retry_after(std::move(st), *wait);
-    return with_outcome(with_refused_by(mark_not_started(std::move(st)), absl::StrCat("breaker:", options_.name)),
-                        outcome_kind::permanent);
+    return keel::refusal(std::move(st), absl::StrCat("breaker:", options_.name), wait);
   }
 
   // Operator controls. Each takes the transition lock and reports the
@@ -697,6 +696,9 @@ class circuit_breaker {
       case outcome_kind::throttled: return options_.throttled;
       case outcome_kind::permanent: return options_.permanent;
       case outcome_kind::ambiguous: return options_.ambiguous;
+      // Not the dependency's doing: keel declined, or the caller left.
+      case outcome_kind::refused:
+      case outcome_kind::cancelled: return breaker_verdict::ignore;
     }
     return breaker_verdict::ignore;
   }

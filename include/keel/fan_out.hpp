@@ -24,8 +24,11 @@
 //      is saved for the next run.
 //
 // run() returns a report, per unit, in the order given: cached, succeeded,
-// failed (the status and its classification), cancelled, or missing (never
-// started: no time left, the call was cancelled, the executor refused).
+// failed (the provider's failure: its status and classification), cancelled,
+// or missing (no answer produced and none refused by the provider: never
+// started for lack of time, still queued in the executor at the deadline, the
+// executor refused, or the worker's own status was a keel refusal such as an
+// open breaker or a full quota, or a cancellation).
 // Successes and failures are kept apart; failures keep their classification.
 // A unit cancelled while its worker was running is `outstanding`: its
 // upstream work may go on after a local cancel (a worker that returns a
@@ -219,7 +222,8 @@ struct unit_result {
   unit_state state = unit_state::pending;
   std::optional<T> value;             // cached / succeeded (and a cancelled unit's late answer)
   absl::Status status;                // failed / cancelled / missing: why
-  std::optional<outcome_kind> kind;   // failed: the classification of `status`
+  std::optional<outcome_kind> kind;   // failed / missing: the classification of `status`
+                                      // (missing: refused or cancelled, never a provider's failure)
   bool outstanding = false;           // cancelled while running, not confirmed stopped
   bool saved = false;                 // this run saved its value
   absl::Status save_status;           // a failed save (the value is still reported)
@@ -254,8 +258,8 @@ struct fan_out_report {
 
   // OK when the rule was met (and, for completion::all with
   // require_complete, the panel is complete). Otherwise Unavailable
-  // (FailedPrecondition when every failure is permanent) naming each missing
-  // unit and why.
+  // (FailedPrecondition only when every unit without an answer failed
+  // permanently: a rerun cannot help) naming each missing unit and why.
   [[nodiscard]] absl::Status status() const {
     if (!refused.ok()) return refused;
     const bool partial_ok = rule.kind == completion::rule::all && !require_complete && results() > 0;
@@ -266,7 +270,9 @@ struct fan_out_report {
     for (const auto& u : units) {
       if (u.state == unit_state::cached || u.state == unit_state::succeeded) continue;
       ++without;
-      if (u.kind != outcome_kind::permanent) all_permanent = false;
+      // Only a unit that failed permanently makes a rerun pointless; a missing
+      // one (refused, not started, cancelled) may well succeed next time.
+      if (u.state != unit_state::failed || u.kind != outcome_kind::permanent) all_permanent = false;
       absl::StrAppend(&why, without == 1 ? "" : "; ", u.name, " (", detail::to_absl(to_string(u.state)));
       if (u.kind) absl::StrAppend(&why, ", ", detail::to_absl(to_string(*u.kind)));
       if (!u.status.ok()) absl::StrAppend(&why, ": ", u.status.message());
@@ -289,7 +295,8 @@ struct fan_out_figures {
   std::int64_t cached = 0;       // units answered from the store
   std::int64_t started = 0;      // units handed to the executor
   std::int64_t succeeded = 0;
-  std::int64_t failed = 0;
+  std::int64_t failed = 0;         // the provider's failures only
+  std::int64_t missing = 0;        // never produced: refused, not started, cancelled before an answer
   std::int64_t cancelled = 0;
   std::int64_t outstanding = 0;  // units cancelled while running, not confirmed stopped
   std::int64_t saved = 0;        // results this collector saved
@@ -317,6 +324,7 @@ class fan_out {
             .started = get(started_),
             .succeeded = get(succeeded_),
             .failed = get(failed_),
+            .missing = get(missing_),
             .cancelled = get(cancelled_),
             .outstanding = get(outstanding_),
             .saved = get(saved_),
@@ -484,6 +492,8 @@ class fan_out {
       unit_result<T>& r = report.units[i];
       r.state = unit_state::missing;
       r.status = annotate(refused, "keel: not started: the executor refused");
+      r.kind = classify(r.status);
+      owner.missing_.fetch_add(1, std::memory_order_relaxed);
       progress_locked(i);
       return true;
     }
@@ -501,7 +511,12 @@ class fan_out {
       }
       absl::StatusOr<T> answer = absl::CancelledError("unset");
       if (stop.stop_requested()) {
-        answer = mark_not_started(absl::CancelledError("keel: unit cancelled before it started"));
+        // Still queued in the executor when the run ended: never started.
+        answer = s.cancel_requested
+                     ? mark_not_started(absl::CancelledError("keel: unit cancelled before it started"))
+                     : refusal(absl::DeadlineExceededError(
+                                   "keel: not started: queued in the executor until no time was left"),
+                               "deadline");
       } else {
         const unit_context uc{units[i], i, s.start, d, stop, call};
         answer = invoke(uc);
@@ -550,10 +565,17 @@ class fan_out {
         success_order.push_back(i);
         owner.succeeded_.fetch_add(1, std::memory_order_relaxed);
       } else {
-        r.state = unit_state::failed;
         r.status = std::move(verdict);
         r.kind = classify(r.status);
-        owner.failed_.fetch_add(1, std::memory_order_relaxed);
+        if (provider_outcome(*r.kind)) {
+          r.state = unit_state::failed;
+          owner.failed_.fetch_add(1, std::memory_order_relaxed);
+        } else {
+          // Refused before any work (a breaker open, a quota full, no time
+          // left) or cancelled: the unit is missing, not failed.
+          r.state = unit_state::missing;
+          owner.missing_.fetch_add(1, std::memory_order_relaxed);
+        }
       }
       progress_locked(i);
       s.submitted = false;
@@ -622,7 +644,9 @@ class fan_out {
             r.state = unit_state::missing;
             r.status = why == end::cancelled
                            ? mark_not_started(absl::CancelledError("keel: not started: the call was cancelled"))
-                           : mark_not_started(absl::DeadlineExceededError("keel: not started: no time left"));
+                           : refusal(absl::DeadlineExceededError("keel: not started: no time left"), "deadline");
+            r.kind = classify(r.status);
+            owner.missing_.fetch_add(1, std::memory_order_relaxed);
           }
           progress_locked(i);
         }
@@ -709,6 +733,7 @@ class fan_out {
   std::atomic<std::int64_t> started_{0};
   std::atomic<std::int64_t> succeeded_{0};
   std::atomic<std::int64_t> failed_{0};
+  std::atomic<std::int64_t> missing_{0};
   std::atomic<std::int64_t> cancelled_{0};
   std::atomic<std::int64_t> outstanding_{0};
   std::atomic<std::int64_t> saved_{0};

@@ -115,6 +115,11 @@ struct request_identity {
   friend bool operator==(const request_identity&, const request_identity&) = default;
 };
 
+// The policy revision a record is stored under when its outcome is
+// unresolved: the provider's write may or may not have been applied (an
+// ambiguous failure). Reserved: a provider's decision may not use it.
+inline constexpr std::string_view unresolved_revision = "keel:unresolved";
+
 // What a committed record holds.
 struct decision {
   std::string id{};             // the decision id: stable across replays; 1-255 bytes
@@ -127,6 +132,9 @@ struct decision {
   std::string error_message{};
 
   [[nodiscard]] bool failed() const noexcept { return error_code != absl::StatusCode::kOk; }
+  // An ambiguous outcome kept until it is settled (keel::once::resolve):
+  // whether the effect happened is unknown, so it is never re-run.
+  [[nodiscard]] bool unresolved() const noexcept { return failed() && policy_revision == unresolved_revision; }
   [[nodiscard]] absl::Status error() const { return absl::Status(error_code, error_message); }
 
   [[nodiscard]] absl::Status validate() const {
@@ -227,11 +235,27 @@ enum class on_duplicate {
   retry_later,  // answer at once with keel::in_flight_error (retry-after = the holder's lease)
 };
 
-// The provider failed:
-enum class on_failure {
-  forget,              // abandon the record: a retry decides afresh
-  remember,            // store the failure: retries get the same failure
-  remember_permanent,  // store permanent failures, forget the rest (the default)
+// Which of the provider's failures keel::once stores as the key's answer,
+// by outcome kind (keel/outcome.hpp). A stored failure is replayed to every
+// retry until retention ends; a forgotten one frees the key, so a retry
+// decides afresh. Two kinds are never stored, whatever this says: a refusal
+// (keel declined before any work: an open breaker, a full quota, no time
+// left) and a cancellation; nothing ran, so a retry must be free to run.
+struct failure_memory {
+  bool permanent = true;   // bad input, bad credential: the same request fails the same way
+  bool transient = false;
+  bool throttled = false;
+  // An ambiguous failure (the write may have been applied) of a repeatable
+  // operation (a read, or an idempotent write). For a non-repeatable write it
+  // is always kept, as an unresolved record, until keel::once::resolve()
+  // settles it: running it again could apply it twice.
+  bool ambiguous = false;
+};
+
+// The settlement of an unresolved record (keel::once::resolve).
+enum class settlement {
+  applied,      // the effect happened: store the decision given; retries replay it
+  not_applied,  // it did not: free the key; the next request decides afresh
 };
 
 // A replay meets a decision made under another policy revision:
@@ -250,7 +274,7 @@ struct idempotency_options {
   // How long clients may retry a request (the API's documented retry window); >= 0.
   duration retry_window = std::chrono::hours(1);
   keel::on_duplicate on_duplicate = keel::on_duplicate::wait;
-  keel::on_failure on_failure = keel::on_failure::remember_permanent;
+  keel::failure_memory remember_failures{};
   keel::on_policy_change on_policy_change = keel::on_policy_change::replay;
   // The policy in force, stored with each new decision; <= 255 bytes, and
   // non-empty when on_policy_change is conflict or decide_again.
@@ -313,12 +337,18 @@ struct idempotency_begin {
 
 }  // namespace events
 
-template <idempotency_store Store, keel::clock Clock = real_clock, class Listener = null_listener>
+template <idempotency_store Store, keel::clock Clock = real_clock, class Listener = null_listener,
+          keel::classifier Classifier = default_classifier>
 class once {
  public:
-  // Throws keel::invalid_options if `o` is invalid.
-  once(Store& store, idempotency_options o, Clock clock = {}, Listener listener = {})
-      : store_(store), options_(std::move(o)), clock_(std::move(clock)), listener_(std::move(listener)) {
+  // Throws keel::invalid_options if `o` is invalid. `classify` decides the
+  // kind of a provider's failure (pass the pipeline's classifier).
+  once(Store& store, idempotency_options o, Clock clock = {}, Listener listener = {}, Classifier classify = {})
+      : store_(store),
+        options_(std::move(o)),
+        clock_(std::move(clock)),
+        listener_(std::move(listener)),
+        classify_(std::move(classify)) {
     detail::require_valid(options_.validate());
   }
 
@@ -337,7 +367,9 @@ class once {
   //                           its decision stands (begin again to replay it)
   //   keel::is_unknown_outcome the commit failed in the store: the decision may be
   //                           stored; begin again to find out — never assume it is not
-  //   the provider's failure  (stored or forgotten per on_failure), or a stored failure replayed
+  //   the provider's failure  (stored or forgotten per remember_failures), or a stored failure replayed
+  //   keel::is_unresolved     an earlier attempt's write may or may not have been applied;
+  //                           nothing runs until resolve() settles it
   //   Cancelled (not started) the call was cancelled while waiting
   template <class Provider>
   absl::StatusOr<once_result> run(keel::call& call, const request_identity& id, const digest& request,
@@ -360,7 +392,7 @@ class once {
         case begin_state::claimed:
           return decide(call, id, *r, sent, provider);
         case begin_state::replay:
-          return replay(call, std::move(*r));
+          return replay(call, id, std::move(*r));
         case begin_state::conflict:
           return conflict_error(absl::StrCat("key '", detail::to_absl(id.key), "' was used for a different request (",
                                              r->conflict_in_flight ? "in flight" : "committed", ")"));
@@ -388,19 +420,89 @@ class once {
     }
   }
 
+  // Settles an unresolved record (an earlier attempt failed ambiguously:
+  // keel::is_unresolved) once the caller has found out, from the system the
+  // write went to, whether it was applied:
+  //   settlement::applied      `applied` becomes the key's decision (its id
+  //                            defaults to the unresolved attempt's, its
+  //                            policy revision to the options'); retries replay it.
+  //   settlement::not_applied  the key is freed; the next request decides afresh.
+  // Returns OK when this call settled it; FailedPrecondition when there is
+  // nothing to settle (no record, or it is decided or already settled);
+  // is_in_flight / is_conflict as run() does; a store error as it is.
+  // The record is reclaimed with a fence above every earlier one, so a
+  // resolver that loses the race to another finds it settled. Two resolvers
+  // of one key under different policy revisions can still both act when a
+  // fresh decision lands between one's check and its claim: settle a key
+  // from one place.
+  [[nodiscard]] absl::Status resolve(const request_identity& id, const digest& request, settlement how,
+                                     decision applied = {}) const {
+    if (absl::Status v = id.validate(); !v.ok()) return v;
+    if (how == settlement::applied) {
+      // Checked before the record is touched: a refused settlement leaves it unresolved.
+      if (applied.policy_revision.empty()) applied.policy_revision = options_.policy_revision;
+      applied.error_code = absl::StatusCode::kOk;
+      applied.error_message.clear();
+      if (applied.policy_revision == unresolved_revision)
+        return absl::InvalidArgumentError("keel: a settled decision may not use the unresolved policy revision");
+      decision probe = applied;
+      if (probe.id.empty()) probe.id = "the unresolved attempt's id";
+      if (absl::Status v = probe.validate(); !v.ok()) return annotate(v, "keel: the settled decision is invalid");
+    }
+    const owner_id me = owner_id::random();
+    begin_options bo{.lease = options_.lease, .retention = options_.retention};
+    auto nothing = [&](std::string_view why) {
+      return absl::FailedPreconditionError(absl::StrCat("keel: nothing to settle for ", describe(id), ": ",
+                                                        detail::to_absl(why)));
+    };
+    absl::StatusOr<begin_outcome> seen = store_.begin(id, request, me, bo);
+    if (!seen.ok()) return seen.status();
+    switch (seen->state) {
+      case begin_state::claimed:
+        (void)store_.abandon(id, seen->ownership);  // there was no record: leave none
+        return nothing("no record");
+      case begin_state::in_flight:
+        return in_flight_error(describe(id), seen->lease_remaining);
+      case begin_state::conflict:
+        return conflict_error(absl::StrCat("key '", detail::to_absl(id.key), "' was used for a different request"));
+      case begin_state::replay:
+        if (!seen->decision.unresolved()) return nothing("it is decided");
+        break;
+    }
+    // Reclaim it: supersede succeeds because the stored revision is the
+    // reserved unresolved one; a record settled meanwhile is replayed instead.
+    bo.supersede_revision = options_.policy_revision.empty() ? std::string_view("keel:settled")
+                                                             : std::string_view(options_.policy_revision);
+    absl::StatusOr<begin_outcome> claim = store_.begin(id, request, me, bo);
+    if (!claim.ok()) return claim.status();
+    if (claim->state == begin_state::replay) return nothing("already settled");
+    if (claim->state == begin_state::in_flight) return in_flight_error(describe(id), claim->lease_remaining);
+    if (claim->state == begin_state::conflict)
+      return conflict_error(absl::StrCat("key '", detail::to_absl(id.key), "' was used for a different request"));
+    if (!claim->superseded) {
+      (void)store_.abandon(id, claim->ownership);
+      return nothing("the record expired");
+    }
+    if (how == settlement::not_applied) return store_.abandon(id, claim->ownership);
+    if (applied.id.empty()) applied.id = seen->decision.id;
+    return store_.commit(id, claim->ownership, applied, options_.retention);
+  }
+
  private:
   static std::string describe(const request_identity& id) {
     return absl::StrCat("request '", detail::to_absl(id.tenant), "/", detail::to_absl(id.endpoint), "/",
                         detail::to_absl(id.key), "'");
   }
 
-  absl::StatusOr<once_result> replay(keel::call& call, begin_outcome r) const {
+  absl::StatusOr<once_result> replay(keel::call& call, const request_identity& id, begin_outcome r) const {
     if (options_.on_policy_change == on_policy_change::conflict &&
         r.decision.policy_revision != options_.policy_revision) {
       return conflict_error(absl::StrCat("decided under policy revision '", r.decision.policy_revision,
                                          "', now '", options_.policy_revision, "'"));
     }
     call.mark_replayed();
+    if (r.decision.unresolved())
+      return unresolved_error(absl::StrCat(describe(id), " (attempt ", r.decision.id, ")"), r.decision.error_message);
     if (r.decision.failed()) return r.decision.error();
     return once_result{.decision = std::move(r.decision), .replayed = true, .fence = r.ownership.fence};
   }
@@ -441,6 +543,11 @@ class once {
       decision d = std::move(*made);
       if (d.id.empty()) d.id = minted;
       if (d.policy_revision.empty()) d.policy_revision = options_.policy_revision;
+      if (d.policy_revision == unresolved_revision) {
+        (void)store_.abandon(id, token);
+        return absl::InvalidArgumentError(absl::StrCat("keel: the provider's decision uses the reserved policy revision '",
+                                                       detail::to_absl(unresolved_revision), "'"));
+      }
       d.error_code = absl::StatusCode::kOk;
       d.error_message.clear();
       if (absl::Status v = d.validate(); !v.ok()) {
@@ -452,11 +559,18 @@ class once {
     }
 
     const absl::Status failure = made.status();
-    const bool remember =
-        options_.on_failure == on_failure::remember ||
-        (options_.on_failure == on_failure::remember_permanent &&
-         default_classifier{}(failure, call.operation()) == outcome_kind::permanent);
-    if (remember) {
+    const outcome_kind kind = classify_(failure, call.operation());
+    const bool unresolved = kind == outcome_kind::ambiguous && !call.operation().repeatable();
+    if (unresolved) {
+      // Kept, never re-run: a retry gets keel::is_unresolved until resolve().
+      decision d{.id = minted,
+                 .policy_revision = std::string(unresolved_revision),
+                 .error_code = absl::StatusCode::kUnknown,
+                 .error_message = std::string(failure.message())};
+      if (absl::Status s = commit(call, id, token, d); !s.ok()) return s;
+      return unresolved_error(absl::StrCat(describe(id), " (attempt ", minted, ")"), detail::to_std(failure.message()));
+    }
+    if (remembered(kind)) {
       decision d{.id = minted,
                  .policy_revision = options_.policy_revision,
                  .error_code = failure.code(),
@@ -468,6 +582,20 @@ class once {
       (void)store_.abandon(id, token);
     }
     return failure;
+  }
+
+  [[nodiscard]] bool remembered(outcome_kind k) const noexcept {
+    const failure_memory& m = options_.remember_failures;
+    switch (k) {
+      case outcome_kind::permanent: return m.permanent;
+      case outcome_kind::transient: return m.transient;
+      case outcome_kind::throttled: return m.throttled;
+      case outcome_kind::ambiguous: return m.ambiguous;
+      case outcome_kind::success:
+      case outcome_kind::refused:
+      case outcome_kind::cancelled: return false;
+    }
+    return false;
   }
 
   // Commits; a commit the store says was not applied is repeated (it is
@@ -489,6 +617,7 @@ class once {
   idempotency_options options_;
   Clock clock_;
   Listener listener_;
+  Classifier classify_;
 };
 
 }  // namespace keel

@@ -250,7 +250,7 @@ template <store_time_source T>
 
 inline constexpr std::string_view store_condition_payload = "keel.dev/store-condition";
 
-enum class store_condition { lost_ownership, unknown_outcome, in_flight, conflict };
+enum class store_condition { lost_ownership, unknown_outcome, in_flight, conflict, unresolved };
 
 [[nodiscard]] constexpr std::string_view to_string(store_condition c) noexcept {
   switch (c) {
@@ -258,6 +258,7 @@ enum class store_condition { lost_ownership, unknown_outcome, in_flight, conflic
     case store_condition::unknown_outcome: return "unknown-outcome";
     case store_condition::in_flight: return "in-flight";
     case store_condition::conflict: return "conflict";
+    case store_condition::unresolved: return "unresolved";
   }
   return "unknown";
 }
@@ -266,7 +267,7 @@ enum class store_condition { lost_ownership, unknown_outcome, in_flight, conflic
   auto p = s.GetPayload(detail::to_absl(store_condition_payload));
   if (!p) return std::nullopt;
   for (store_condition c : {store_condition::lost_ownership, store_condition::unknown_outcome,
-                            store_condition::in_flight, store_condition::conflict}) {
+                            store_condition::in_flight, store_condition::conflict, store_condition::unresolved}) {
     if (*p == detail::to_absl(to_string(c))) return c;
   }
   return std::nullopt;
@@ -323,6 +324,19 @@ namespace detail {
                       outcome_kind::permanent);
 }
 [[nodiscard]] inline bool is_conflict(const absl::Status& s) { return condition_of(s) == store_condition::conflict; }
+
+// An earlier attempt of this request failed after its write may have been
+// applied, and nobody has settled it (keel::once::resolve). Classified
+// ambiguous: it is not retried blindly and must not be run again.
+[[nodiscard]] inline absl::Status unresolved_error(std::string_view what, std::string_view cause) {
+  return with_outcome(detail::with_condition(absl::UnknownError(absl::StrCat(
+                                                 "keel: unresolved: ", detail::to_absl(what),
+                                                 " may or may not have been applied (", detail::to_absl(cause),
+                                                 "); settle it with keel::once::resolve before deciding again")),
+                                             store_condition::unresolved),
+                      outcome_kind::ambiguous);
+}
+[[nodiscard]] inline bool is_unresolved(const absl::Status& s) { return condition_of(s) == store_condition::unresolved; }
 
 // The store could not perform the operation and did not apply it (busy
 // beyond its timeout, connection refused before sending): safe to repeat.

@@ -86,7 +86,7 @@ R invoke_provider(Ctx& ctx, const attempt_plan& plan, Provider& provider) {
     return R(mark_not_started(absl::CancelledError("keel: call cancelled before the attempt started")));
   }
   if (plan.deadline.expired(plan.now)) {
-    return R(mark_not_started(absl::DeadlineExceededError("keel: no time left to start an attempt")));
+    return R(refusal(absl::DeadlineExceededError("keel: no time left to start an attempt"), "deadline"));
   }
   // A provider that runs another pipeline on the same call (an SDK layer
   // inside an application layer) hands its own attempt to the first inner
@@ -100,9 +100,9 @@ R invoke_provider(Ctx& ctx, const attempt_plan& plan, Provider& provider) {
     number = ctx.call.begin_attempt();
   }
   if (number == 0) {
-    return R(with_outcome(mark_not_started(absl::ResourceExhaustedError(absl::StrCat(
-                              "keel: attempt cap of ", ctx.call.max_attempts(), " reached for this call"))),
-                          outcome_kind::permanent));
+    return R(refusal(absl::ResourceExhaustedError(absl::StrCat("keel: attempt cap of ", ctx.call.max_attempts(),
+                                                               " reached for this call")),
+                     "attempt_cap"));
   }
   invocation self{&ctx.call, number, true};
   const invocation_scope scope(&self, outer);

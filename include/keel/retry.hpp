@@ -1,8 +1,9 @@
 // keel/retry.hpp — classified, bounded, budgeted retries.
 //
 // keel::retry tries again only what may be tried again (keel/outcome.hpp:
-// transient and throttled results, and ambiguous ones only for repeatable
-// operations), and bounds repetition three ways:
+// transient and throttled results, ambiguous ones only for repeatable
+// operations, and keel's own refusals only when they say when to come back,
+// after that wait), and bounds repetition three ways:
 //
 //   - attempts per layer (retry_options::max_attempts);
 //   - the call's attempt cap, shared by every nested layer (keel::call), so
@@ -60,7 +61,8 @@ struct retry_scheduled {
 // A retry layer gave up; `last` is what the caller receives.
 struct retry_stopped {
   enum class reason {
-    not_retryable,       // permanent, or ambiguous for a non-repeatable operation
+    not_retryable,       // permanent, ambiguous for a non-repeatable operation,
+                         // or a refusal that gave no retry-after
     layer_attempts,      // retry_options::max_attempts reached
     call_attempts,       // the call's attempt cap reached
     cancelled,           // stop requested
@@ -123,12 +125,16 @@ class retry {
       R r = next(ctx, plan);
       const absl::Status& s = status_of(r);
       if (s.ok()) return r;
-      if (!retryable(ctx.classify(s), ctx.call.operation())) return stopped(stop::not_retryable, std::move(r));
+      const outcome_kind kind = ctx.classify(s);
+      if (kind == outcome_kind::cancelled) return stopped(stop::cancelled, std::move(r));
+      if (!retryable(s, kind, ctx.call.operation())) return stopped(stop::not_retryable, std::move(r));
       if (k + 1 >= options_.max_attempts) return stopped(stop::layer_attempts, std::move(r));
       if (ctx.call.attempts_exhausted()) return stopped(stop::call_attempts, std::move(r));
       if (plan.stop.stop_requested()) return stopped(stop::cancelled, std::move(r));
 
-      std::optional<duration> hint = options_.honour_retry_after ? retry_after(s) : std::nullopt;
+      // A refusal is retried only by its own hint (retryable() checked it has one).
+      std::optional<duration> hint =
+          options_.honour_retry_after || kind == outcome_kind::refused ? retry_after(s) : std::nullopt;
       if (hint && *hint > options_.max_retry_after) {
         return stopped(stop::hint_too_long,
                        R(annotate(s, absl::StrCat("keel: not retrying: asked to wait ", detail::describe(*hint),

@@ -42,8 +42,7 @@ class time_limit {
   auto execute(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     if (plan.deadline.expired(plan.now)) {
-      return R(with_outcome(mark_not_started(absl::DeadlineExceededError("keel: stage not started: deadline passed")),
-                            outcome_kind::permanent));
+      return R(refusal(absl::DeadlineExceededError("keel: stage not started: deadline passed"), "time_limit"));
     }
     plan.deadline = plan.deadline.within(plan.now, at_most_);
     return next(ctx, plan);
