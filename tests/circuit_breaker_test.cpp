@@ -140,7 +140,7 @@ TEST_CASE("an open breaker fails fast with the time left open as a retry hint", 
   CHECK(keel::retry_after(s) == std::optional<keel::duration>(7s));
   CHECK(keel::refused_by(s) == std::optional<std::string>("breaker:llm-eu"));
   CHECK(keel::not_started(s));
-  CHECK(keel::marked_outcome(s) == outcome_kind::permanent);  // retry must not hammer it
+  CHECK(keel::marked_outcome(s) == outcome_kind::refused);  // retried only after its hint
   CHECK(b.snapshot(clock.now()).open_remaining == 7s);
 
   clock.advance(7s - 1ns);
@@ -732,4 +732,35 @@ TEST_CASE("the count window's division-free index matches i mod n", "[breaker]")
       if (keel::detail::fast_mod(i * 2654435761u, magic, n) != (i * 2654435761u) % n) FAIL("mismatch at " << i);
     }
   }
+}
+
+TEST_CASE("refusals and cancellations are never counted, whatever the options say", "[breaker][outcome]") {
+  manual_clock clock;
+  // Even a breaker told to count permanent and throttled outcomes as failures.
+  keel::circuit_breaker b({.name = "llm", .window_calls = 4, .minimum_calls = 2, .failure_rate_threshold = 0.5,
+                           .throttled = keel::breaker_verdict::failure,
+                           .permanent = keel::breaker_verdict::failure});
+  auto pipe = keel::pipeline(b).on(clock);
+  // A refusal from a stage further in (a quota, a bulkhead: started inside
+  // the breaker's pass, so not marked on the way in), a caller that left,
+  // and a refusal that does not say "not started" but is marked refused.
+  const absl::Status seen[] = {
+      keel::refusal(absl::ResourceExhaustedError("tenant quota"), "tenant:acme:rate", 1s),
+      absl::CancelledError("client went away"),
+      keel::with_outcome(absl::UnavailableError("keel: declined"), keel::outcome_kind::refused),
+  };
+  for (int round = 0; round < 4; ++round) {
+    for (const absl::Status& s : seen) {
+      keel::call c(clock.now(), {.timeout = 1s});
+      CHECK(pipe.run(c, [&] { return s; }).code() == s.code());
+    }
+  }
+  CHECK(b.state() == keel::breaker_state::closed);
+  CHECK(b.snapshot(clock.now()).failure_rate == 0.0);
+  // The control: two real failures open it.
+  for (int i = 0; i < 2; ++i) {
+    keel::call c(clock.now(), {.timeout = 1s});
+    (void)pipe.run(c, [] { return absl::UnavailableError("503"); });
+  }
+  CHECK(b.state() == keel::breaker_state::open);
 }

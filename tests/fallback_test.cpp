@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "keel/call.hpp"
+#include "keel/circuit_breaker.hpp"
 #include "keel/executor.hpp"
 #include "keel/hedge.hpp"
 #include "keel/pipeline.hpp"
@@ -265,6 +266,40 @@ TEST_CASE("a cancelled call does not fall back; permanent failures may be exclud
   CHECK(alt.calls() == 0);
   keel::call c3(clock.now(), {.timeout = 2s});
   CHECK(pipe.run(c3, bad_key).value() == "alt");  // on by default: another provider may hold a good key
+}
+
+TEST_CASE("on_permanent off still falls back when the breaker opens: a refusal is when the alternate serves",
+          "[fallback][breaker][outcome]") {
+  manual_clock clock;
+  clock.auto_advance(true);
+  text_provider alt(clock, {kt::answer(std::string("alt"))});
+  keel::circuit_breaker breaker({.name = "primary", .window_calls = 2, .minimum_calls = 2,
+                                 .failure_rate_threshold = 0.5, .open_duration = 30s});
+  // Fall back on outages, not on bad keys; the breaker sits inside the fallback.
+  auto pipe = keel::pipeline(keel::fallback(keel::fallback_options{.on_permanent = false}, {},
+                                            keel::alternate("alt", alt)),
+                             breaker)
+                  .on(clock);
+  int primary_calls = 0;
+  auto outage = [&]() -> absl::StatusOr<std::string> {
+    ++primary_calls;
+    return absl::UnavailableError("503");
+  };
+  for (int i = 0; i < 2; ++i) {
+    keel::call c(clock.now(), {.timeout = 2s});
+    CHECK(pipe.run(c, outage).value() == "alt");  // a plain 503 fails over
+  }
+  REQUIRE(breaker.state() == keel::breaker_state::open);
+  // Now the breaker refuses before any work: before refusals had their own
+  // kind this was "permanent" and on_permanent = false stopped failing over.
+  keel::call c(clock.now(), {.timeout = 2s});
+  auto r = pipe.run(c, outage);
+  REQUIRE(r.ok());
+  CHECK(*r == "alt");
+  CHECK(c.record().degraded);
+  CHECK(c.record().served_by == "alt");
+  CHECK(primary_calls == 2);
+  CHECK(alt.calls() == 3);
 }
 
 TEST_CASE("an alternative that runs its own pipeline on the call uses one attempt", "[fallback][attempts]") {

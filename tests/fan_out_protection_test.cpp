@@ -68,15 +68,18 @@ TEST_CASE("fan-out workers run pipelines with admission and a breaker per provid
     keel::call call(clock.now(), {.timeout = 5s});
     const keel::fan_out_report<std::string> r = panel.run(call, units, worker);
     CHECK(r.units[0].state == keel::unit_state::succeeded);
-    REQUIRE(r.units[1].state == keel::unit_state::failed);
+    // Refused units are missing, not failed: nothing of the provider's was tried.
+    REQUIRE(r.units[1].state == keel::unit_state::missing);
     CHECK(keel::refused_by(r.units[1].status) == "breaker:B");
     CHECK(keel::not_started(r.units[1].status));
-    CHECK(r.units[1].kind == keel::outcome_kind::permanent);
-    REQUIRE(r.units[2].state == keel::unit_state::failed);
+    CHECK(r.units[1].kind == keel::outcome_kind::refused);
+    REQUIRE(r.units[2].state == keel::unit_state::missing);
     CHECK(r.units[2].status.code() == absl::StatusCode::kResourceExhausted);
     CHECK(keel::refused_by(r.units[2].status).value_or("").rfind("model:C", 0) == 0);
-    CHECK(r.units[2].kind == keel::outcome_kind::throttled);
+    CHECK(r.units[2].kind == keel::outcome_kind::refused);
     CHECK(r.missing() == std::vector<std::string_view>{"B", "C"});
+    CHECK(panel.figures().failed == 0);
+    CHECK(panel.figures().missing == 2);
     CHECK_FALSE(store.load_result(panel.key_of(units[1])).value().has_value());
     CHECK_FALSE(store.load_result(panel.key_of(units[2])).value().has_value());
     std::lock_guard lock(mu);
@@ -96,4 +99,39 @@ TEST_CASE("fan-out workers run pipelines with admission and a breaker per provid
     std::lock_guard lock(mu);
     CHECK(calls == std::map<std::string, int>{{"A", 1}, {"B", 1}, {"C", 1}});
   }
+}
+
+TEST_CASE("a panel refused by an open breaker says retry later, not do-not-retry", "[fan_out][protection][outcome]") {
+  manual_clock clock;
+  keel::memory_store<manual_clock> store(clock);
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  keel::circuit_breaker breaker({.name = "B", .minimum_calls = 5});
+  breaker.force_open(clock.now());
+  const std::vector<keel::unit> units{
+      {.name = "B", .key = keel::digest_builder().field("model", "B").finish(), .labels = {.model = "B"}}};
+  keel::fan_out<std::string, keel::memory_store<manual_clock>, keel::bounded_pool, manual_clock> panel(
+      {.width = 1}, store, pool, clock);
+  int calls = 0;
+  auto worker = [&](const keel::unit_context& u) -> absl::StatusOr<std::string> {
+    keel::call c(clock.now(), u.call_options());
+    return keel::pipeline(breaker).on(clock).run(c, [&]() -> absl::StatusOr<std::string> {
+      ++calls;
+      return std::string("score:80");
+    });
+  };
+  keel::call call(clock.now(), {.timeout = 5s});
+  const keel::fan_out_report<std::string> r = panel.run(call, units, worker);
+  REQUIRE(r.units[0].state == keel::unit_state::missing);
+  CHECK(r.units[0].kind == keel::outcome_kind::refused);
+  // Every unit without an answer was refused, none failed: a rerun may well
+  // succeed, so this is Unavailable (before: FailedPrecondition, "do not retry").
+  CHECK(r.status().code() == absl::StatusCode::kUnavailable);
+  CHECK(calls == 0);
+  // The control: a unit that failed permanently does make it FailedPrecondition.
+  breaker.force_closed(clock.now());
+  auto revoked = [&](const keel::unit_context&) -> absl::StatusOr<std::string> {
+    return absl::UnauthenticatedError("key revoked");
+  };
+  keel::call again(clock.now(), {.timeout = 5s});
+  CHECK(panel.run(again, units, revoked).status().code() == absl::StatusCode::kFailedPrecondition);
 }

@@ -455,8 +455,36 @@ TEST_CASE("the call's deadline bounds the fan-out: units with no time left are m
   CHECK(keel::not_started(r.units[2].status));
   CHECK(p.calls("C") == 0);
   CHECK(r.missing() == std::vector<std::string_view>{"B", "C"});
-  CHECK(r.status().message().find("C (missing: keel: not started: no time left)") != absl::string_view::npos);
+  CHECK(r.status().message().find("C (missing, refused: keel: not started: no time left)") != absl::string_view::npos);
   CHECK(call.record().missing == 2);
+}
+
+TEST_CASE("a unit still queued in the executor at the deadline is missing, not failed", "[fan_out][deadline][outcome]") {
+  providers p;
+  store_t store(p.clock);
+  keel::bounded_pool pool({.threads = 1, .queue_capacity = 16});  // B waits in the queue behind A
+  panel_t panel({.width = 2, .validator = has_score}, store, pool, p.clock);
+  const std::vector<keel::unit> units = panel_units({"A", "B"});
+  p.add("A", {kt::stall()});
+  p.add("B", {kt::answer(std::string("score:70"), 10ms)});
+  keel::call call(p.clock.now(), {.timeout = 1s});
+  async_call<keel::fan_out_report<std::string>> run([&] { return panel.run(call, units, p.worker(5s)); });
+  p.clock.await_sleepers(2);  // the collector and A
+  p.clock.advance(1s);
+  const keel::fan_out_report<std::string> r = run.get();
+  CHECK(r.units[0].state == keel::unit_state::failed);  // A ran into the deadline: the provider's failure
+  CHECK(r.units[0].kind == keel::outcome_kind::transient);
+  REQUIRE(r.units[1].state == keel::unit_state::missing);
+  CHECK(r.units[1].kind == keel::outcome_kind::refused);
+  // Refused by the fan-out's own deadline check, or (when the executor took
+  // it up just before the collector stopped it) by the worker's time_limit.
+  const std::string by = keel::refused_by(r.units[1].status).value_or("");
+  CHECK((by == "deadline" || by == "time_limit"));
+  CHECK(keel::not_started(r.units[1].status));
+  CHECK(p.calls("B") == 0);
+  CHECK(r.status().code() == absl::StatusCode::kUnavailable);
+  CHECK(panel.figures().failed == 1);
+  CHECK(panel.figures().missing == 1);
 }
 
 TEST_CASE("a partial panel may be accepted: OK, degraded, and it names what is missing", "[fan_out][partial]") {

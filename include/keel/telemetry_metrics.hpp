@@ -428,6 +428,7 @@ void watch_fan_out(metrics_registry& registry, std::string name, const FanOut& f
                                                            {"started", f.started},
                                                            {"succeeded", f.succeeded},
                                                            {"failed", f.failed},
+                                                           {"missing", f.missing},
                                                            {"cancelled", f.cancelled}};
     for (const auto& [state, n] : states) {
       units.series.push_back({.labels = {name, state}, .value = static_cast<double>(n)});
