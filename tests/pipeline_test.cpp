@@ -181,6 +181,34 @@ TEST_CASE("keel's own refusals are classified refused and name the refuser", "[p
   CHECK(classify(pipe.run(gone, [] { return absl::OkStatus(); }), read) == keel::outcome_kind::cancelled);
 }
 
+TEST_CASE("a pipeline is a policy: pipelines nest and share the outer run context", "[pipeline]") {
+  manual_clock clock;
+  clock.auto_advance(true);
+  // A model stage built on its own (real clock, no listener)...
+  auto model_stage = keel::pipeline(keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 1s}));
+  static_assert(keel::policy<decltype(model_stage)>);
+  static_assert(keel::const_policy<decltype(model_stage)>);
+  // ...inside a request pipeline on the manual clock with a listener.
+  std::vector<keel::duration> waits;
+  auto on_retry = [&](const keel::events::retry_scheduled& e) { waits.push_back(e.wait); };
+  auto request = keel::pipeline(keel::time_limit({.at_most = 5s}), model_stage).on(clock).observe(on_retry);
+  keel::call call(clock.now(), {.timeout = 10s});
+  std::vector<keel::attempt> seen;
+  const absl::Status s = request.run(call, [&](const keel::attempt& a) {
+    seen.push_back(a);
+    return seen.size() == 1 ? absl::UnavailableError("503") : absl::OkStatus();
+  });
+  REQUIRE(s.ok());
+  REQUIRE(seen.size() == 2);
+  // The nested retry waited on the outer (manual) clock, inside the outer
+  // time_limit's deadline, and reported to the outer listener.
+  CHECK(seen[1].start - seen[0].start == std::chrono::duration_cast<keel::duration>(1s));
+  CHECK(seen[1].deadline == seen[0].deadline);
+  CHECK(seen[0].deadline.when() - seen[0].start == std::chrono::duration_cast<keel::duration>(5s));
+  CHECK(waits == std::vector<keel::duration>{std::chrono::duration_cast<keel::duration>(1s)});
+  CHECK(call.record().attempts == 2);
+}
+
 TEST_CASE("a cancelled call does not start an attempt", "[pipeline]") {
   std::stop_source stop;
   stop.request_stop();

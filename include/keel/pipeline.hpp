@@ -126,17 +126,24 @@ R invoke_provider(Ctx& ctx, const attempt_plan& plan, Provider& provider) {
   }
 }
 
-template <std::size_t I, class R, class Tuple, class Ctx, class Provider>
-R run_from(const Tuple& policies, Ctx& ctx, attempt_plan plan, Provider& provider) {
+// Runs policies I.. of the tuple, then `last` (the provider, or the next
+// stage of an outer pipeline this one is nested in).
+template <std::size_t I, class R, class Tuple, class Ctx, class Last>
+R run_from(const Tuple& policies, Ctx& ctx, attempt_plan plan, Last& last) {
   if constexpr (I == std::tuple_size_v<Tuple>) {
-    return invoke_provider<R>(ctx, plan, provider);
+    return last(ctx, std::move(plan));
   } else {
-    auto next = [&policies, &provider](Ctx& c, attempt_plan p) -> R {
-      return run_from<I + 1, R>(policies, c, std::move(p), provider);
+    auto next = [&policies, &last](Ctx& c, attempt_plan p) -> R {
+      return run_from<I + 1, R>(policies, c, std::move(p), last);
     };
     return std::get<I>(policies).execute(ctx, std::move(plan), next);
   }
 }
+
+// Held by reference: any execute; held by value: a const one.
+template <class P>
+inline constexpr bool pipeline_stage_ok =
+    std::is_reference_v<P> ? policy<std::remove_reference_t<P>> : const_policy<P>;
 
 }  // namespace detail
 
@@ -160,7 +167,19 @@ class basic_pipeline {
                   "a policy here (keel::hedge) would run it more than once at a time");
     run_context<Clock, Classifier, Listener> ctx{call, clock_, classifier_, listener_};
     attempt_plan plan{.now = clock_.now(), .deadline = call.work_deadline(), .stop = call.stop_token()};
-    return detail::run_from<0, R>(policies_, ctx, std::move(plan), provider);
+    auto last = [&provider](auto& c, attempt_plan p) -> R { return detail::invoke_provider<R>(c, p, provider); };
+    return detail::run_from<0, R>(policies_, ctx, std::move(plan), last);
+  }
+
+  // A pipeline is itself a policy: nested in another pipeline (a model stage
+  // inside a request pipeline), its policies run with the outer pipeline's
+  // run context (clock, classifier, listener) and its last stage is the
+  // outer pipeline's next one. Its own clock, classifier and listener are
+  // not used there.
+  template <class Ctx, class Next>
+  auto execute(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
+    using R = decltype(next(ctx, plan));
+    return detail::run_from<0, R>(policies_, ctx, std::move(plan), next);
   }
 
   // The same policies on another clock (a manual clock in tests).
@@ -203,6 +222,11 @@ class basic_pipeline {
 // Policies outer to inner; lvalues by reference, temporaries by value.
 template <class... Policies>
 [[nodiscard]] auto pipeline(Policies&&... policies) {
+  static_assert((detail::pipeline_stage_ok<Policies> && ...),
+                "keel::pipeline: a stage is not a keel::policy. A policy has a member "
+                "`template <class Ctx, class Next> auto execute(Ctx& ctx, keel::attempt_plan plan, Next& next) const "
+                "-> decltype(next(ctx, plan))` (const when the pipeline holds it by value, that is when it is "
+                "passed as a temporary); see keel/policy.hpp");
   return basic_pipeline<real_clock, default_classifier, null_listener, Policies...>(
       real_clock{}, default_classifier{}, null_listener{}, std::forward<Policies>(policies)...);
 }

@@ -2,14 +2,14 @@
 // pipeline, the run context, and helpers over absl::Status / StatusOr<T>.
 //
 // Policies (retry, adaptive timeout, breaker, bulkhead, quota, hedge,
-// fallback, or your own) are types with a member
+// fallback, a whole pipeline, or your own) are types with a member
 //
 //   template <class Ctx, class Next>
 //   auto execute(Ctx& ctx, keel::attempt_plan plan, Next& next) [const]
 //       -> decltype(next(ctx, plan));
 //
-// that call next(ctx, plan) zero or more times. keel/pipeline.hpp composes
-// them. A policy may only narrow plan.deadline, never extend it. Policies a
+// that call next(ctx, plan) zero or more times: the `keel::policy` concept
+// below, which keel/pipeline.hpp checks for every stage it composes. A policy may only narrow plan.deadline, never extend it. Policies a
 // pipeline holds by value (configuration only, like keel::retry) make
 // execute const; shared-state objects (a breaker, an adaptive timeout) are
 // held by reference and may mutate themselves.
@@ -129,6 +129,31 @@ struct run_context {
   [[nodiscard]] outcome_kind classify(const absl::Status& s) const {
     return s.ok() ? outcome_kind::success : classifier(s, call.operation());
   }
+};
+
+namespace detail {
+// What a policy is checked against: the default run context and a next
+// stage returning absl::Status. Only execute()'s declaration is looked at.
+using probe_context = run_context<real_clock, default_classifier, null_listener>;
+struct probe_next {
+  absl::Status operator()(probe_context&, attempt_plan) const;
+};
+}  // namespace detail
+
+// A policy: a type whose execute(ctx, plan, next) returns what next returns.
+// keel::pipeline checks every stage against it (held by value: a const
+// execute; held by reference: any execute).
+template <class P>
+concept policy = requires(P& p, detail::probe_context& ctx, attempt_plan plan, detail::probe_next& next) {
+  { p.execute(ctx, plan, next) } -> std::same_as<absl::Status>;
+};
+
+// A policy that a pipeline may hold by value: its execute is const, since a
+// pipeline's run() is const and may run for many calls at once.
+template <class P>
+concept const_policy = policy<P> && requires(const P& p, detail::probe_context& ctx, attempt_plan plan,
+                                             detail::probe_next& next) {
+  { p.execute(ctx, plan, next) } -> std::same_as<absl::Status>;
 };
 
 }  // namespace keel
