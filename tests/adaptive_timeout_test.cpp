@@ -178,3 +178,25 @@ TEST_CASE("a latency_tracker lags at most an eighth of its samples while its win
     if (got > truth || truth - got > lag_allowed) FAIL("n = " << n << ": median " << got << " ms, truth " << truth);
   }
 }
+
+TEST_CASE("a refused attempt says how much time was left in units people read", "[timeout][describe]") {
+  manual_clock clock;
+  keel::adaptive_timeout timeouts(seed);
+  auto pipe = keel::pipeline(timeouts).on(clock);
+  scripted_provider<int> provider(clock, {kt::answer(1)});
+  keel::call call(clock.now(), {.timeout = std::chrono::nanoseconds(299'995'796)});
+  const absl::StatusOr<int> r = pipe.run(call, provider);
+  CHECK(std::string(r.status().message()) == "keel: attempt not started: 299.996ms left, below the 500ms an attempt needs");
+
+  using keel::detail::describe;
+  CHECK(describe(std::chrono::nanoseconds(299'995'796)) == "299.996ms");
+  CHECK(describe(2s) == "2s");
+  CHECK(describe(1500ms) == "1.5s");
+  CHECK(describe(750us) == "750us");
+  CHECK(describe(std::chrono::nanoseconds(1'001)) == "1.001us");
+  CHECK(describe(std::chrono::nanoseconds(999)) == "999ns");
+  CHECK(describe(std::chrono::nanoseconds(999'999'600)) == "1s");  // rounds into the next unit
+  CHECK(describe(-1500ms) == "-1.5s");
+  CHECK(describe(0s) == "0s");
+  CHECK(describe(2h) == "7200s");
+}

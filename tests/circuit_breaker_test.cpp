@@ -498,7 +498,7 @@ TEST_CASE("invalid breaker options are refused with the field named", "[breaker]
   CHECK(message({.window = keel::breaker_window::time, .window_length = 500ms, .bucket_width = 1s}) ==
         "circuit_breaker_options.window_length must be >= bucket_width (got 500ms < 1s)");
   CHECK(message({.window = keel::breaker_window::time, .window_length = 1500ms, .bucket_width = 1s}) ==
-        "circuit_breaker_options.window_length must be a multiple of bucket_width (got 1500ms)");
+        "circuit_breaker_options.window_length must be a multiple of bucket_width (got 1.5s)");
   CHECK(message({.window = keel::breaker_window::time, .bucket_width = keel::duration::zero()}) ==
         "circuit_breaker_options.bucket_width must be > 0 (got 0s)");
   CHECK(message({.open_duration = -1s}) == "circuit_breaker_options.open_duration must be > 0 (got -1s)");
