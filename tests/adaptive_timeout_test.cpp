@@ -168,6 +168,7 @@ TEST_CASE("observed() follows recent samples: after 100 it does not still reflec
 
 TEST_CASE("a latency_tracker lags at most an eighth of its samples while its window fills", "[timeout][tracker]") {
   keel::latency_tracker p50({.percentile = 0.5, .samples = 1024, .min_samples = 1, .refresh_every = 256});
+  int checked = 0;
   for (int n = 1; n <= 2048; ++n) {
     p50.record(ms(n));
     // The true median of 1..n (nearest rank) is ceil(n / 2) ms, over at most the last 1024.
@@ -176,7 +177,9 @@ TEST_CASE("a latency_tracker lags at most an eighth of its samples while its win
     const long long lag_allowed = std::min<long long>(256, std::max<long long>(1, n / 8));
     const long long got = p50.percentile()->count() / 1'000'000;
     if (got > truth || truth - got > lag_allowed) FAIL("n = " << n << ": median " << got << " ms, truth " << truth);
+    ++checked;
   }
+  CHECK(checked == 2048);
 }
 
 TEST_CASE("a refused attempt says how much time was left in units people read", "[timeout][describe]") {
