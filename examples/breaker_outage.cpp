@@ -118,7 +118,9 @@ int main() {
     if (s == 10) {
       std::printf("--- t=%llds: the provider's status page confirms an outage: operator forces the breaker open\n",
                   secs(now - t0));
-      breakers.force_open(domain, now);
+      if (const absl::Status forced = breakers.force_open(domain, now); !forced.ok()) {
+        std::printf("%s\n", std::string(forced.message()).c_str());
+      }
     }
     if (s == 14) {
       provider_up = true;

@@ -2,12 +2,14 @@
 // attempts that cannot finish, and censored samples.
 #include "keel/adaptive_timeout.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "keel/call.hpp"
+#include "keel/latency_tracker.hpp"
 #include "keel/pipeline.hpp"
 #include "keel/retry.hpp"
 #include "keel/testing/manual_clock.hpp"
@@ -151,4 +153,53 @@ TEST_CASE("invalid adaptive timeout options are refused with the field named", "
   CHECK(message({.refresh_every = 0}).find("refresh_every") != std::string::npos);
   CHECK_THROWS_AS(keel::adaptive_timeout({.lower = -1s}), keel::invalid_options);
   CHECK(keel::adaptive_timeout_options{}.validate().ok());
+}
+
+TEST_CASE("observed() follows recent samples: after 100 it does not still reflect the first 64", "[timeout]") {
+  // The defaults: refresh_every 64 over a window of 256.
+  keel::adaptive_timeout timeouts({.min_samples = 20});
+  for (int i = 0; i < 64; ++i) timeouts.record(100ms);
+  REQUIRE(timeouts.observed() == ms(100));
+  for (int i = 0; i < 36; ++i) timeouts.record(900ms);  // the dependency slowed down
+  // p99 over what was recorded is 900 ms; the estimate must have seen it.
+  CHECK(timeouts.observed() == ms(900));
+  CHECK(timeouts.latencies().recorded() == 100);
+}
+
+TEST_CASE("a latency_tracker lags at most an eighth of its samples while its window fills", "[timeout][tracker]") {
+  keel::latency_tracker p50({.percentile = 0.5, .samples = 1024, .min_samples = 1, .refresh_every = 256});
+  int checked = 0;
+  for (int n = 1; n <= 2048; ++n) {
+    p50.record(ms(n));
+    // The true median of 1..n (nearest rank) is ceil(n / 2) ms, over at most the last 1024.
+    const long long seen = std::min(n, 1024);
+    const long long truth = n - seen + (seen + 1) / 2;
+    const long long lag_allowed = std::min<long long>(256, std::max<long long>(1, n / 8));
+    const long long got = p50.percentile()->count() / 1'000'000;
+    if (got > truth || truth - got > lag_allowed) FAIL("n = " << n << ": median " << got << " ms, truth " << truth);
+    ++checked;
+  }
+  CHECK(checked == 2048);
+}
+
+TEST_CASE("a refused attempt says how much time was left in units people read", "[timeout][describe]") {
+  manual_clock clock;
+  keel::adaptive_timeout timeouts(seed);
+  auto pipe = keel::pipeline(timeouts).on(clock);
+  scripted_provider<int> provider(clock, {kt::answer(1)});
+  keel::call call(clock.now(), {.timeout = std::chrono::nanoseconds(299'995'796)});
+  const absl::StatusOr<int> r = pipe.run(call, provider);
+  CHECK(std::string(r.status().message()) == "keel: attempt not started: 299.996ms left, below the 500ms an attempt needs");
+
+  using keel::detail::describe;
+  CHECK(describe(std::chrono::nanoseconds(299'995'796)) == "299.996ms");
+  CHECK(describe(2s) == "2s");
+  CHECK(describe(1500ms) == "1.5s");
+  CHECK(describe(750us) == "750us");
+  CHECK(describe(std::chrono::nanoseconds(1'001)) == "1.001us");
+  CHECK(describe(std::chrono::nanoseconds(999)) == "999ns");
+  CHECK(describe(std::chrono::nanoseconds(999'999'600)) == "1s");  // rounds into the next unit
+  CHECK(describe(-1500ms) == "-1.5s");
+  CHECK(describe(0s) == "0s");
+  CHECK(describe(2h) == "7200s");
 }

@@ -183,6 +183,11 @@ TEST_CASE("the caller's deadline and stop token bound the wait", "[bulkhead]") {
     CHECK(w.result->status().code() == absl::StatusCode::kDeadlineExceeded);
     CHECK(keel::not_started(w.result->status()));
     CHECK(keel::refused_by(w.result->status()) == std::optional<std::string>("bulkhead:c"));
+    // The caller is told when to come back: the queue's turnover, max_queue_age.
+    CHECK(keel::retry_after(w.result->status()) == std::optional<keel::duration>(10s));
+    CHECK(w.result->status().message() ==
+          "keel: deadline passed while waiting for bulkhead class 'c' (1 slots busy); its queue turns over within "
+          "10s: retry after that with a fresh deadline");
   }
   {
     std::stop_source stop;

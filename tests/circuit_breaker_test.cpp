@@ -290,6 +290,80 @@ TEST_CASE("a probe permit dropped without a result gives its slot back", "[break
   CHECK(b.state() == breaker_state::closed);
 }
 
+TEST_CASE("ignored probe outcomes keep their slots: one half-open period never passes more than the bound",
+          "[breaker]") {
+  manual_clock clock;
+  std::vector<std::string> log;
+  keel::circuit_breaker b({.window_calls = 2,
+                           .minimum_calls = 2,
+                           .open_duration = 5s,
+                           .half_open_probes = 2,
+                           .on_state_change = transition_log{&log}});
+  feed(b, clock.now(), outcome_kind::transient, 2);
+  clock.advance(5s);
+  // Every probe comes back throttled (ignored by default): none may be
+  // replaced by another probe in the same period.
+  int reached = 0;
+  for (int i = 0; i < 10; ++i) {
+    keel::breaker_permit p = b.try_acquire(clock.now());
+    if (!p) continue;
+    ++reached;
+    p.record(outcome_kind::throttled, clock.now());
+  }
+  CHECK(reached == 2);
+  // Nothing was proved either way: open again for the same time, no new trip.
+  CHECK(b.state() == breaker_state::open);
+  CHECK(b.snapshot(clock.now()).open_remaining == 5s);
+  CHECK(b.snapshot(clock.now()).trips == 1);
+
+  // Next period: one ignored and one success close it (the counted probe decides).
+  clock.advance(5s);
+  keel::breaker_permit p1 = b.try_acquire(clock.now());
+  keel::breaker_permit p2 = b.try_acquire(clock.now());
+  REQUIRE((p1 && p2));
+  CHECK(!b.try_acquire(clock.now()));
+  p1.record(outcome_kind::permanent, clock.now());
+  CHECK(b.snapshot(clock.now()).probes_ignored == 1);
+  CHECK(!b.try_acquire(clock.now()));  // the ignored probe's slot is not handed out again
+  p2.record(outcome_kind::success, clock.now());
+  CHECK(b.state() == breaker_state::closed);
+  CHECK(log == std::vector<std::string>{"closed->open", "open->half-open", "half-open->open", "open->half-open",
+                                        "half-open->closed"});
+}
+
+TEST_CASE("through a pipeline, probes answered with a bad key count toward the period's bound", "[breaker][pipeline]") {
+  manual_clock clock;
+  keel::circuit_breaker b({.window_calls = 2, .minimum_calls = 2, .open_duration = 5s, .half_open_probes = 2});
+  auto pipe = keel::pipeline(b).on(clock);
+  kt::scripted_provider<int> provider(clock, {kt::bad_credential()});
+  feed(b, clock.now(), outcome_kind::transient, 2);
+  clock.advance(5s);
+  for (int i = 0; i < 6; ++i) {
+    keel::call call(clock.now(), {.timeout = 1s});
+    (void)pipe.run(call, provider);
+  }
+  CHECK(provider.calls() == 2);
+  CHECK(b.state() == breaker_state::open);
+}
+
+TEST_CASE("with a failure rate, ignored probes leave the decision to the counted ones", "[breaker]") {
+  manual_clock clock;
+  keel::circuit_breaker b(
+      {.window_calls = 2, .minimum_calls = 2, .open_duration = 1s, .half_open_probes = 4, .half_open_failure_rate = 0.5});
+  feed(b, clock.now(), outcome_kind::transient, 2);
+  clock.advance(1s);
+  std::vector<keel::breaker_permit> probes;
+  for (int i = 0; i < 4; ++i) probes.push_back(b.try_acquire(clock.now()));
+  CHECK(!b.try_acquire(clock.now()));
+  probes[0].record(outcome_kind::throttled, clock.now());
+  CHECK(!b.try_acquire(clock.now()));  // its slot stays used
+  probes[1].record(outcome_kind::transient, clock.now());
+  probes[2].record(outcome_kind::success, clock.now());
+  CHECK(b.state() == breaker_state::half_open);  // 1 failed; the last could make it 2 of 4
+  probes[3].record(outcome_kind::success, clock.now());
+  CHECK(b.state() == breaker_state::closed);  // 1 failed of 4 < 0.5; the ignored one judged nothing
+}
+
 TEST_CASE("operators force open, force closed and hand back to automatic via probes", "[breaker]") {
   manual_clock clock;
   std::vector<std::string> log;
@@ -301,8 +375,12 @@ TEST_CASE("operators force open, force closed and hand back to automatic via pro
   b.force_open(clock.now());
   CHECK(!b.try_acquire(clock.now()));
   const absl::Status s = b.refusal(clock.now());
-  CHECK(s.message() == "keel: circuit breaker 'provider' is forced open by an operator");
+  // No retry-after (only the operator knows), but the caller is told what to do.
+  CHECK(s.message() ==
+        "keel: circuit breaker 'provider' is forced open by an operator; retry after the operator closes it "
+        "(no retry-after: the breaker cannot know when)");
   CHECK(!keel::retry_after(s).has_value());
+  CHECK(keel::refused_by(s) == "breaker:provider");
   clock.advance(1h);
   CHECK(!b.try_acquire(clock.now()));  // no cool-down ends a forced open
 
@@ -498,7 +576,7 @@ TEST_CASE("invalid breaker options are refused with the field named", "[breaker]
   CHECK(message({.window = keel::breaker_window::time, .window_length = 500ms, .bucket_width = 1s}) ==
         "circuit_breaker_options.window_length must be >= bucket_width (got 500ms < 1s)");
   CHECK(message({.window = keel::breaker_window::time, .window_length = 1500ms, .bucket_width = 1s}) ==
-        "circuit_breaker_options.window_length must be a multiple of bucket_width (got 1500ms)");
+        "circuit_breaker_options.window_length must be a multiple of bucket_width (got 1.5s)");
   CHECK(message({.window = keel::breaker_window::time, .bucket_width = keel::duration::zero()}) ==
         "circuit_breaker_options.bucket_width must be > 0 (got 0s)");
   CHECK(message({.open_duration = -1s}) == "circuit_breaker_options.open_duration must be > 0 (got -1s)");
@@ -581,7 +659,7 @@ TEST_CASE("breakers are scoped to endpoint/model/region and listed with their st
   CHECK(all[1].state.calls == 2);
   CHECK(all[2].domain == "endpoint=api,model=n,region=eu");
 
-  reg.force_open(us, clock.now());
+  REQUIRE(reg.force_open(us, clock.now()).ok());
   CHECK(reg.breaker_for(us).state() == breaker_state::forced_open);
   reg.automatic(us, clock.now());
   CHECK(reg.breaker_for(us).state() == breaker_state::half_open);
@@ -634,6 +712,48 @@ TEST_CASE("the registry is bounded: extra domains share an overflow breaker", "[
                         .scope = {.endpoint = false, .model = false, .region = false, .tenant = false}}
                         .validate()
                         .message()) == "breaker_registry_options.scope must name at least one label (got none)");
+}
+
+TEST_CASE("forcing open a domain of a full registry affects that domain alone, never the overflow breaker",
+          "[breaker][registry]") {
+  manual_clock clock;
+  keel::breaker_registry reg(
+      {.breaker = {.window_calls = 4, .minimum_calls = 2}, .max_breakers = 2, .operator_breakers = 1});
+  const keel::failure_domain a{.endpoint = "a"}, b{.endpoint = "b"}, c{.endpoint = "c"}, d{.endpoint = "d"},
+      e{.endpoint = "e"};
+  (void)reg.breaker_for(a);
+  (void)reg.breaker_for(b);
+  REQUIRE(reg.breaker_for(c).name() == "(overflow)");
+  REQUIRE(reg.breaker_for(d).name() == "(overflow)");
+
+  // c has overflowed; the operator contains an outage of c.
+  REQUIRE(reg.force_open(c, clock.now()).ok());
+  CHECK(reg.breaker_for(c).name() == "endpoint=c,model=,region=");
+  CHECK(reg.breaker_for(c).state() == breaker_state::forced_open);
+  CHECK(reg.find(c) == &reg.breaker_for(c));
+  // d still shares the overflow breaker, and it was not touched.
+  CHECK(reg.breaker_for(d).name() == "(overflow)");
+  CHECK(reg.breaker_for(d).state() == breaker_state::closed);
+  CHECK(reg.breaker_for(d).try_acquire(clock.now()));
+  CHECK(reg.size() == 3);
+
+  // The operator reserve is used up: refused, saying why, and nothing moves.
+  const absl::Status refused = reg.force_open(e, clock.now());
+  CHECK(refused.code() == absl::StatusCode::kResourceExhausted);
+  CHECK(contains(refused.message(), "domain 'endpoint=e,model=,region='"));
+  CHECK(contains(refused.message(), "overflow breaker"));
+  CHECK(reg.breaker_for(e).state() == breaker_state::closed);
+  CHECK(reg.breaker_for(d).state() == breaker_state::closed);
+
+  // Back to automatic: c's own breaker probes; the overflow one never moved.
+  reg.automatic(c, clock.now());
+  CHECK(reg.breaker_for(c).state() == breaker_state::half_open);
+  reg.automatic(e, clock.now());  // no breaker of its own: nothing to undo
+  CHECK(reg.breaker_for(e).state() == breaker_state::closed);
+  const std::vector<keel::breaker_entry> all = reg.list(clock.now());
+  REQUIRE(all.size() == 4);
+  CHECK(all.back().domain == "(overflow)");
+  CHECK(all.back().state.state == breaker_state::closed);
 }
 
 // --- concurrency --------------------------------------------------------------

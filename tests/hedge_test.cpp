@@ -289,7 +289,7 @@ TEST_CASE("two hedges, one per delay; the winner cancels both others", "[hedge][
 TEST_CASE("the retry budget stops hedges", "[hedge][budget]") {
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
-  // No ratio, and a floor of exactly one retry in the window.
+  // No ratio, and a floor of one retry (then one per 10 s).
   keel::retry_budget budget({.ratio = 0.0, .min_per_second = 0.1, .window = 10s});
   event_log events;
   keel::hedge hedger({.delay = 100ms, .budget = &budget}, pool, clock);
@@ -328,9 +328,9 @@ TEST_CASE("retries and hedges spend one retry budget: retries that drained it st
           "[hedge][budget][retry]") {
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
-  // No ratio, and a floor of exactly two retries in the window.
-  keel::retry_budget shared({.ratio = 0.0, .min_per_second = 0.2, .window = 10s});
-  keel::retry_budget elsewhere({.ratio = 0.0, .min_per_second = 0.2, .window = 10s});
+  // No ratio, and a floor of two retries at once (then one per 500 ms).
+  keel::retry_budget shared({.ratio = 0.0, .min_per_second = 2, .window = 10s});
+  keel::retry_budget elsewhere({.ratio = 0.0, .min_per_second = 2, .window = 10s});
   event_log events;
   keel::hedge hedger({.delay = 100ms, .budget = &shared}, pool, clock);
   // The primary's first two tries fail after 10 ms each and are retried

@@ -10,6 +10,8 @@
 
 #include "keel/backoff.hpp"
 #include "keel/call.hpp"
+#include "keel/executor.hpp"
+#include "keel/hedge.hpp"
 #include "keel/pipeline.hpp"
 #include "keel/retry_budget.hpp"
 #include "keel/testing/manual_clock.hpp"
@@ -297,19 +299,118 @@ TEST_CASE("a spent retry budget stops retries and says so", "[retry][budget]") {
 
 TEST_CASE("the retry budget allows ratio x requests plus the floor, over its window", "[budget]") {
   manual_clock clock;
-  keel::retry_budget budget({.ratio = 0.5, .min_per_second = 0.2, .window = 10s});  // floor: 2 per window
+  keel::retry_budget budget({.ratio = 0.5, .min_per_second = 0.2, .window = 10s});  // floor: one per 5 s
   for (int i = 0; i < 10; ++i) budget.record_request(clock.now());
   int granted = 0;
   while (budget.try_acquire_retry(clock.now())) ++granted;
-  CHECK(granted == 5 + 2);
-  CHECK(budget.read(clock.now()).retries == 7);
+  CHECK(granted == 5 + 1);
+  CHECK(budget.read(clock.now()).retries == 6);
+  CHECK(budget.read(clock.now()).allowed == 6);
 
   // A window later the old requests and retries have aged out: only the floor remains.
   clock.advance(11s);
   CHECK(budget.read(clock.now()).requests == 0);
+  CHECK(budget.read(clock.now()).allowed == 1);
   granted = 0;
   while (budget.try_acquire_retry(clock.now())) ++granted;
-  CHECK(granted == 2);
+  CHECK(granted == 1);
+}
+
+TEST_CASE("the retry budget's floor accrues as a rate: min_per_second, not min x window in one burst", "[budget]") {
+  manual_clock clock;
+  keel::retry_budget budget({.ratio = 0.0, .min_per_second = 5, .window = 10s});
+  auto drain = [&] {
+    int n = 0;
+    while (n < 1000 && budget.try_acquire_retry(clock.now())) ++n;
+    return n;
+  };
+  // A quiet service holds one second's worth (5), not the window's (50).
+  CHECK(budget.read(clock.now()).allowed == 5);
+  CHECK(drain() == 5);
+  // Then it earns one every 200 ms.
+  clock.advance(199ms);
+  CHECK(drain() == 0);
+  clock.advance(1ms);
+  CHECK(drain() == 1);
+  clock.advance(1s);
+  CHECK(drain() == 5);
+  // A long quiet spell still holds one second's worth.
+  clock.advance(1h);
+  CHECK(drain() == 5);
+  // Over the window: at most the burst plus the rate.
+  int total = 0;
+  for (int i = 0; i < 100; ++i) {
+    clock.advance(100ms);
+    total += drain();
+  }
+  CHECK(total == 50);  // ten seconds at 5 per second
+}
+
+TEST_CASE("a fractional floor still grants one retry, then one per 1 / min_per_second", "[budget]") {
+  manual_clock clock;
+  keel::retry_budget budget({.ratio = 0.0, .min_per_second = 0.5, .window = 10s});
+  CHECK(budget.try_acquire_retry(clock.now()));
+  CHECK_FALSE(budget.try_acquire_retry(clock.now()));
+  clock.advance(1999ms);
+  CHECK_FALSE(budget.try_acquire_retry(clock.now()));
+  clock.advance(1ms);
+  CHECK(budget.try_acquire_retry(clock.now()));
+}
+
+TEST_CASE("a call deposits one request into a budget, however many retry layers share it", "[budget][retry]") {
+  manual_clock clock;
+  clock.auto_advance(true);
+  keel::retry_budget budget({.ratio = 1.0, .min_per_second = 0.0});
+  const keel::retry two({.max_attempts = 2, .budget = &budget}, keel::constant_backoff{.delay_each = 1ms});
+  scripted_provider<int> provider(clock, {kt::unavailable(10ms)});
+
+  SECTION("nested layers in one pipeline") {
+    auto pipe = keel::pipeline(two, two).on(clock);
+    keel::call call(clock.now(), {.timeout = 1min, .max_attempts = 4});
+    CHECK_FALSE(pipe.run(call, provider).ok());
+    CHECK(provider.calls() == 2);  // ratio 1, one request: the one retry the deposit bought
+    CHECK(budget.read(clock.now()).requests == 1);
+  }
+  SECTION("an application pipeline around an SDK pipeline, one call") {
+    auto sdk = keel::pipeline(two).on(clock);
+    auto application = keel::pipeline(two).on(clock);
+    keel::call call(clock.now(), {.timeout = 1min, .max_attempts = 4});
+    CHECK_FALSE(application.run(call, [&](const keel::attempt&) { return sdk.run(call, provider); }).ok());
+    CHECK(budget.read(clock.now()).requests == 1);
+  }
+  SECTION("each call deposits once; another budget gets its own deposit") {
+    keel::retry_budget other({.ratio = 1.0, .min_per_second = 0.0});
+    auto pipe = keel::pipeline(two, keel::retry({.max_attempts = 2, .budget = &other})).on(clock);
+    for (int i = 0; i < 3; ++i) {
+      keel::call call(clock.now(), {.timeout = 1min, .max_attempts = 4});
+      (void)pipe.run(call, provider);
+    }
+    CHECK(budget.read(clock.now()).requests == 3);
+    CHECK(other.read(clock.now()).requests == 3);
+  }
+  SECTION("record_request(call, now) says whether it deposited") {
+    keel::call call(clock.now(), {.timeout = 1min});
+    CHECK(budget.record_request(call, clock.now()));
+    CHECK_FALSE(budget.record_request(call, clock.now()));
+    CHECK(budget.read(clock.now()).requests == 1);
+  }
+}
+
+TEST_CASE("a hedge and a retry sharing a budget deposit once per call, deposit_requests left on", "[budget][hedge]") {
+  keel::retry_budget budget({.ratio = 0.1});
+  keel::bounded_pool pool({.threads = 1, .queue_capacity = 4});
+  keel::hedge hedger({.delay = 10min, .budget = &budget}, pool);  // never due: the answer is instant
+  const keel::retry retrier({.max_attempts = 2, .budget = &budget});
+  auto answer = [](const keel::attempt&) -> absl::StatusOr<int> { return 7; };
+  auto hedge_outside = keel::pipeline(hedger, retrier);
+  auto retry_outside = keel::pipeline(retrier, hedger);
+  for (int i = 0; i < 3; ++i) {
+    keel::call a(keel::real_clock{}.now(), {.timeout = 1min});
+    REQUIRE(hedge_outside.run(a, answer).value() == 7);
+    keel::call b(keel::real_clock{}.now(), {.timeout = 1min});
+    REQUIRE(retry_outside.run(b, answer).value() == 7);
+  }
+  CHECK(budget.read(keel::real_clock{}.now()).requests == 6);
 }
 
 TEST_CASE("the retry budget never over-admits under contention", "[budget][concurrency]") {

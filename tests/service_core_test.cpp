@@ -288,7 +288,7 @@ TEST_CASE("invalid gateway options are refused, naming the field and the rule", 
   const absl::Status s = over.validate();
   CHECK(s.code() == absl::StatusCode::kInvalidArgument);
   CHECK(std::string(s.message()).find("deadline_plan.respond must leave the stages within deadline - "
-                                      "response_reserve (got 3600ms > 2800ms)") != std::string::npos);
+                                      "response_reserve (got 3.6s > 2.8s)") != std::string::npos);
 
   gateway::gateway_options lease = o;
   lease.idempotency_lease = 1s;

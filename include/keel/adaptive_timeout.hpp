@@ -11,7 +11,10 @@
 // "not started" DeadlineExceeded, classified permanent so no layer retries it).
 //
 // Until `min_samples` latencies are known the estimate is `initial`. The
-// percentile is exact over the last `samples` successful attempts. An attempt
+// percentile is exact over the last `samples` successful attempts, kept by a
+// keel::latency_tracker (keel/latency_tracker.hpp: it refreshes every
+// `refresh_every` samples and every eighth of them while the window fills,
+// so after 100 samples the estimate reflects 96 of them). An attempt
 // cut off by its timeout is recorded at the time it was cut (a lower bound of
 // its true latency), so a run of timeouts can raise the estimate by at most
 // one margin per refresh and never past `upper`: an outage cannot ratchet
@@ -29,24 +32,19 @@
 // deadline, records its latency and skips attempts that cannot finish.
 //
 // Thread-safety: every operation may be called from any thread. record() is
-// lock-free; every `refresh_every` samples one recording thread recomputes
-// the percentile (others skip, never wait).
+// lock-free; when a refresh is due one recording thread recomputes the
+// percentile (others skip, never wait).
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
 #include <chrono>
-#include <cmath>
-#include <cstdint>
-#include <functional>
-#include <memory>
 #include <optional>
-#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "keel/clock.hpp"
+#include "keel/latency_tracker.hpp"
 #include "keel/policy.hpp"
 #include "keel/status.hpp"
 
@@ -93,22 +91,20 @@ class adaptive_timeout {
   // Throws keel::invalid_options if `o` is invalid.
   explicit adaptive_timeout(const adaptive_timeout_options& o = {})
       : options_((detail::require_valid(o.validate()), o)),
-        ring_(std::make_unique<std::atomic<std::int64_t>[]>(static_cast<std::size_t>(o.samples))),
-        scratch_(static_cast<std::size_t>(o.samples)),
-        sample_mask_(static_cast<std::uint64_t>(o.samples) - 1),
-        refresh_mask_(static_cast<std::uint64_t>(o.refresh_every) - 1),
-        min_samples_(static_cast<std::uint64_t>(o.min_samples)) {}
+        latencies_({.percentile = o.percentile,
+                    .samples = o.samples,
+                    .min_samples = o.min_samples,
+                    .refresh_every = o.refresh_every}) {}
   adaptive_timeout(const adaptive_timeout&) = delete;
   adaptive_timeout& operator=(const adaptive_timeout&) = delete;
 
   [[nodiscard]] const adaptive_timeout_options& options() const noexcept { return options_; }
 
   // The observed percentile, once min_samples are known.
-  [[nodiscard]] std::optional<duration> observed() const noexcept {
-    const std::int64_t p = percentile_ns_.load(std::memory_order_relaxed);
-    if (p < 0) return std::nullopt;
-    return duration(p);
-  }
+  [[nodiscard]] std::optional<duration> observed() const noexcept { return latencies_.percentile(); }
+
+  // The estimator behind observed().
+  [[nodiscard]] const latency_tracker& latencies() const noexcept { return latencies_; }
 
   // clamp(observed + margin, lower, upper), or `initial` before enough samples.
   [[nodiscard]] duration current() const noexcept {
@@ -127,11 +123,7 @@ class adaptive_timeout {
   // timeout, so `latency` is only a lower bound.
   void record(duration latency, bool censored = false) noexcept {
     (void)censored;  // recorded at the cut: see the header comment
-    // Powers of two: masks instead of divisions on this hot path.
-    const std::uint64_t i = written_.fetch_add(1, std::memory_order_relaxed);
-    ring_[i & sample_mask_].store(std::max<std::int64_t>(0, latency.count()), std::memory_order_relaxed);
-    const std::uint64_t n = i + 1;
-    if (n >= min_samples_ && (n == min_samples_ || (n & refresh_mask_) == 0)) refresh(n);
+    latencies_.record(latency);
   }
 
   template <class Ctx, class Next>
@@ -159,52 +151,8 @@ class adaptive_timeout {
   }
 
  private:
-  void refresh(std::uint64_t written) noexcept {
-    if (refreshing_.exchange(true, std::memory_order_acquire)) return;  // someone else is on it
-    const std::size_t n = static_cast<std::size_t>(
-        std::min<std::uint64_t>(written, static_cast<std::uint64_t>(options_.samples)));
-    // Nearest-rank percentile: the smallest sample with at least p of all
-    // samples at or below it, i.e. the k-th largest for k = n - rank + 1.
-    const auto rank = std::max<std::size_t>(
-        1, static_cast<std::size_t>(std::ceil(options_.percentile * static_cast<double>(n))));
-    const std::size_t k = n - rank + 1;
-    std::int64_t result = 0;
-    if (k <= 16) {
-      // A high percentile needs only the top k: one pass with a tiny min-heap
-      // instead of copying and selecting the whole window.
-      auto first = scratch_.begin();
-      auto last = first;
-      for (std::size_t j = 0; j < n; ++j) {
-        const std::int64_t v = ring_[j].load(std::memory_order_relaxed);
-        if (static_cast<std::size_t>(last - first) < k) {
-          *last++ = v;
-          std::push_heap(first, last, std::greater<>());
-        } else if (v > *first) {
-          std::pop_heap(first, last, std::greater<>());
-          *(last - 1) = v;
-          std::push_heap(first, last, std::greater<>());
-        }
-      }
-      result = *first;
-    } else {
-      for (std::size_t j = 0; j < n; ++j) scratch_[j] = ring_[j].load(std::memory_order_relaxed);
-      const auto nth = scratch_.begin() + static_cast<std::ptrdiff_t>(rank - 1);
-      std::nth_element(scratch_.begin(), nth, scratch_.begin() + static_cast<std::ptrdiff_t>(n));
-      result = *nth;
-    }
-    percentile_ns_.store(result, std::memory_order_relaxed);
-    refreshing_.store(false, std::memory_order_release);
-  }
-
   adaptive_timeout_options options_;
-  std::unique_ptr<std::atomic<std::int64_t>[]> ring_;
-  std::vector<std::int64_t> scratch_;  // guarded by refreshing_
-  std::uint64_t sample_mask_;
-  std::uint64_t refresh_mask_;
-  std::uint64_t min_samples_;
-  std::atomic<std::uint64_t> written_{0};
-  std::atomic<std::int64_t> percentile_ns_{-1};
-  std::atomic<bool> refreshing_{false};
+  latency_tracker latencies_;
 };
 
 }  // namespace keel

@@ -15,6 +15,10 @@
 // Bounded: at most `max_breakers` domains get their own breaker. Once full,
 // further domains share one overflow breaker named "(overflow)" (so they are
 // still protected, if more coarsely) and overflowed() counts those lookups.
+// Operator controls never touch that shared breaker: forcing a domain that
+// has no breaker of its own gives it one from a separate reserve of
+// `operator_breakers`, so the action affects that domain alone (and, when
+// even the reserve is used up, is refused with a status saying so).
 // Breakers are never removed, so a reference to one stays valid for the
 // registry's lifetime.
 //
@@ -103,12 +107,18 @@ struct breaker_registry_options {
   breaker_scope scope{};
   // Domains with their own breaker; in [1, 1048576].
   int max_breakers = 1024;
+  // Further domains an operator may force open or closed once max_breakers
+  // is reached, each getting its own breaker; in [0, 65536].
+  int operator_breakers = 64;
 
   [[nodiscard]] absl::Status validate() const {
     if (!scope.endpoint && !scope.model && !scope.region && !scope.tenant)
       return detail::invalid_field("breaker_registry_options", "scope", "name at least one label", "none");
     if (max_breakers < 1 || max_breakers > (1 << 20))
       return detail::invalid_field("breaker_registry_options", "max_breakers", "be in [1, 1048576]", max_breakers);
+    if (operator_breakers < 0 || operator_breakers > 65536)
+      return detail::invalid_field("breaker_registry_options", "operator_breakers", "be in [0, 65536]",
+                                   operator_breakers);
     circuit_breaker_options b = breaker;
     b.name = "domain";  // the registry names each breaker
     absl::Status s = b.validate();
@@ -129,6 +139,7 @@ class breaker_registry {
   explicit breaker_registry(breaker_registry_options o)
       : options_((detail::require_valid(o.validate()), std::move(o))),
         table_(static_cast<std::size_t>(options_.max_breakers)),
+        operated_(static_cast<std::size_t>(options_.operator_breakers)),
         overflow_(named("(overflow)")) {}
   breaker_registry(const breaker_registry&) = delete;
   breaker_registry& operator=(const breaker_registry&) = delete;
@@ -136,15 +147,17 @@ class breaker_registry {
   [[nodiscard]] const breaker_registry_options& options() const noexcept { return options_; }
 
   // The breaker for `d` (only its scoped labels matter), made on first use.
-  // When the registry is full, the shared overflow breaker.
+  // When the registry is full, the shared overflow breaker (unless an
+  // operator gave `d` its own).
   [[nodiscard]] circuit_breaker& breaker_for(const failure_domain& d) {
     const failure_domain k = scoped(d);
     const std::size_t h = hash(k);
     auto matches = [&](const key& stored) { return stored.equals(k); };
     if (circuit_breaker* b = table_.find(h, matches)) return *b;
-    circuit_breaker* b = table_.find_or_insert(
-        h, matches, [&] { return key::from(k); }, [&] { return circuit_breaker(named(k.to_string(options_.scope))); });
-    if (b != nullptr) return *b;
+    if (operated_.size() > 0) {
+      if (circuit_breaker* b = operated_.find(h, matches)) return *b;
+    }
+    if (circuit_breaker* b = insert(table_, k, h)) return *b;
     overflowed_.fetch_add(1, std::memory_order_relaxed);
     return overflow_;
   }
@@ -155,29 +168,49 @@ class breaker_registry {
   // The breaker for `d` if it exists (never the overflow one).
   [[nodiscard]] circuit_breaker* find(const failure_domain& d) const noexcept {
     const failure_domain k = scoped(d);
-    return table_.find(hash(k), [&](const key& stored) { return stored.equals(k); });
+    const std::size_t h = hash(k);
+    auto matches = [&](const key& stored) { return stored.equals(k); };
+    if (circuit_breaker* b = table_.find(h, matches)) return b;
+    return operated_.find(h, matches);
   }
 
   // Every breaker and its state, sorted by domain; the overflow breaker last
   // when it has been used.
   [[nodiscard]] std::vector<breaker_entry> list(time_point now) const {
     std::vector<breaker_entry> out;
-    table_.for_each([&](const key&, const circuit_breaker& b) {
-      out.push_back({std::string(b.name()), b.snapshot(now)});
-    });
+    auto add = [&](const key&, const circuit_breaker& b) { out.push_back({std::string(b.name()), b.snapshot(now)}); };
+    table_.for_each(add);
+    operated_.for_each(add);
     std::sort(out.begin(), out.end(), [](const breaker_entry& a, const breaker_entry& b) { return a.domain < b.domain; });
     if (overflowed() > 0) out.push_back({std::string(overflow_.name()), overflow_.snapshot(now)});
     return out;
   }
 
-  [[nodiscard]] std::size_t size() const noexcept { return table_.size(); }
+  // Domains with their own breaker, those operators added included.
+  [[nodiscard]] std::size_t size() const noexcept { return table_.size() + operated_.size(); }
   // Lookups that got the overflow breaker because the registry was full.
   [[nodiscard]] std::int64_t overflowed() const noexcept { return overflowed_.load(std::memory_order_relaxed); }
 
-  // Operator controls over one domain (made if absent).
-  void force_open(const failure_domain& d, time_point now) { breaker_for(d).force_open(now); }
-  void force_closed(const failure_domain& d, time_point now) { breaker_for(d).force_closed(now); }
-  void automatic(const failure_domain& d, time_point now) { breaker_for(d).automatic(now); }
+  // Operator controls over one domain, never over the shared overflow
+  // breaker. force_open / force_closed give a domain without a breaker its
+  // own (from operator_breakers once max_breakers is reached);
+  // ResourceExhausted, changing nothing, when there is no room left.
+  // automatic() on a domain without its own breaker has nothing to undo.
+  [[nodiscard]] absl::Status force_open(const failure_domain& d, time_point now) {
+    circuit_breaker* b = own_breaker(d);
+    if (b == nullptr) return no_room(d, "force open");
+    b->force_open(now);
+    return absl::OkStatus();
+  }
+  [[nodiscard]] absl::Status force_closed(const failure_domain& d, time_point now) {
+    circuit_breaker* b = own_breaker(d);
+    if (b == nullptr) return no_room(d, "force closed");
+    b->force_closed(now);
+    return absl::OkStatus();
+  }
+  void automatic(const failure_domain& d, time_point now) {
+    if (circuit_breaker* b = find(d)) b->automatic(now);
+  }
 
   // The policy: the call's domain breaker gates, runs and counts the pass.
   template <class Ctx, class Next>
@@ -221,6 +254,35 @@ class breaker_registry {
   [[nodiscard]] static std::size_t hash(const failure_domain& d) noexcept {
     return detail::key_hash(d.tenant, detail::key_hash(d.region, detail::key_hash(d.model, detail::key_hash(d.endpoint))));
   }
+  using table = detail::keyed_table<key, circuit_breaker>;
+
+  // Null when `t` is full.
+  circuit_breaker* insert(table& t, const failure_domain& k, std::size_t h) {
+    if (t.size() >= t.capacity()) return nullptr;  // full for good: skip the insert lock
+    return t.find_or_insert(
+        h, [&](const key& stored) { return stored.equals(k); }, [&] { return key::from(k); },
+        [&] { return circuit_breaker(named(k.to_string(options_.scope))); });
+  }
+
+  // `d`'s own breaker, made if absent (from the operator reserve once the
+  // registry is full); null when there is no room for it.
+  circuit_breaker* own_breaker(const failure_domain& d) {
+    const failure_domain k = scoped(d);
+    const std::size_t h = hash(k);
+    if (circuit_breaker* b = find(d)) return b;
+    if (circuit_breaker* b = insert(table_, k, h)) return b;
+    return insert(operated_, k, h);
+  }
+
+  [[nodiscard]] absl::Status no_room(const failure_domain& d, std::string_view action) const {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "keel: cannot ", detail::to_absl(action), " domain '", d.to_string(options_.scope),
+        "': the breaker registry is full (max_breakers ", options_.max_breakers, " and operator_breakers ",
+        options_.operator_breakers,
+        " used up), and its domains beyond that share the overflow breaker, which an operator action on one "
+        "domain must not move; raise max_breakers or operator_breakers"));
+  }
+
   [[nodiscard]] circuit_breaker_options named(std::string name) const {
     circuit_breaker_options o = options_.breaker;
     o.name = std::move(name);
@@ -229,7 +291,8 @@ class breaker_registry {
   }
 
   breaker_registry_options options_;
-  detail::keyed_table<key, circuit_breaker> table_;
+  table table_;
+  table operated_;  // domains operators forced after table_ filled
   circuit_breaker overflow_;
   std::atomic<std::int64_t> overflowed_{0};
 };

@@ -26,9 +26,11 @@
 //     rejected, timed out, cancelled, and a queue-delay histogram.
 //
 // Refusals are "not started" statuses naming "bulkhead:<class>" as refused-by:
-// ResourceExhausted (queue full, or waited max_queue_age; retry-after =
-// max_queue_age), DeadlineExceeded (the caller's deadline came first) or
-// Cancelled.
+// ResourceExhausted (queue full, or waited max_queue_age), DeadlineExceeded
+// (the caller's deadline came first) or Cancelled. All but Cancelled carry
+// retry-after = max_queue_age: when a slot frees is unknown (keel does not
+// know how long work holds one), but by then everyone queued now has been
+// served or has left.
 //
 // Example:
 //
@@ -379,8 +381,16 @@ class bulkhead {
                              c.max_age);
         break;
       case bulkhead_refusal::deadline:
-        s = absl::DeadlineExceededError(absl::StrCat("keel: deadline passed while waiting for bulkhead class '",
-                                                     detail::to_absl(name), "'"));
+        // The class was still full when the caller's time ran out. When a
+        // slot frees is unknown (keel does not know how long work holds
+        // one); within max_queue_age every caller queued now has been served
+        // or has left, the same turnover the other refusals hint.
+        s = with_retry_after(
+            absl::DeadlineExceededError(absl::StrCat(
+                "keel: deadline passed while waiting for bulkhead class '", detail::to_absl(name), "' (",
+                c.capacity, " slots busy); its queue turns over within ", detail::describe(c.max_age),
+                ": retry after that with a fresh deadline")),
+            c.max_age);
         break;
       case bulkhead_refusal::cancelled:
         s = absl::CancelledError(

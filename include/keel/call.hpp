@@ -138,6 +138,19 @@ class call {
     return attempts_.load(std::memory_order_relaxed) >= max_attempts_;
   }
 
+  // True the first time this call asks about `budget` (a keel::retry_budget):
+  // the call deposits one request per budget, however many layers share it.
+  // Up to kDepositSlots budgets are remembered; beyond, every ask is true.
+  [[nodiscard]] bool first_deposit(const void* budget) noexcept {
+    for (std::atomic<const void*>& slot : deposited_) {
+      // Slots fill in order and never empty, so a budget sits in one slot.
+      const void* seen = slot.load(std::memory_order_relaxed);
+      if (seen == nullptr && slot.compare_exchange_strong(seen, budget, std::memory_order_relaxed)) return true;
+      if (seen == budget) return false;
+    }
+    return true;
+  }
+
   // Record keeping, for policies and providers.
   void charge(std::int64_t units) noexcept { cost_.fetch_add(units, std::memory_order_relaxed); }
   void note_retry() noexcept { retries_.fetch_add(1, std::memory_order_relaxed); }
@@ -170,6 +183,8 @@ class call {
   std::string_view served_by_;
   bool degraded_ = false;
   bool replayed_ = false;
+  static constexpr int kDepositSlots = 4;
+  std::atomic<const void*> deposited_[kDepositSlots] = {};
 };
 
 // What a provider sees of one attempt.

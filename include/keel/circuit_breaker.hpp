@@ -15,12 +15,19 @@
 //               number of consecutive trips (for example doubling).
 //   half_open   after the open duration, `half_open_probes` calls are let
 //               through as probes, each reserved with one compare-and-swap so
-//               that concurrent callers can never exceed the number. When all
-//               succeed the breaker closes; one failure (or, if configured, a
-//               failure rate over the probes) reopens it. A probe whose result
-//               never comes back is reclaimed `probe_timeout` after the last
-//               probe was let through and counts as failed, so the breaker can
-//               never stay stuck in half-open.
+//               that concurrent callers can never exceed the number — at once
+//               or in the whole half-open period. When all succeed the breaker
+//               closes; one failure (or, if configured, a failure rate over
+//               the probes) reopens it. A probe whose outcome the breaker
+//               ignores (throttled, permanent by default) still used its slot:
+//               the others decide, and a period whose probes were all ignored
+//               proves nothing, so the breaker opens again for the same
+//               duration (not counted as a trip) instead of probing more. Only
+//               a probe that never reached the dependency (not started, or a
+//               permit given back with ignore()) returns its slot. A probe
+//               whose result never comes back is reclaimed `probe_timeout`
+//               after the last probe was let through and counts as failed, so
+//               the breaker can never stay stuck in half-open.
 //
 // Operators can force it open (contain an outage), force it closed (disable
 // it: everything passes, nothing is counted) and hand it back to automatic
@@ -253,15 +260,17 @@ struct breaker_snapshot {
   int probes_admitted = 0;    // half-open: probes let through this period
   int probes_succeeded = 0;
   int probes_failed = 0;
+  int probes_ignored = 0;     // came back with an outcome the breaker does not count
   int trips = 0;              // consecutive trips without closing
 };
 
 class circuit_breaker;
 
 // The right to make one call through a breaker. Move-only. Record its
-// outcome once with record(); a probe dropped without a record gives its
-// probe slot back (counted as neither success nor failure), so an exception
-// between acquiring and recording cannot wedge the breaker.
+// outcome once with record() (an ignored kind still uses a probe's slot); a
+// probe dropped without a record, or ignore()d, gives its probe slot back
+// (counted as neither success nor failure), so an exception between
+// acquiring and recording cannot wedge the breaker.
 class breaker_permit {
  public:
   breaker_permit() noexcept = default;  // refused
@@ -287,7 +296,8 @@ class breaker_permit {
 
   // Records the call's outcome, finished at `now` after `latency`. Once.
   void record(outcome_kind kind, time_point now, duration latency = duration::zero()) noexcept;
-  // Records nothing and gives a probe slot back.
+  // Records nothing and gives a probe slot back: the call never reached the
+  // dependency.
   void ignore() noexcept { abandon(); }
 
  private:
@@ -479,6 +489,8 @@ class circuit_breaker {
   // The status for a call refused at `now`: Unavailable, keel::refusal()
   // (not started, classified refused), refused-by "breaker:<name>", with a retry-after of
   // the time left open (or, half-open, until a lost probe would be reclaimed).
+  // Forced open, it carries no retry-after and says to retry once the
+  // operator closes the breaker.
   // Allocates: call it on the refusal path only.
   [[nodiscard]] absl::Status refusal(time_point now) const {
     const std::uint64_t w = word_.load(std::memory_order_acquire);
@@ -497,8 +509,11 @@ class circuit_breaker {
                                               options_.probe_timeout - now);
         break;
       case breaker_state::forced_open:
-        st = absl::UnavailableError(
-            absl::StrCat("keel: circuit breaker '", options_.name, "' is forced open by an operator"));
+        // No retry-after: only the operator knows when it ends, and a guess
+        // would send callers back to be refused again.
+        st = absl::UnavailableError(absl::StrCat("keel: circuit breaker '", options_.name,
+                                                 "' is forced open by an operator; retry after the operator closes "
+                                                 "it (no retry-after: the breaker cannot know when)"));
         break;
       default:
         st = absl::UnavailableError(absl::StrCat("keel: circuit breaker '", options_.name, "' refused the call"));
@@ -551,6 +566,7 @@ class circuit_breaker {
       s.probes_admitted = admitted_of(w);
       s.probes_succeeded = succeeded_of(w);
       s.probes_failed = failed_of(w);
+      s.probes_ignored = ignored_of(w);
     }
     s.trips = trips_.load(std::memory_order_relaxed);
     return s;
@@ -624,7 +640,7 @@ class circuit_breaker {
             }
             continue;
           }
-          const int outstanding = admitted - succeeded_of(w) - failed_of(w);
+          const int outstanding = admitted - returned_of(w);
           const std::int64_t since = now.time_since_epoch().count() - last_probe_.load(std::memory_order_relaxed);
           if (outstanding > 0 && since >= options_.probe_timeout.count()) {
             // Lost probes: count them failed so the period can end.
@@ -646,12 +662,14 @@ class circuit_breaker {
     p.breaker_ = nullptr;
     const breaker_verdict v = verdict(kind);
     if (v == breaker_verdict::ignore) {
-      if (probe) return_probe(gen);
+      // The probe reached the dependency: it keeps its slot, so ignored
+      // outcomes cannot let more than half_open_probes through a period.
+      if (probe) probe_result(gen, kIgnoredOne, now, changes);
       return;
     }
     const bool slow = slow_tracked_ && latency >= options_.slow_call_duration;
     if (probe) {
-      probe_result(gen, v == breaker_verdict::failure || slow, now, changes);
+      probe_result(gen, v == breaker_verdict::failure || slow ? kFailedOne : kSucceededOne, now, changes);
     } else {
       closed_result(gen, v == breaker_verdict::failure, slow, now, changes);
     }
@@ -661,12 +679,14 @@ class circuit_breaker {
   friend class breaker_permit;
 
   // word_: state (3 bits) | generation (21) | probes admitted (10) |
-  // probes succeeded (10) | probes failed (10). One CAS moves any of them.
-  static constexpr std::uint64_t kGenShift = 3, kAdmittedShift = 24, kSucceededShift = 34, kFailedShift = 44;
+  // probes succeeded (10) | failed (10) | ignored (10). One CAS moves any.
+  static constexpr std::uint64_t kGenShift = 3, kAdmittedShift = 24, kSucceededShift = 34, kFailedShift = 44,
+                                 kIgnoredShift = 54;
   static constexpr std::uint64_t kGenMask = (1u << 21) - 1, kCountMask = (1u << 10) - 1;
   static constexpr std::uint64_t kAdmittedOne = std::uint64_t{1} << kAdmittedShift;
   static constexpr std::uint64_t kSucceededOne = std::uint64_t{1} << kSucceededShift;
   static constexpr std::uint64_t kFailedOne = std::uint64_t{1} << kFailedShift;
+  static constexpr std::uint64_t kIgnoredOne = std::uint64_t{1} << kIgnoredShift;
 
   static constexpr std::uint64_t pack(breaker_state s, std::uint32_t gen, int admitted, int succeeded,
                                       int failed) noexcept {
@@ -688,6 +708,11 @@ class circuit_breaker {
   static constexpr int failed_of(std::uint64_t w) noexcept {
     return static_cast<int>((w >> kFailedShift) & kCountMask);
   }
+  static constexpr int ignored_of(std::uint64_t w) noexcept {
+    return static_cast<int>((w >> kIgnoredShift) & kCountMask);
+  }
+  // Probes of this period that came back (or were reclaimed).
+  static constexpr int returned_of(std::uint64_t w) noexcept { return succeeded_of(w) + failed_of(w) + ignored_of(w); }
 
   [[nodiscard]] breaker_verdict verdict(outcome_kind k) const noexcept {
     switch (k) {
@@ -745,13 +770,14 @@ class circuit_breaker {
     open_from(cur, now, changes);
   }
 
-  void probe_result(std::uint32_t gen, bool failed, time_point now, detail::breaker_changes* changes) noexcept {
+  // `one`: kSucceededOne, kFailedOne or kIgnoredOne.
+  void probe_result(std::uint32_t gen, std::uint64_t one, time_point now, detail::breaker_changes* changes) noexcept {
     std::uint64_t w = word_.load(std::memory_order_acquire);
     for (;;) {
       if (state_of(w) != breaker_state::half_open || gen_of(w) != gen) return;  // period over
       // Reclaimed probes were already counted; a late result is dropped.
-      if (succeeded_of(w) + failed_of(w) >= admitted_of(w)) return;
-      const std::uint64_t next = w + (failed ? kFailedOne : kSucceededOne);
+      if (returned_of(w) >= admitted_of(w)) return;
+      const std::uint64_t next = w + one;
       if (word_.compare_exchange_weak(w, next, std::memory_order_acq_rel)) {
         decide(next, now, changes);
         return;
@@ -763,30 +789,34 @@ class circuit_breaker {
     std::uint64_t w = word_.load(std::memory_order_acquire);
     for (;;) {
       if (state_of(w) != breaker_state::half_open || gen_of(w) != gen) return;
-      if (succeeded_of(w) + failed_of(w) >= admitted_of(w)) return;
+      if (returned_of(w) >= admitted_of(w)) return;
       if (word_.compare_exchange_weak(w, w - kAdmittedOne, std::memory_order_acq_rel)) return;
     }
   }
 
-  // After a probe result: close, reopen, or keep probing.
+  // After a probe result: close, reopen, or keep probing. Ignored probes
+  // used their slots but judge nothing: the counted ones decide, and once
+  // every slot is back with nothing counted against and nothing for, the
+  // period is inconclusive and the breaker opens again without a new trip.
   void decide(std::uint64_t w, time_point now, detail::breaker_changes* changes) noexcept {
     const int n = options_.half_open_probes;
-    const int ok = succeeded_of(w), bad = failed_of(w);
+    const int ok = succeeded_of(w), bad = failed_of(w), ign = ignored_of(w);
     bool reopen = false, close = false;
     if (!options_.half_open_failure_rate) {
       reopen = bad >= 1;
-      close = !reopen && ok >= n;
+      close = !reopen && ok >= 1 && ok + ign >= n;
     } else {
       const double limit = *options_.half_open_failure_rate * n;
       reopen = bad >= limit;
-      close = !reopen && static_cast<double>(n - ok) < limit;
+      close = !reopen && ok >= 1 && static_cast<double>(n - ok - ign) < limit;
     }
-    if (!reopen && !close) return;
+    const bool inconclusive = !reopen && !close && ok + bad + ign >= n;
+    if (!reopen && !close && !inconclusive) return;
     std::lock_guard lock(mu_);
     std::uint64_t cur = word_.load(std::memory_order_acquire);
     if (state_of(cur) != breaker_state::half_open || gen_of(cur) != gen_of(w)) return;  // decided already
-    if (reopen) {
-      open_from(cur, now, changes);
+    if (reopen || inconclusive) {
+      open_from(cur, now, changes, /*trip=*/reopen);
     } else {
       trips_.store(0, std::memory_order_relaxed);
       reset_window();
@@ -794,9 +824,10 @@ class circuit_breaker {
     }
   }
 
-  // Under mu_: to open from `cur` (closed or half-open).
-  void open_from(std::uint64_t cur, time_point now, detail::breaker_changes* changes) noexcept {
-    const int trips = trips_.load(std::memory_order_relaxed) + 1;
+  // Under mu_: to open from `cur` (closed or half-open). `trip`: a new
+  // consecutive trip (false: an inconclusive half-open period waits again).
+  void open_from(std::uint64_t cur, time_point now, detail::breaker_changes* changes, bool trip = true) noexcept {
+    const int trips = std::max(1, trips_.load(std::memory_order_relaxed) + (trip ? 1 : 0));
     trips_.store(trips, std::memory_order_relaxed);
     duration d = options_.open_duration;
     if (options_.open_duration_for) {

@@ -163,8 +163,9 @@ struct hedge_options {
   int max_hedges = 1;
   // Each hedge spends one retry from this budget; null: no budget.
   keel::retry_budget* budget = nullptr;
-  // Deposit one request per call into `budget`. Turn off when an outer
-  // keel::retry already deposits into the same budget (once per call).
+  // Deposit one request per call into `budget` (once per call, also when a
+  // keel::retry shares the budget). Turn off only when the application
+  // deposits for its requests itself.
   bool deposit_requests = true;
   // Do not start a hedge with less time than this left; >= 0.
   duration min_attempt_time = duration::zero();
@@ -363,7 +364,7 @@ class hedge {
           outcome_kind::permanent));
     }
     if (options_.max_hedges == 0) return next(ctx, plan);
-    if (options_.budget != nullptr && options_.deposit_requests) options_.budget->record_request(plan.now);
+    if (options_.budget != nullptr && options_.deposit_requests) options_.budget->record_request(ctx.call, plan.now);
     race<R, Ctx, Next> r(*this, ctx, next, plan);
     return r.run(current_delay());
   }

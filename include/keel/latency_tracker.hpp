@@ -2,14 +2,16 @@
 // online, shared by every thread that records into it.
 //
 // keel::hedge uses it to start a hedge "after the 95th percentile": the
-// tracker keeps the last `samples` latencies in a lock-free ring and, every
-// `refresh_every` recordings, one recording thread recomputes the exact
-// nearest-rank percentile over the window (others never wait). Until
-// `min_samples` latencies are known, percentile() is empty and the caller
-// uses its configured default.
+// tracker keeps the last `samples` latencies in a lock-free ring and one
+// recording thread recomputes the exact nearest-rank percentile over the
+// window (others never wait): at `min_samples`, then every `refresh_every`
+// recordings, and more often while the window fills — every eighth of what
+// was recorded so far — so the estimate never lags more than refresh_every
+// samples nor more than an eighth of them (after 100 samples it reflects 96,
+// not the first 64). Until `min_samples` latencies are known, percentile()
+// is empty and the caller uses its configured default.
 //
-// This is the estimator keel::adaptive_timeout uses, as its own small
-// component so several policies can share one view of a dependency.
+// keel::adaptive_timeout estimates with it too: one estimator in keel.
 //
 // Example:
 //
@@ -24,6 +26,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -64,7 +67,12 @@ class latency_tracker {
   explicit latency_tracker(const latency_tracker_options& o = {})
       : options_((detail::require_valid(o.validate()), o)),
         ring_(std::make_unique<std::atomic<std::int64_t>[]>(static_cast<std::size_t>(o.samples))),
-        scratch_(static_cast<std::size_t>(o.samples)) {}
+        scratch_(static_cast<std::size_t>(o.samples)),
+        samples_(static_cast<std::uint64_t>(o.samples)),
+        samples_mask_(std::has_single_bit(samples_) ? samples_ - 1 : 0),
+        refresh_every_(static_cast<std::uint64_t>(o.refresh_every)),
+        refresh_mask_(std::has_single_bit(refresh_every_) ? refresh_every_ - 1 : 0),
+        min_samples_(static_cast<std::uint64_t>(o.min_samples)) {}
   latency_tracker(const latency_tracker&) = delete;
   latency_tracker& operator=(const latency_tracker&) = delete;
 
@@ -82,14 +90,23 @@ class latency_tracker {
 
   void record(duration latency) noexcept {
     const std::uint64_t i = written_.fetch_add(1, std::memory_order_relaxed);
-    ring_[i % static_cast<std::uint64_t>(options_.samples)].store(std::max<std::int64_t>(0, latency.count()),
-                                                                  std::memory_order_relaxed);
+    // A power-of-two window (the usual case) takes a mask, not a division.
+    ring_[samples_mask_ != 0 ? i & samples_mask_ : i % samples_].store(std::max<std::int64_t>(0, latency.count()),
+                                                                        std::memory_order_relaxed);
     const std::uint64_t n = i + 1;
-    const auto min = static_cast<std::uint64_t>(options_.min_samples);
-    if (n >= min && (n == min || n % static_cast<std::uint64_t>(options_.refresh_every) == 0)) refresh(n);
+    if (n >= min_samples_ && due(n)) refresh(n);
   }
 
  private:
+  // At min_samples, then every min(refresh_every, bit_floor(n) / 8) samples:
+  // a power of two while the window fills, so the test is a mask there.
+  [[nodiscard]] bool due(std::uint64_t n) const noexcept {
+    if (n == min_samples_) return true;
+    const std::uint64_t step = std::bit_floor(n) / 8;
+    if (step < refresh_every_) return (n & (std::max<std::uint64_t>(step, 1) - 1)) == 0;
+    return refresh_mask_ != 0 || refresh_every_ == 1 ? (n & refresh_mask_) == 0 : n % refresh_every_ == 0;
+  }
+
   void refresh(std::uint64_t written) noexcept {
     if (refreshing_.exchange(true, std::memory_order_acquire)) return;  // someone else is on it
     const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(written, static_cast<std::uint64_t>(options_.samples)));
@@ -128,6 +145,11 @@ class latency_tracker {
   latency_tracker_options options_;
   std::unique_ptr<std::atomic<std::int64_t>[]> ring_;
   std::vector<std::int64_t> scratch_;  // guarded by refreshing_
+  std::uint64_t samples_;
+  std::uint64_t samples_mask_;  // samples_ - 1 when a power of two, else 0
+  std::uint64_t refresh_every_;
+  std::uint64_t refresh_mask_;  // refresh_every_ - 1 when a power of two, else 0
+  std::uint64_t min_samples_;
   std::atomic<std::uint64_t> written_{0};
   std::atomic<std::int64_t> percentile_ns_{-1};
   std::atomic<bool> refreshing_{false};

@@ -8,7 +8,8 @@
 //   - attempts per layer (retry_options::max_attempts);
 //   - the call's attempt cap, shared by every nested layer (keel::call), so
 //     three attempts inside three attempts stay three provider calls;
-//   - a service-wide keel::retry_budget, when the options name one.
+//   - a service-wide keel::retry_budget, when the options name one; the
+//     call deposits one request into it however many layers share it.
 //
 // Between attempts it waits the provider's retry-after hint when there is
 // one, otherwise a delay from its backoff strategy (full jitter by default).
@@ -114,7 +115,8 @@ class retry {
   template <class Ctx, class Next>
   auto execute(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
-    if (options_.budget != nullptr) options_.budget->record_request(plan.now);
+    // Once per call: an outer layer or a hedge sharing the budget may have paid.
+    if (options_.budget != nullptr) options_.budget->record_request(ctx.call, plan.now);
     duration previous = duration::zero();
     using stop = events::retry_stopped::reason;
     auto stopped = [&](stop why, R r) -> R {

@@ -1,5 +1,6 @@
 // keel/retry_budget.hpp — a service-wide cap on retries: at most `ratio`
-// retries per request over a sliding window, plus a small floor per second.
+// retries per request over a sliding window, plus a small floor that accrues
+// at `min_per_second`.
 //
 // Per-call attempt limits cannot stop a retry storm: when a dependency fails
 // for everybody, every call retries and load multiplies. A retry budget is
@@ -8,14 +9,24 @@
 // fresh requests arrive. This is the Finagle/gRPC idea; with ratio 0.1 a total
 // outage adds at most 10% load (plus the floor) instead of 3x.
 //
+// The floor lets a quiet service retry at all. It is a rate, not a reserve:
+// it accrues `min_per_second` retries per second and holds at most one
+// second's worth (at least one retry), so after a quiet spell it can be spent
+// in a burst of about `min_per_second`, never `min_per_second x window`.
+// Retries are drawn from the floor first, then from the ratio.
+//
+// A request deposits once per call: record_request(call, now) remembers in
+// the keel::call which budgets it has paid into, so nested keel::retry layers
+// and a keel::hedge sharing the budget deposit one request between them.
+//
 // Example:
 //
 //   keel::retry_budget budget({.ratio = 0.1, .min_per_second = 5, .window = std::chrono::seconds(10)});
 //   keel::time_point now = keel::real_clock{}.now();
-//   budget.record_request(now);                   // every call, once
+//   budget.record_request(call, now);             // each call once, however often asked
 //   if (budget.try_acquire_retry(now)) { /* retry */ }
 //
-// keel::retry does both when its options name a budget.
+// keel::retry and keel::hedge do both when their options name a budget.
 //
 // Thread-safety: every operation is lock-free and may be called from any
 // thread. try_acquire_retry never admits more than the budget allows, even
@@ -23,13 +34,16 @@
 // threads race for the last one).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "absl/status/status.h"
+#include "keel/call.hpp"
 #include "keel/clock.hpp"
 #include "keel/status.hpp"
 
@@ -38,8 +52,9 @@ namespace keel {
 struct retry_budget_options {
   // Retries allowed per request seen in the window, in [0, 1].
   double ratio = 0.1;
-  // Retries allowed per second regardless of traffic, so that a quiet
-  // service can still retry; >= 0.
+  // Retries per second allowed regardless of traffic, so that a quiet
+  // service can still retry; a rate with a burst of one second's worth
+  // (at least one). Finite, >= 0; above 1e9 it does not limit.
   double min_per_second = 10.0;
   // How far back requests and retries count; at least 10 ms.
   duration window = std::chrono::seconds(10);
@@ -60,34 +75,65 @@ class retry_budget {
  public:
   // Throws keel::invalid_options if `o` is invalid.
   explicit retry_budget(const retry_budget_options& o = {})
-      : ratio_(o.ratio),
-        floor_(o.min_per_second * std::chrono::duration<double>(o.window).count()),
-        bucket_width_(o.window / kBuckets) {
+      : ratio_(o.ratio), bucket_width_(o.window / kBuckets) {
     detail::require_valid(o.validate());
+    if (o.min_per_second > 0.0) {
+      // The floor as a GCRA: one retry every `interval_`, up to `burst_`
+      // ahead of time. Nanosecond resolution: above 1e9/s it cannot limit.
+      const double interval = 1e9 / o.min_per_second;
+      floor_ = interval < 0.5 ? floor_kind::unlimited : floor_kind::rate;
+      if (floor_ == floor_kind::rate) {
+        constexpr double kMax = static_cast<double>(std::numeric_limits<std::int64_t>::max() / 4);
+        interval_ = static_cast<std::int64_t>(std::llround(std::min(interval, kMax)));
+        burst_ = static_cast<std::int64_t>(std::llround(std::min((std::max(1.0, o.min_per_second) - 1.0) * interval, kMax)));
+        capacity_ = static_cast<std::int64_t>(std::max(1.0, std::floor(o.min_per_second)));
+      } else {
+        capacity_ = static_cast<std::int64_t>(std::min(o.min_per_second, 4e18));
+      }
+    }
   }
   retry_budget(const retry_budget&) = delete;
   retry_budget& operator=(const retry_budget&) = delete;
 
-  // Deposits one request.
+  // Deposits one request for `c`, unless `c` has deposited into this budget
+  // already (nested retry layers, a hedge around a retry). Returns whether it
+  // deposited. One relaxed scan of the call's few deposit slots.
+  bool record_request(keel::call& c, time_point now) noexcept {
+    if (!c.first_deposit(this)) return false;
+    record_request(now);
+    return true;
+  }
+
+  // Deposits one request, whatever deposited before: for callers without a
+  // keel::call, which must call it once per request themselves.
   void record_request(time_point now) noexcept { add(requests_, epoch(now)); }
 
-  // Withdraws one retry if the budget allows it.
+  // Withdraws one retry if the budget allows it: from the floor when it has
+  // a retry to give, otherwise from the ratio.
   [[nodiscard]] bool try_acquire_retry(time_point now) noexcept {
     const std::uint32_t e = epoch(now);
+    if (take_floor(now)) {
+      add(floor_retries_, e);
+      return true;
+    }
     add(retries_, e);  // count first, then check: concurrent callers see each other
-    if (static_cast<double>(sum(retries_, e)) <= allowed(e)) return true;
+    if (sum(retries_, e) <= ratio_allows(e)) return true;
     remove(retries_, e);
     return false;
   }
 
   struct snapshot {
     std::int64_t requests = 0;  // in the window
-    std::int64_t retries = 0;   // in the window
-    std::int64_t allowed = 0;   // retries the window allows in all
+    std::int64_t retries = 0;   // in the window, from the ratio and the floor
+    // Retries the window allows in all: what the ratio allows, plus what the
+    // floor granted in the window and holds now. allowed - retries may be
+    // spent at once.
+    std::int64_t allowed = 0;
   };
   [[nodiscard]] snapshot read(time_point now) const noexcept {
     const std::uint32_t e = epoch(now);
-    return {sum(requests_, e), sum(retries_, e), static_cast<std::int64_t>(allowed(e))};
+    const std::int64_t from_floor = sum(floor_retries_, e);
+    return {sum(requests_, e), sum(retries_, e) + from_floor, ratio_allows(e) + from_floor + floor_holds(now)};
   }
 
  private:
@@ -95,12 +141,33 @@ class retry_budget {
   // Each bucket packs (epoch << 32 | count) in one word, so rolling a bucket
   // over to a new epoch and counting in it is a single CAS.
   using buckets = std::array<std::atomic<std::uint64_t>, kBuckets>;
+  enum class floor_kind : std::uint8_t { none, rate, unlimited };
 
   [[nodiscard]] std::uint32_t epoch(time_point now) const noexcept {
     return static_cast<std::uint32_t>(now.time_since_epoch() / bucket_width_);
   }
-  [[nodiscard]] double allowed(std::uint32_t e) const noexcept {
-    return std::floor(floor_ + ratio_ * static_cast<double>(sum(requests_, e)));
+  [[nodiscard]] std::int64_t ratio_allows(std::uint32_t e) const noexcept {
+    return static_cast<std::int64_t>(std::floor(ratio_ * static_cast<double>(sum(requests_, e))));
+  }
+
+  // GCRA: `tat_` is when the floor is next empty-handed (the theoretical
+  // arrival time); a retry fits while tat_ is at most burst_ ahead of now.
+  [[nodiscard]] bool take_floor(time_point now) noexcept {
+    if (floor_ != floor_kind::rate) return floor_ == floor_kind::unlimited;
+    const std::int64_t t = now.time_since_epoch().count();
+    std::int64_t tat = tat_.load(std::memory_order_relaxed);
+    for (;;) {
+      const std::int64_t from = std::max(tat, t);
+      if (from - t > burst_) return false;
+      if (tat_.compare_exchange_weak(tat, from + interval_, std::memory_order_relaxed)) return true;
+    }
+  }
+  [[nodiscard]] std::int64_t floor_holds(time_point now) const noexcept {
+    if (floor_ != floor_kind::rate) return floor_ == floor_kind::unlimited ? capacity_ : 0;
+    const std::int64_t t = now.time_since_epoch().count();
+    const std::int64_t ahead = std::max(tat_.load(std::memory_order_relaxed), t) - t;
+    if (ahead > burst_) return 0;
+    return std::min(capacity_, (burst_ - ahead) / interval_ + 1);
   }
 
   static void add(buckets& b, std::uint32_t e) noexcept {
@@ -134,10 +201,15 @@ class retry_budget {
   }
 
   double ratio_;
-  double floor_;
   duration bucket_width_;
+  floor_kind floor_ = floor_kind::none;
+  std::int64_t interval_ = 0;  // ns between floor retries
+  std::int64_t burst_ = 0;     // ns the floor may run ahead of now
+  std::int64_t capacity_ = 0;  // floor retries held at most, for read()
+  alignas(64) std::atomic<std::int64_t> tat_{std::numeric_limits<std::int64_t>::min() / 2};
   buckets requests_{};
-  buckets retries_{};
+  buckets retries_{};        // drawn from the ratio
+  buckets floor_retries_{};  // drawn from the floor, for read()
 };
 
 }  // namespace keel

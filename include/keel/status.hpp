@@ -26,6 +26,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
@@ -131,13 +132,39 @@ template <class V>
                                                  " (got ", got, ")"));
 }
 
+// A duration as people read it, in the largest unit it reaches, to at most
+// three decimals: "299.996ms", "1.5s", "2s", "750us", "0s". Seconds are the
+// largest unit ("7200s"). For messages and option errors, not hot paths.
 template <class Rep, class Period>
 [[nodiscard]] std::string describe(std::chrono::duration<Rep, Period> d) {
-  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
-  if (ns % 1'000'000'000 == 0) return absl::StrCat(ns / 1'000'000'000, "s");
-  if (ns % 1'000'000 == 0) return absl::StrCat(ns / 1'000'000, "ms");
-  if (ns % 1'000 == 0) return absl::StrCat(ns / 1'000, "us");
-  return absl::StrCat(ns, "ns");
+  const std::int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
+  if (ns == 0) return "0s";
+  // |ns| without overflow at INT64_MIN.
+  const std::uint64_t mag = ns < 0 ? std::uint64_t{0} - static_cast<std::uint64_t>(ns) : static_cast<std::uint64_t>(ns);
+  const char* sign = ns < 0 ? "-" : "";
+  if (mag < 1'000) return absl::StrCat(sign, mag, "ns");
+  struct unit {
+    std::uint64_t ns;
+    const char* name;
+  };
+  constexpr unit units[] = {{1'000, "us"}, {1'000'000, "ms"}, {1'000'000'000, "s"}};
+  std::size_t u = mag >= 1'000'000'000 ? 2 : mag >= 1'000'000 ? 1 : 0;
+  // Thousandths of the unit, rounded half up; 999.9996ms rounds into the next unit.
+  std::uint64_t milli = (mag + units[u].ns / 2'000) / (units[u].ns / 1'000);
+  if (milli >= 1'000'000 && u < 2) {
+    ++u;
+    milli = (mag + units[u].ns / 2'000) / (units[u].ns / 1'000);
+  }
+  std::uint64_t frac = milli % 1'000;
+  if (frac == 0) return absl::StrCat(sign, milli / 1'000, units[u].name);
+  int digits = 3;
+  while (frac % 10 == 0) {
+    frac /= 10;
+    --digits;
+  }
+  std::string f = absl::StrCat(frac);
+  f.insert(0, static_cast<std::size_t>(digits) - f.size(), '0');
+  return absl::StrCat(sign, milli / 1'000, ".", f, units[u].name);
 }
 
 template <class Rep, class Period>
