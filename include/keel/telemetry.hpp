@@ -9,9 +9,11 @@
 // about; keel calls it synchronously on the thread that made the decision.
 //
 // keel::null_listener accepts everything and does nothing: it is the default
-// everywhere, and with it the event is never even built (calls are inlined
-// and discarded). keel::observe(listener, event) calls a listener only for
-// events it accepts, so a listener may handle just the events it wants.
+// everywhere, and with it keel::observe calls nothing. The event passed to
+// observe is still built and its arguments evaluated (the optimiser drops
+// what has no side effects); guard a costly one with keel::wants<L, E>.
+// keel::observe(listener, event) calls a listener only for events it
+// accepts, so a listener may handle just the events it wants.
 //
 // Example:
 //
