@@ -660,6 +660,11 @@ class circuit_breaker {
     const bool probe = p.probe_;
     const std::uint32_t gen = p.gen_;
     p.breaker_ = nullptr;
+    if (kind == outcome_kind::refused) {
+      // keel declined further in, before the dependency: not a probe at all.
+      if (probe) return_probe(gen);
+      return;
+    }
     const breaker_verdict v = verdict(kind);
     if (v == breaker_verdict::ignore) {
       // The probe reached the dependency: it keeps its slot, so ignored
