@@ -884,3 +884,20 @@ TEST_CASE("refusals and cancellations are never counted, whatever the options sa
   }
   CHECK(b.state() == keel::breaker_state::open);
 }
+
+TEST_CASE("a probe refused further in never reached the dependency: its half-open slot goes back", "[breaker][outcome]") {
+  manual_clock clock;
+  keel::circuit_breaker b({.window_calls = 2, .minimum_calls = 2, .open_duration = 5s, .half_open_probes = 1});
+  feed(b, clock.now(), outcome_kind::transient, 2);
+  clock.advance(5s);
+  keel::breaker_permit first = b.try_acquire(clock.now());
+  REQUIRE(first);
+  CHECK(!b.try_acquire(clock.now()));  // the one probe is out
+  first.record(outcome_kind::refused, clock.now());  // a quota further in declined it
+  CHECK(b.state() == breaker_state::half_open);
+  CHECK(b.snapshot(clock.now()).probes_ignored == 0);
+  keel::breaker_permit second = b.try_acquire(clock.now());
+  REQUIRE(second);  // the slot came back: the dependency has still seen no probe
+  second.record(outcome_kind::success, clock.now());
+  CHECK(b.state() == breaker_state::closed);
+}
