@@ -1,8 +1,10 @@
 // quickstart: a model call behind a deadline, classified retries with a
 // service-wide budget, and an adaptive attempt timeout. The README's example.
 #include <chrono>
-#include <cstdio>
 
+#include <fmt/core.h>
+
+#include "keel/format.hpp"
 #include "keel/keel.hpp"
 
 using namespace std::chrono_literals;
@@ -28,9 +30,8 @@ int main() {
     return std::string("a short summary");
   });
 
-  const keel::call_record rec = call.record();
-  std::printf("answer: %s\n", answer.ok() ? answer->c_str() : std::string(answer.status().message()).c_str());
-  std::printf("attempts: %d (retries %d), cost: %lld tokens\n", rec.attempts, rec.retries,
-              static_cast<long long>(rec.cost));
+  // keel/format.hpp prints keel's values with fmt.
+  fmt::print("answer: {}\n", answer.ok() ? *answer : answer.status().ToString());
+  fmt::print("{}: {}\n", call.labels(), call.record());   // tenant=acme model=summarizer-v2: attempts=2 retries=1 cost=412
   return answer.ok() ? 0 : 1;
 }

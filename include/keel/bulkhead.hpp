@@ -357,7 +357,7 @@ class bulkhead {
   template <keel::clock Clock>
   [[nodiscard]] absl::StatusOr<bulkhead_permit> acquire(std::size_t cls, const Clock& clock, time_point now,
                                                         keel::deadline until, std::stop_token stop) {
-    attempt a = acquire_or_refuse(cls, clock, now, until, std::move(stop));
+    grant a = acquire_or_refuse(cls, clock, now, until, std::move(stop));
     if (a.permit) return std::move(a.permit);
     return refusal(cls, a.why);
   }
@@ -458,11 +458,16 @@ class bulkhead {
     return run_in(*cls, ctx, std::move(plan), next);
   }
 
+ private:
+  friend class bulkhead_permit;
+  template <class Bulkhead>
+  friend class bulkhead_class_ref;
+
   template <class Ctx, class Next>
   auto run_in(std::size_t cls, Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     if (bulkhead_permit p = try_acquire(cls)) return next(ctx, plan);
-    attempt a = acquire_or_refuse(cls, ctx.clock, plan.now, plan.deadline, plan.stop);
+    grant a = acquire_or_refuse(cls, ctx.clock, plan.now, plan.deadline, plan.stop);
     if (!a.permit) {
       observe(ctx.listener, events::bulkhead_rejected{ctx.call, class_name(cls), a.why});
       return R(refusal(cls, a.why));
@@ -470,9 +475,6 @@ class bulkhead {
     if (a.permit.waited()) plan.now = ctx.clock.now();  // time passed in the queue
     return next(ctx, plan);
   }
-
- private:
-  friend class bulkhead_permit;
 
   // word: own slots in use (16 bits) | slots lent out (16) | callers queued (16)
   static constexpr std::uint64_t kOwnOne = 1, kLentOne = std::uint64_t{1} << 16, kQueuedOne = std::uint64_t{1} << 32;
@@ -547,13 +549,14 @@ class bulkhead {
     return std::nullopt;
   }
 
-  struct attempt {
+  // What waiting for a slot gave: a permit, or why not.
+  struct grant {
     bulkhead_permit permit;
     bulkhead_refusal why{};
   };
 
   template <class Clock>
-  attempt acquire_or_refuse(std::size_t cls, const Clock& clock, time_point now, keel::deadline until,
+  grant acquire_or_refuse(std::size_t cls, const Clock& clock, time_point now, keel::deadline until,
                             std::stop_token stop) {
     const auto self = static_cast<std::uint16_t>(cls);
     if (bulkhead_permit p = try_acquire(cls)) return {std::move(p)};

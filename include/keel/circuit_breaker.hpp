@@ -607,6 +607,10 @@ class circuit_breaker {
     return r;
   }
 
+  // Internals from here on.
+ private:
+  friend class breaker_permit;
+
   // The internals behind try_acquire / breaker_permit::record, with the
   // transitions they cause reported to `changes`.
   [[nodiscard]] breaker_permit acquire(time_point now, detail::breaker_changes* changes) noexcept {
@@ -679,9 +683,6 @@ class circuit_breaker {
       closed_result(gen, v == breaker_verdict::failure, slow, now, changes);
     }
   }
-
- private:
-  friend class breaker_permit;
 
   // word_: state (3 bits) | generation (21) | probes admitted (10) |
   // probes succeeded (10) | failed (10) | ignored (10). One CAS moves any.

@@ -63,7 +63,6 @@
 #include <chrono>
 #include <concepts>
 #include <cstddef>
-#include <exception>
 #include <functional>
 #include <initializer_list>
 #include <optional>
@@ -81,6 +80,7 @@
 #include "keel/call.hpp"
 #include "keel/clock.hpp"
 #include "keel/deadline.hpp"
+#include "keel/detail/boundary.hpp"
 #include "keel/outcome.hpp"
 #include "keel/pipeline.hpp"
 #include "keel/policy.hpp"
@@ -301,16 +301,10 @@ class fallback {
                     .timeout = plan.deadline.remaining(plan.now),
                     .stop = plan.stop,
                     .owner = &ctx.call};
-    try {
-      if constexpr (std::is_invocable_v<Provider&, const attempt&>) {
-        return R(provider(a));
-      } else {
-        return R(provider());
-      }
-    } catch (const std::exception& e) {
-      return R(absl::UnknownError(absl::StrCat("keel: fallback threw: ", e.what())));
-    } catch (...) {
-      return R(absl::UnknownError("keel: fallback threw a non-standard exception"));
+    if constexpr (std::is_invocable_v<Provider&, const attempt&>) {
+      return detail::call_user<R>("fallback", provider, a);
+    } else {
+      return detail::call_user<R>("fallback", provider);
     }
   }
 

@@ -88,7 +88,6 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <exception>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -106,6 +105,7 @@
 #include "keel/call.hpp"
 #include "keel/clock.hpp"
 #include "keel/deadline.hpp"
+#include "keel/detail/boundary.hpp"
 #include "keel/digest.hpp"
 #include "keel/executor.hpp"
 #include "keel/outcome.hpp"
@@ -585,13 +585,7 @@ class fan_out {
     }
 
     absl::StatusOr<T> invoke(const unit_context& uc) {
-      try {
-        return absl::StatusOr<T>(worker(uc));
-      } catch (const std::exception& e) {
-        return absl::UnknownError(absl::StrCat("keel: fan_out worker threw: ", e.what()));
-      } catch (...) {
-        return absl::UnknownError("keel: fan_out worker threw a non-standard exception");
-      }
+      return detail::call_user<absl::StatusOr<T>>("fan_out worker", worker, uc);
     }
 
     [[nodiscard]] outcome_kind classify(const absl::Status& s) const {

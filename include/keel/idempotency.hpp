@@ -74,7 +74,6 @@
 #include <chrono>
 #include <concepts>
 #include <cstdint>
-#include <exception>
 #include <functional>
 #include <optional>
 #include <stop_token>
@@ -89,6 +88,7 @@
 #include "keel/call.hpp"
 #include "keel/clock.hpp"
 #include "keel/deadline.hpp"
+#include "keel/detail/boundary.hpp"
 #include "keel/digest.hpp"
 #include "keel/lease.hpp"
 #include "keel/outcome.hpp"
@@ -530,13 +530,7 @@ class once {
             describe(id), [&](duration ttl) { return store_.extend(id, token, ttl); }, stop, sent,
             lease_keeper_options{.ttl = options_.lease}, clock_);
       }
-      try {
-        made = std::invoke(provider, ctx);
-      } catch (const std::exception& e) {
-        made = absl::UnknownError(absl::StrCat("keel: provider threw: ", e.what()));
-      } catch (...) {
-        made = absl::UnknownError("keel: provider threw");
-      }
+      made = detail::call_user<absl::StatusOr<decision>>("provider", provider, ctx);
     }  // the keeper stops here; the commit's fence check decides whether we still own the record
 
     if (made.ok()) {

@@ -24,6 +24,7 @@
 #include "keel/executor.hpp"
 #include "keel/fallback.hpp"
 #include "keel/fan_out.hpp"
+#include "keel/format.hpp"
 #include "keel/hedge.hpp"
 #include "keel/idempotency.hpp"
 #include "keel/job_queue.hpp"

@@ -43,7 +43,6 @@
 
 #include <concepts>
 #include <cstddef>
-#include <exception>
 #include <stop_token>
 #include <tuple>
 #include <type_traits>
@@ -55,6 +54,7 @@
 #include "keel/call.hpp"
 #include "keel/clock.hpp"
 #include "keel/deadline.hpp"
+#include "keel/detail/boundary.hpp"
 #include "keel/outcome.hpp"
 #include "keel/policy.hpp"
 #include "keel/status.hpp"
@@ -113,16 +113,10 @@ R invoke_provider(Ctx& ctx, const attempt_plan& plan, Provider& provider) {
                   .stop = plan.stop,
                   .owner = &ctx.call,
                   .hedge = plan.hedge};
-  try {
-    if constexpr (std::is_invocable_v<Provider&, const attempt&>) {
-      return R(provider(a));
-    } else {
-      return R(provider());
-    }
-  } catch (const std::exception& e) {
-    return R(absl::UnknownError(absl::StrCat("keel: provider threw: ", e.what())));
-  } catch (...) {
-    return R(absl::UnknownError("keel: provider threw a non-standard exception"));
+  if constexpr (std::is_invocable_v<Provider&, const attempt&>) {
+    return call_user<R>("provider", provider, a);
+  } else {
+    return call_user<R>("provider", provider);
   }
 }
 
