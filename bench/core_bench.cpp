@@ -43,6 +43,27 @@ void BM_DirectCall(benchmark::State& state) {
 }
 BENCHMARK(BM_DirectCall);
 
+// The yardstick for pipeline figures: the same provider called directly
+// between two clock reads, as a hand-written timed call would be. A pipeline
+// reads the clock at least as often (start, attempt end), so its cost over
+// this is what keel adds.
+void BM_Baseline_TimedCall(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  keel::call call(keel::real_clock{}.now(), {.timeout = 3s});
+  const keel::attempt a{.owner = &call};
+  provider p;
+  for (auto _ : state) {
+    const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(start);
+    benchmark::DoNotOptimize(a);
+    absl::StatusOr<int> r = p(a);
+    benchmark::DoNotOptimize(r);
+    const std::chrono::steady_clock::time_point end = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(end);
+  }
+}
+BENCHMARK(BM_Baseline_TimedCall);
+
 // A new call per request (one clock read), then deadline + retry + adaptive
 // timeout (one read at the start, one at the end of the attempt).
 void BM_Pipeline_RetryTimeout_Success(benchmark::State& state) {

@@ -9,9 +9,13 @@
 
 #include "keel/adaptive_timeout.hpp"
 #include "keel/admission.hpp"
+#include "keel/breaker_registry.hpp"
 #include "keel/bulkhead.hpp"
 #include "keel/call.hpp"
 #include "keel/circuit_breaker.hpp"
+#include "keel/executor.hpp"
+#include "keel/fallback.hpp"
+#include "keel/hedge.hpp"
 #include "keel/pipeline.hpp"
 #include "keel/rate_limiter.hpp"
 #include "keel/retry.hpp"
@@ -33,6 +37,27 @@ void BM_Baseline_SteadyClockNow(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(keel::real_clock{}.now());
 }
 BENCHMARK(BM_Baseline_SteadyClockNow);
+
+// The yardstick for the pipeline figures: the same trivial provider called
+// directly between two clock reads (what a hand-timed call costs). Compare
+// BM_Pipeline_Full_Success and BM_Pipeline_SeedPlan_Success with it, in the
+// same run.
+void BM_Baseline_TimedCall(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  keel::call call(keel::real_clock{}.now(), {.timeout = 3s});
+  const keel::attempt a{.owner = &call};
+  provider p;
+  for (auto _ : state) {
+    const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(start);
+    benchmark::DoNotOptimize(a);
+    absl::StatusOr<int> r = p(a);
+    benchmark::DoNotOptimize(r);
+    const std::chrono::steady_clock::time_point end = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(end);
+  }
+}
+BENCHMARK(BM_Baseline_TimedCall);
 
 // A closed breaker: admit, then record a success (count window, 100 calls).
 void BM_Breaker_Closed_AllowRecord(benchmark::State& state) {
@@ -140,5 +165,50 @@ void BM_Pipeline_Full_Success(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_Pipeline_Full_Success)->Threads(1)->Threads(2);
+
+// The seed's whole plan, built once, outer to inner: fallback (a small model
+// behind a residency gate, then cached feedback) + admission + bulkhead +
+// time_limit + hedge (p95, one hedge, budgeted) + retry + breaker registry +
+// adaptive timeout around the trivial provider, on the real clock. The
+// primary answers at once, so the hedge is armed but never starts and the
+// fallback never runs (examples/seed_timeline.cpp tells the failure story).
+void BM_Pipeline_SeedPlan_Success(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  static keel::admission quotas({.tenant_defaults = {.rate = 1e9, .burst = 1e12, .max_in_flight = 1000},
+                                 .model_defaults = {.max_in_flight = 1000}});
+  static keel::bulkhead pools({.classes = {{.name = "interactive", .capacity = 24},
+                                           {.name = "batch", .capacity = 8},
+                                           {.name = "recovery", .capacity = 8}}});
+  static keel::retry_budget budget({.ratio = 0.1});
+  static keel::bounded_pool hedge_pool({.threads = 2, .queue_capacity = 8});
+  // The learned p95 of a provider that answers at once is ~0; min_delay keeps
+  // a descheduled caller on this loaded machine from being hedged.
+  static keel::hedge hedger({.delay = 400ms, .percentile = 0.95, .min_delay = 100ms, .max_hedges = 1,
+                             .budget = &budget, .deposit_requests = false, .min_attempt_time = 500ms},
+                            hedge_pool);
+  static keel::breaker_registry breakers({});
+  static keel::adaptive_timeout timeouts;
+  static provider small_model;
+  static auto cached = [](const keel::attempt&) -> absl::StatusOr<int> { return 0; };
+  // Built once, like the parts: the fallback's gate list is its one allocation.
+  static const auto pipe = keel::pipeline(
+      keel::fallback({keel::gate("residency",
+                                 [](const keel::labels& call, const keel::path& p) {
+                                   return call.region.empty() || call.region == p.labels.region;
+                                 })},
+                     keel::alternate("small-model", small_model, {.labels = {.region = "eu"}, .at_most = 3s}),
+                     keel::alternate("cached-feedback", cached, {.provider_call = false})),
+      quotas, pools, keel::time_limit({.at_most = 1000ms}), hedger,
+      keel::retry({.max_attempts = 2, .budget = &budget, .min_attempt_time = 500ms}), breakers, timeouts);
+  const keel::labels labels{.tenant = "acme", .model = "m-large", .endpoint = "api.provider", .region = "eu",
+                            .work_class = "interactive"};
+  for (auto _ : state) {
+    keel::call call(keel::real_clock{}.now(), {.timeout = 3s, .response_reserve = 200ms, .labels = labels});
+    absl::StatusOr<int> r = pipe.run(call, provider{});
+    benchmark::DoNotOptimize(r);
+  }
+  state.counters["hedges"] = static_cast<double>(hedger.figures().hedges_started);
+}
+BENCHMARK(BM_Pipeline_SeedPlan_Success)->Threads(1)->Threads(2);
 
 }  // namespace
