@@ -56,7 +56,12 @@
 // no time left) did no work, so admission rolls it back: the request counts
 // nowhere, not even toward its rate. Use
 // quotas.with_estimate(f) to reserve f(call) units per call. Place it
-// outermost, so refusal comes before any expensive work.
+// first inside keel::fallback (the seed's order: fallback, admission,
+// bulkhead, time_limit, hedge, retry, ...), so refusal comes before any
+// expensive work. Its refusal is keel's (outcome_kind::refused), so the
+// fallback outside may then serve a degraded answer: where a tenant over its
+// quota must get nothing, give the alternative a gate or put admission
+// outside the fallback.
 //
 // Keys are bounded: each level keeps at most max_keys quotas besides its
 // configured overrides; beyond that, new keys share one overflow quota with
