@@ -130,6 +130,21 @@ template <std::size_t I, class R, class Tuple, class Ctx, class Provider>
 R run_from(const Tuple& policies, Ctx& ctx, attempt_plan plan, Provider& provider) {
   if constexpr (I == std::tuple_size_v<Tuple>) {
     return invoke_provider<R>(ctx, plan, provider);
+  } else if constexpr (concurrent_policy<std::tuple_element_t<I, Tuple>>) {
+    // Its attempts may outlive run() (keel/hedge.hpp): they call a copy.
+    using P = std::remove_cvref_t<Provider>;
+    if constexpr (!std::is_copy_constructible_v<P>) {
+      static_assert(std::is_copy_constructible_v<P>,
+                    "keel: a hedged pipeline copies its provider, because a losing attempt may still run after "
+                    "run() returns; make the provider copyable (hold shared state by shared_ptr), or pass "
+                    "std::ref(provider) for one that outlives every attempt");
+      return R(absl::InternalError("unreachable"));
+    } else {
+      auto next = [&policies, owned = P(provider)](Ctx& c, attempt_plan p) mutable -> R {
+        return run_from<I + 1, R>(policies, c, std::move(p), owned);
+      };
+      return std::get<I>(policies).execute(ctx, std::move(plan), next);
+    }
   } else {
     auto next = [&policies, &provider](Ctx& c, attempt_plan p) -> R {
       return run_from<I + 1, R>(policies, c, std::move(p), provider);
