@@ -532,6 +532,41 @@ TEST_CASE("a provider type that declares a non-idempotent write is rejected at c
   STATIC_REQUIRE_FALSE(keel::concurrent_policy<keel::time_limit>);
 }
 
+namespace {
+absl::StatusOr<int> answer_hedge_number(const keel::attempt& a) { return a.hedge; }
+}  // namespace
+
+TEST_CASE("a hedged pipeline copies its provider: a function, a copyable callable or std::ref of one",
+          "[hedge][provider]") {
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  keel::hedge hedger({.delay = 10s}, pool);
+  auto pipe = keel::pipeline(hedger);
+  keel::call first(keel::real_clock{}.now(), {.timeout = 30s});
+  CHECK(pipe.run(first, answer_hedge_number).value() == 0);  // a function: its pointer is copied
+  // The copy is what the attempts call: state the caller's object changes
+  // afterwards is not seen, state shared through std::ref is.
+  struct counter {
+    std::shared_ptr<std::atomic<int>> calls = std::make_shared<std::atomic<int>>(0);
+    absl::StatusOr<int> operator()(const keel::attempt&) const { return ++*calls; }
+  };
+  counter c;
+  keel::call second(keel::real_clock{}.now(), {.timeout = 30s});
+  CHECK(pipe.run(second, c).value() == 1);
+  CHECK(*c.calls == 1);  // shared by the copy
+  struct not_copyable {
+    std::mutex mu;
+    int calls = 0;
+    absl::StatusOr<int> operator()(const keel::attempt&) {
+      std::lock_guard lock(mu);
+      return 5 + calls++;
+    }
+  } shared;
+  keel::call third(keel::real_clock{}.now(), {.timeout = 30s});
+  CHECK(pipe.run(third, std::ref(shared)).value() == 5);  // not copyable: shared by reference
+  std::lock_guard lock(shared.mu);
+  CHECK(shared.calls == 1);
+}
+
 TEST_CASE("a fast retryable failure with nothing else running starts the hedge at once", "[hedge]") {
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});

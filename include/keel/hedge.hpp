@@ -539,8 +539,9 @@ class hedge {
         if (winner >= 0) return std::move(*answer);
         return R(std::move(last_failure));
       }();
-      o.disarm(*this);
-      release();
+      // Unlinked from the timer and the caller's reference dropped under one
+      // timer lock (the order on_timer takes them in).
+      if (o.disarm_and_release(*this, [this] { return --refs == 0; })) recycle(/*counted=*/true);
       return result;
     }
 
@@ -612,7 +613,7 @@ class hedge {
         }
         if (owns_ref) last = --refs == 0;
       }
-      if (last) recycle();
+      if (last) recycle(/*counted=*/false);
     }
 
     void cancel_losers_locked(int won, time_point now) {
@@ -707,19 +708,10 @@ class hedge {
       if (now.missing != 0) to.note_missing(now.missing);
     }
 
-    // The caller's reference goes; the block goes when it was the last.
-    void release() {
-      bool last = false;
-      {
-        std::lock_guard lock(mu);
-        last = --refs == 0;
-      }
-      if (last) recycle();
-    }
-
     // The last owner: clears the call's state and keeps the block as this
-    // thread's spare, then lets the hedge know (its destructor waits for it).
-    void recycle() {
+    // thread's spare, then lets the hedge know (its destructor waits for it)
+    // unless that was counted already.
+    void recycle(bool counted) {
       hedge& o = *owner;
       for (int j = 0; j < launched; ++j) {
         slot& s = slots[static_cast<std::size_t>(j)];
@@ -742,7 +734,7 @@ class hedge {
       } else {
         delete this;
       }
-      o.race_released();
+      if (!counted) o.race_released();
     }
 
     // The timer thread, under the hedge's timer lock.
@@ -817,9 +809,19 @@ class hedge {
     if (wake) wake_.notify_one();
   }
 
-  void disarm(detail::hedge_timer& t) {
+  // The caller leaves its race: unlinked, then `drop` (its reference, under
+  // the race's lock). True when it was the last: the race is released.
+  template <class Race, class Drop>
+  bool disarm_and_release(Race& r, Drop drop) {
     std::lock_guard lock(mu_);
-    if (t.linked) unlink(t);
+    if (r.linked) unlink(r);
+    bool last = false;
+    {
+      std::lock_guard race_lock(r.mu);
+      last = drop();
+    }
+    if (last && --races_ == 0 && draining_) drained_.notify_all();
+    return last;
   }
 
   // A race block has no owner left. The last thing a loser does with the hedge.

@@ -132,7 +132,7 @@ R run_from(const Tuple& policies, Ctx& ctx, attempt_plan plan, Provider& provide
     return invoke_provider<R>(ctx, plan, provider);
   } else if constexpr (concurrent_policy<std::tuple_element_t<I, Tuple>>) {
     // Its attempts may outlive run() (keel/hedge.hpp): they call a copy.
-    using P = std::remove_cvref_t<Provider>;
+    using P = std::decay_t<Provider>;  // a function: a pointer to it
     if constexpr (!std::is_copy_constructible_v<P>) {
       static_assert(std::is_copy_constructible_v<P>,
                     "keel: a hedged pipeline copies its provider, because a losing attempt may still run after "
