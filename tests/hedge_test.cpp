@@ -816,7 +816,9 @@ TEST_CASE("hedged calls race correctly under contention", "[hedge][stress]") {
   // that would beat it waiting in the queue.
   keel::bounded_pool pool({.threads = 12, .queue_capacity = 256});
   keel::retry_budget budget({.ratio = 1.0, .min_per_second = 1e6});
-  keel::hedge hedger({.delay = 1ms, .max_hedges = 2, .budget = &budget}, pool);
+  const bool on_caller = GENERATE(false, true);
+  CAPTURE(on_caller);
+  keel::hedge hedger({.delay = 1ms, .max_hedges = 2, .budget = &budget, .primary_on_caller_thread = on_caller}, pool);
   auto pipe = keel::pipeline(hedger);
   std::atomic<int> invocations{0};
   constexpr int threads = 4;

@@ -564,12 +564,16 @@ class hedge {
         return;
       }
       if (i > 0 || owns_ref) p.now = clock->now();  // it may have waited for a thread
+      finish(i, invoke(p), owns_ref);
+    }
+
+    R invoke(const attempt_plan& p) {
       try {
-        finish(i, (*next)(*ctx, p), owns_ref);
+        return (*next)(*ctx, p);
       } catch (const std::exception& e) {
-        finish(i, R(absl::UnknownError(absl::StrCat("keel: hedge: attempt threw: ", e.what()))), owns_ref);
+        return R(absl::UnknownError(absl::StrCat("keel: hedge: attempt threw: ", e.what())));
       } catch (...) {
-        finish(i, R(absl::UnknownError("keel: hedge: attempt threw a non-standard exception")), owns_ref);
+        return R(absl::UnknownError("keel: hedge: attempt threw a non-standard exception"));
       }
     }
 
