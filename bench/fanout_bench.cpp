@@ -8,7 +8,10 @@
 //                                same pool and a wait for them
 //   BM_Baseline_Store_8Saves     the store alone: 8 saves and 8 loads inline
 //   BM_Hedge_PrimaryWins         a hedged pipeline whose primary answers
-//                                before the delay
+//                                before the delay (the primary runs on the
+//                                pool; the caller waits for it)
+//   BM_Hedge_PrimaryWins_OnCallerThread
+//                                the same with primary_on_caller_thread
 //   BM_Hedge_Baseline_NoHedge    the same provider through a pipeline
 //                                without the hedge
 //
@@ -145,8 +148,8 @@ struct provider {
   absl::StatusOr<int> operator()(const keel::attempt& a) const { return a.number; }
 };
 
-// A new call per request, then the hedge's race: primary inline, the timer
-// armed and disarmed, no hedge (the delay is 1 s).
+// A new call per request, then the hedge's race: the primary handed to the
+// pool and waited for, the timer armed and disarmed, no hedge (the delay is 1 s).
 void BM_Hedge_PrimaryWins(benchmark::State& state) {
   static keel::bounded_pool pool({.threads = 2, .queue_capacity = 64});
   static keel::retry_budget budget({.ratio = 0.1});
@@ -160,6 +163,22 @@ void BM_Hedge_PrimaryWins(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_Hedge_PrimaryWins)->Threads(1)->Threads(2);
+
+// The same race with the primary on the calling thread: no hand-off.
+void BM_Hedge_PrimaryWins_OnCallerThread(benchmark::State& state) {
+  static keel::bounded_pool pool({.threads = 2, .queue_capacity = 64});
+  static keel::retry_budget budget({.ratio = 0.1});
+  static keel::hedge hedger({.delay = 1s, .max_hedges = 1, .budget = &budget, .primary_on_caller_thread = true},
+                            pool);
+  auto pipe = keel::pipeline(hedger);
+  keel_bench::count_allocations allocs(state);
+  for (auto _ : state) {
+    keel::call call(keel::real_clock{}.now(), {.timeout = 3s});
+    absl::StatusOr<int> r = pipe.run(call, provider{});
+    benchmark::DoNotOptimize(r);
+  }
+}
+BENCHMARK(BM_Hedge_PrimaryWins_OnCallerThread)->Threads(1)->Threads(2);
 
 void BM_Hedge_Baseline_NoHedge(benchmark::State& state) {
   auto pipe = keel::pipeline();

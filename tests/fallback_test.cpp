@@ -335,7 +335,8 @@ TEST_CASE("fallback outside a hedge: when the race has no acceptable answer, the
   text_provider backup(clock, {kt::answer(std::string("from the backup"), 10ms)});
   auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("backup", backup)), hedger).on(clock);
   keel::call call(clock.now(), {.timeout = 2s});
-  const absl::StatusOr<std::string> r = pipe.run(call, model);
+  // std::ref: a hedged pipeline copies its provider (keel/hedge.hpp); this one outlives the race.
+  const absl::StatusOr<std::string> r = pipe.run(call, std::ref(model));
   REQUIRE(r.ok());
   CHECK(*r == "from the backup");
   CHECK(call.record().served_by == "backup");

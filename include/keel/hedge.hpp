@@ -7,24 +7,28 @@
 // requests). keel::hedge is a pipeline policy that does this inside the
 // call's deadline and the service's retry budget:
 //
-//   - The primary attempt runs on the caller's thread. If it has not
-//     answered after `delay` (fixed, or the `percentile` of recent latency
-//     learned online), a hedge attempt starts on the executor; up to
-//     `max_hedges` of them, one per delay.
+//   - The primary attempt runs on the executor while the caller waits. If
+//     it has not answered after `delay` (fixed, or the `percentile` of
+//     recent latency learned online), a hedge attempt starts on the
+//     executor; up to `max_hedges` of them, one per delay.
 //   - The race returns the first acceptable success (an OK result that the
 //     `accept` predicate takes), not the first attempt to finish. A failure,
 //     however fast, does not end the race while another attempt is still
 //     running. When every attempt has failed and nothing is running, the
 //     next hedge starts at once if the failure is retryable; otherwise the
 //     last failure is the answer.
-//   - Every attempt has its own std::stop_source, linked to the call's stop
-//     token. When a winner is chosen the others are asked to stop; those
-//     still running are counted as outstanding (figures().outstanding, and
+//   - The call returns as soon as the race is decided. Every attempt has its
+//     own std::stop_source, linked to the call's stop token. When a winner
+//     is chosen the others are asked to stop; those still running are
+//     counted as outstanding (figures().outstanding, and
 //     events::hedge_losers_cancelled) until they return, because their
-//     upstream work may go on after a local cancel.
+//     upstream work may go on after a local cancel. They finish on the
+//     executor with what they own (below), not holding the caller.
 //   - Each hedge spends one retry from `budget` (the same keel::retry_budget
 //     as retries); when it is spent, no hedge starts. Hedges also count
-//     against the call's attempt cap.
+//     against the call's attempt cap. A hedge the executor refuses is
+//     skipped (events::hedge_skipped): it is not reported as started, and
+//     the race's answer stays what its attempts returned.
 //   - A consequential write is never hedged unless it is idempotent
 //     (keel::operation{.effect = write, .idempotent = true}: it carries an
 //     idempotency identity). At compile time, a pipeline with a hedge does
@@ -48,19 +52,40 @@
 //   keel::call call(keel::real_clock{}.now(), {.timeout = std::chrono::seconds(2)});
 //   absl::StatusOr<int> r = pipe.run(call, [](const keel::attempt& a) -> absl::StatusOr<int> { return a.hedge; });
 //
-// Costs: when the primary answers before the delay, the race allocates
-// nothing (its state lives on the caller's stack and the primary's stop
-// source is reused per thread); it takes the hedge's timer lock twice. A
-// hedge allocates its stop source and may allocate in the executor.
+// Costs: the primary's hand-off to the executor (a queue push and a thread
+// wake-up each way; measured in docs/fanout.md) and one executor thread per
+// call in flight: size the executor for the calls in flight through the
+// hedge plus their hedges, or a primary stalled on every thread keeps the
+// hedges that would beat it waiting in the queue. A primary the executor
+// refuses runs on the caller's thread. `primary_on_caller_thread` runs
+// every primary there: no hand-off, no thread, but a call whose hedge wins
+// then returns only when its primary returns. When the primary wins, the
+// race allocates nothing: its block (its state, and the copies below) is
+// kept per calling thread and reused. A hedge allocates its stop source and
+// may allocate in the executor.
 //
-// Contract with the code below the hedge: the provider and the policies
-// between the hedge and it are called from several threads at once for one
-// call (every keel policy is thread-safe). execute() returns only after every
-// attempt it started has returned, because they use the call and the
-// provider by reference: a provider must honour its stop token (and its
-// deadline) for a cancelled loser to free the caller promptly. Put
-// keel::fallback outside the hedge, not below it (it records the serving
-// path on the call).
+// What a hedged pipeline's attempts may hold. A losing attempt may run after
+// run() has returned, so:
+//   - the provider is copied into the race (keel/pipeline.hpp; a provider
+//     that cannot be copied does not compile: pass std::ref(p) for one that
+//     outlives every attempt). What the copy refers to must outlive the
+//     attempt too: capture per-request state by value (or shared_ptr), never
+//     the caller's locals or its keel::call by reference. Use the
+//     keel::attempt the provider is given: its owner, labels and charge()
+//     are the race's own, safe after the call returned.
+//   - the attempts run with the race's own keel::call (the caller's
+//     deadline, operation, attempt cap and copies of its labels) and copies
+//     of the pipeline's clock, classifier and listener. What the attempts
+//     did (attempts, retries, cost, missing units) is added to the caller's
+//     call when the race is decided; what a loser does after that is not.
+//   - the policies between the hedge and the provider are the pipeline's:
+//     keep a pipeline with policies below its hedge alive until
+//     figures().outstanding is 0 (build pipelines once, not per call).
+//     Put keel::fallback outside the hedge, not below it (it records the
+//     serving path on the call).
+//   - the hedge's destructor waits for every attempt still running.
+// Events are reported on the caller's call while it waits for the answer,
+// never after.
 //
 // The hedge owns one timer thread that starts hedges when they are due; the
 // executor runs them and must use other threads than the timer's (see
@@ -75,7 +100,8 @@
 //
 // Thread-safety: execute() may run for many calls at once; figures() and
 // current_delay() from any thread. Destroy a hedge only when no call is
-// running through it.
+// running through it; its destructor then waits for the losers still
+// running.
 #pragma once
 
 #include <algorithm>
@@ -84,11 +110,11 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <stop_token>
+#include <string>
 #include <string_view>
 #include <thread>
 #include <tuple>
@@ -100,6 +126,7 @@
 #include "absl/strings/str_cat.h"
 #include "keel/call.hpp"
 #include "keel/clock.hpp"
+#include "keel/detail/boundary.hpp"
 #include "keel/executor.hpp"
 #include "keel/latency_tracker.hpp"
 #include "keel/outcome.hpp"
@@ -112,7 +139,8 @@ namespace keel {
 
 namespace events {
 
-// A hedge attempt was handed to the executor `after` the primary started.
+// The executor accepted a hedge attempt, `after` the primary started (one
+// it refuses is a hedge_skipped, never a hedge_started).
 struct hedge_started {
   const keel::call& call;
   int hedge;  // 1 for the first hedge
@@ -174,6 +202,13 @@ struct hedge_options {
   int min_samples = 50;
   // A non-idempotent write: refuse it (false) or run it as one attempt (true).
   bool run_unsafe_writes_unhedged = false;
+  // false: the primary runs on the executor and the caller waits for the
+  // first acceptable answer, so it returns at once even when the attempt
+  // that lost ignores its stop token. true: the primary runs on the
+  // caller's thread (no hand-off, no executor thread spent on it), but a
+  // call whose hedge wins then returns only when its primary returns: only
+  // for providers that honour their stop token at once.
+  bool primary_on_caller_thread = false;
 
   static constexpr int max_hedges_limit = 7;
 
@@ -245,7 +280,7 @@ class alternates {
 
 namespace detail {
 
-// One call's slot in a hedge's timer list. Lives in the call's stack frame.
+// One call's slot in a hedge's timer list. Lives in the call's race block.
 struct hedge_timer {
   time_point due{};
   hedge_timer* prev = nullptr;
@@ -262,20 +297,34 @@ struct forward_stop {
   void operator()() const noexcept { target->request_stop(); }
 };
 
-// The primary attempt's stop source, kept per thread while no stop was ever
-// requested on it, so the primary-wins path allocates nothing.
-inline thread_local std::stop_source spare_primary_stop{std::nostopstate};
+// The race's own copies of the call's label strings: an attempt that is
+// still running after the caller left reads these, not the caller's. Kept
+// with the block between calls, so their capacity is reused.
+struct label_store {
+  std::string tenant, model, endpoint, region, work_class;
 
-[[nodiscard]] inline std::stop_source take_primary_stop() {
-  if (spare_primary_stop.stop_possible() && !spare_primary_stop.stop_requested()) {
-    return std::exchange(spare_primary_stop, std::stop_source(std::nostopstate));
+  [[nodiscard]] keel::labels copy(const keel::labels& l) {
+    tenant.assign(l.tenant);
+    model.assign(l.model);
+    endpoint.assign(l.endpoint);
+    region.assign(l.region);
+    work_class.assign(l.work_class);
+    return {.tenant = tenant, .model = model, .endpoint = endpoint, .region = region, .work_class = work_class};
   }
-  return std::stop_source();
-}
+};
 
-inline void give_back_primary_stop(std::stop_source& s) noexcept {
-  if (s.stop_possible() && !s.stop_requested()) spare_primary_stop = std::move(s);
-}
+// The parts of a pipeline's run context (keel/policy.hpp).
+template <class Ctx>
+struct run_context_parts {
+  static constexpr bool known = false;
+};
+template <class C, class K, class L>
+struct run_context_parts<run_context<C, K, L>> {
+  static constexpr bool known = true;
+  using clock = C;
+  using classifier = K;
+  using listener = L;
+};
 
 // OK when `r` is an acceptable answer; otherwise why not. A failure's status
 // is moved out of `r` (no reference count is shared with the attempt's
@@ -304,7 +353,8 @@ template <keel::executor Executor, keel::clock Clock = real_clock, class Accept 
 class hedge {
  public:
   // Lets a pipeline refuse, at compile time, a provider that declares a
-  // non-idempotent write (keel/policy.hpp).
+  // non-idempotent write, and makes it hand this policy a `next` that owns
+  // a copy of the provider (keel/pipeline.hpp).
   static constexpr bool concurrent_attempts = true;
 
   // Starts the timer thread. Throws keel::invalid_options if `o` is invalid.
@@ -322,7 +372,13 @@ class hedge {
         timer_([this](std::stop_token stop) { timer_loop(std::move(stop)); }) {}
   hedge(const hedge&) = delete;
   hedge& operator=(const hedge&) = delete;
-  ~hedge() = default;  // timer_ (declared last) stops and joins first
+  // Waits for the attempts still running (losers whose callers have their
+  // answers); then timer_ (declared last) stops and joins.
+  ~hedge() {
+    std::unique_lock lock(mu_);
+    draining_ = true;
+    drained_.wait(lock, [&] { return races_ == 0; });
+  }
 
   [[nodiscard]] const hedge_options& options() const noexcept { return options_; }
 
@@ -351,6 +407,11 @@ class hedge {
     using R = decltype(next(ctx, plan));
     static_assert(std::is_same_v<std::remove_cvref_t<decltype(ctx.clock)>, Clock>,
                   "keel::hedge<..., Clock> must run in a pipeline on the same clock type (pipeline.on(clock))");
+    static_assert(detail::run_context_parts<Ctx>::known,
+                  "keel::hedge runs inside a keel::pipeline: its ctx must be a keel::run_context");
+    static_assert(std::is_move_constructible_v<Next>,
+                  "keel::hedge keeps the rest of the pipeline for attempts that outlive the call: `next` must be "
+                  "movable");
     calls_.fetch_add(1, std::memory_order_relaxed);
     if (!ctx.call.operation().repeatable()) {
       refused_writes_.fetch_add(1, std::memory_order_relaxed);
@@ -365,17 +426,34 @@ class hedge {
     }
     if (options_.max_hedges == 0) return next(ctx, plan);
     if (options_.budget != nullptr && options_.deposit_requests) options_.budget->record_request(ctx.call, plan.now);
-    race<R, Ctx, Next> r(*this, ctx, next, plan);
-    return r.run(current_delay());
+    return race<R, Ctx, Next>::acquire().run(*this, ctx, next, plan, current_delay());
   }
 
  private:
   using skip = events::hedge_skipped::reason;
 
-  // The state of one call's race. Lives in execute()'s frame; execute()
-  // returns only when every attempt has returned and the timer let go of it.
+  // One call's race. Owned jointly by the caller (until it has its answer)
+  // and by every attempt handed to the executor (until it returns), so a
+  // loser that ignores its stop token holds only this block, never the
+  // caller. The last owner puts it back in its thread's spare slot: a thread
+  // that calls through the hedge again reuses it without allocating.
+  //
+  // What a running attempt touches: this block (its own call, context,
+  // clock, classifier and listener copies, and the rest of the pipeline
+  // with its own copy of the provider), and the hedge. The caller's ctx
+  // (its keel::call, the pipeline's listener) only under `mu` while the
+  // caller is still waiting (!decided): the caller leaves only after taking
+  // `mu` and seeing `decided`.
   template <class R, class Ctx, class Next>
   struct race final : detail::hedge_timer {
+    using parts = detail::run_context_parts<Ctx>;
+    using clock_type = typename parts::clock;
+    using classifier_type = typename parts::classifier;
+    using listener_type = typename parts::listener;
+    static_assert(std::is_copy_constructible_v<classifier_type> && std::is_copy_constructible_v<listener_type>,
+                  "keel::hedge copies the pipeline's classifier and listener for attempts that outlive the call: "
+                  "they must be copyable (hold shared state by pointer or reference)");
+
     struct slot {
       std::stop_source stop{std::nostopstate};
       std::optional<std::stop_callback<detail::forward_stop>> link;
@@ -384,209 +462,309 @@ class hedge {
       bool cancelled = false;
     };
 
-    race(hedge& o, Ctx& c, Next& n, const attempt_plan& p) : owner(o), ctx(c), next(n), plan(p) {}
+    race() = default;
     race(const race&) = delete;
     race& operator=(const race&) = delete;
-    ~race() {
-      for (int j = 0; j < launched; ++j) std::destroy_at(&at(j));
+    ~race() = default;
+
+    // A thread's spare block: the last owner of a block leaves it here.
+    struct spare {
+      race* block = nullptr;
+      spare() = default;
+      spare(const spare&) = delete;
+      spare& operator=(const spare&) = delete;
+      ~spare() { delete block; }
+    };
+    static spare& thread_spare() noexcept {
+      thread_local spare s;
+      return s;
     }
 
-    R run(duration delay) {
-      slot& primary = *std::construct_at(&slots[0].s);
-      primary.stop = detail::take_primary_stop();
-      if (plan.stop.stop_possible()) primary.link.emplace(plan.stop, detail::forward_stop{&primary.stop});
-      primary.start = plan.now;
+    static race& acquire() {
+      spare& s = thread_spare();
+      if (s.block != nullptr) return *std::exchange(s.block, nullptr);
+      return *new race();
+    }
+
+    R run(hedge& o, Ctx& c, Next& n, const attempt_plan& p, duration delay) {
+      owner = &o;
+      caller = &c;
+      plan = p;
+      clock.emplace(c.clock);
+      classifier.emplace(c.classifier);
+      listener.emplace(c.listener);
+      const keel::call& from = c.call;
+      // The race's own call: what attempts see as their owner (labels,
+      // operation, attempt numbers, charges). Its counters are added to the
+      // caller's call when the race is decided.
+      own_call.emplace(p.now, call_options{.deadline = from.end(),
+                                           .response_reserve = from.response_reserve(),
+                                           .labels = labels.copy(from.labels()),
+                                           .operation = from.operation(),
+                                           .max_attempts = from.max_attempts()});
+      base = from.record();
+      for (int k = 0; k < base.attempts; ++k) (void)own_call->begin_attempt();  // numbers go on from the call's
+      ctx.emplace(Ctx{*own_call, *clock, *classifier, *listener});
+      next.emplace(std::move(n));
+
+      slot& primary = slots[0];
+      if (!primary.stop.stop_possible() || primary.stop.stop_requested()) primary.stop = std::stop_source();
+      if (p.stop.stop_possible()) primary.link.emplace(p.stop, detail::forward_stop{&primary.stop});
+      primary.start = p.now;
       primary.running = true;
+      primary.cancelled = false;
       launched = 1;
-      due = plan.now + delay;
+      returned = 0;
+      hedges = 0;
+      winner = -1;
+      decided = false;
+      no_more = false;
+      refs = 1;
+      due = p.now + delay;
       fire = &race::on_timer;
-      owner.arm(*this);
+      o.arm(*this);
 
-      attempt_plan first = plan;
-      first.stop = primary.stop.get_token();
-      first.hedge = 0;
-      if (!finish(0, invoke(first))) {
+      bool on_caller = o.options_.primary_on_caller_thread;
+      if (!on_caller) {
+        std::lock_guard lock(mu);
+        // Refused: the caller runs its primary itself rather than fail it.
+        on_caller = !hand_over_locked(0);
+      }
+      if (on_caller) attempt(0, /*owns_ref=*/false);
+
+      R result = [&] {
         std::unique_lock lock(mu);
-        done.wait(lock, [&] { return decided && returned == launched; });
-      }
-      owner.disarm(*this);
-      for (int j = 0; j < launched; ++j) at(j).link.reset();  // before any source goes away
-      detail::give_back_primary_stop(primary.stop);
-      if (winner >= 0) return std::move(*answer);
-      return R(std::move(last_failure));
+        done.wait(lock, [&] { return decided; });
+        settle_call_locked();
+        caller = nullptr;
+        if (winner >= 0) return std::move(*answer);
+        return R(std::move(last_failure));
+      }();
+      // Unlinked from the timer and the caller's reference dropped under one
+      // timer lock (the order on_timer takes them in).
+      if (o.disarm_and_release(*this, [this] { return --refs == 0; })) recycle(/*counted=*/true);
+      return result;
     }
 
-    slot& at(int i) { return slots[static_cast<std::size_t>(i)].s; }
-
-    R invoke(const attempt_plan& p) {
-      try {
-        return next(ctx, p);
-      } catch (const std::exception& e) {
-        return R(absl::UnknownError(absl::StrCat("keel: hedge: attempt threw: ", e.what())));
-      } catch (...) {
-        return R(absl::UnknownError("keel: hedge: attempt threw a non-standard exception"));
-      }
-    }
-
-    // On an executor thread.
-    void run_hedge(int i) {
-      attempt_plan p = plan;
-      p.now = ctx.clock.now();
-      p.stop = at(i).stop.get_token();
-      p.hedge = i;
-      finish(i, invoke(p));
-    }
-
-    // Records attempt i's result; decides the race when it can. Returns
-    // true when the race is over (decided, every attempt returned).
-    bool finish(int i, R&& r) {
-      const bool timed = owner.tracker_ != nullptr;
-      const time_point end = timed ? ctx.clock.now() : time_point{};
-      int start_next = -1;
-      bool over = false;
+    // Runs attempt i and records its result. On an executor thread (owns_ref:
+    // it holds a reference to the block), or on the caller's.
+    void attempt(int i, bool owns_ref) {
+      attempt_plan p;
+      bool go = false;
       {
         std::lock_guard lock(mu);
-        slot& s = at(i);
+        if (!decided) {
+          go = true;
+          p = plan;
+          p.stop = slots[static_cast<std::size_t>(i)].stop.get_token();
+          p.hedge = i;
+        }
+      }
+      if (!go) {  // decided while it waited for a thread: never invoked
+        finish(i, R(absl::CancelledError("keel: hedge: race decided before the attempt started")), owns_ref);
+        return;
+      }
+      if (i > 0 || owns_ref) p.now = clock->now();  // it may have waited for a thread
+      finish(i, invoke(p), owns_ref);
+    }
+
+    R invoke(const attempt_plan& p) { return detail::call_user<R>("hedge: attempt", *next, *ctx, p); }
+
+    // Records attempt i's result and decides the race when it can. An
+    // attempt that owns a reference gives it up in the same critical
+    // section, so the waiting caller (woken by it) is the one that releases
+    // the block when the primary wins.
+    void finish(int i, R&& r, bool owns_ref) {
+      const bool timed = owner->tracker_ != nullptr;
+      const time_point end = timed ? clock->now() : time_point{};
+      bool last = false;
+      {
+        std::lock_guard lock(mu);
+        slot& s = slots[static_cast<std::size_t>(i)];
         s.running = false;
         ++returned;
-        if (s.cancelled) owner.outstanding_.fetch_sub(1, std::memory_order_relaxed);
+        if (s.cancelled) owner->outstanding_.fetch_sub(1, std::memory_order_relaxed);
         if (!decided) {
-          absl::Status why = detail::judge(r, owner.accept_);
+          absl::Status why = detail::judge(r, owner->accept_);
           if (why.ok()) {
             decided = true;
             winner = i;
             answer.emplace(std::move(r));
-            if (i > 0) owner.hedge_wins_.fetch_add(1, std::memory_order_relaxed);
-            if (timed) owner.tracker_->record(end - s.start);
+            if (i > 0) owner->hedge_wins_.fetch_add(1, std::memory_order_relaxed);
+            if (timed) owner->tracker_->record(end - s.start);
             cancel_losers_locked(i, end);
           } else {
             last_failure = std::move(why);
             if (returned == launched) {
               // Nothing is running: a retryable failure starts the next
-              // hedge at once; anything else ends the race.
-              if (retryable(ctx.classify(last_failure), ctx.call.operation())) {
-                start_next = reserve_locked(timed ? end : ctx.clock.now());
+              // hedge at once; anything else (or a refused hedge) ends the
+              // race with this failure.
+              if (retryable(ctx->classify(last_failure), own_call->operation())) {
+                const int k = reserve_locked(timed ? end : clock->now());
+                if (k >= 0) hand_over_locked(k);
               }
-              if (start_next < 0) decided = true;
+              if (returned == launched) decided = true;
             }
           }
+          if (decided) done.notify_all();
         }
-        over = decided && returned == launched;
-        // The caller (attempt 0) only waits after its own finish: nobody to wake then.
-        if (over && i != 0) done.notify_all();
+        if (owns_ref) last = --refs == 0;
       }
-      if (start_next >= 0) start(start_next);
-      return over;
+      if (last) recycle(/*counted=*/false);
     }
 
     void cancel_losers_locked(int won, time_point now) {
       int outstanding = 0;
       for (int j = 0; j < launched; ++j) {
-        slot& s = at(j);
+        slot& s = slots[static_cast<std::size_t>(j)];
         if (j == won || !s.running || s.cancelled) continue;
         s.cancelled = true;
         ++outstanding;
         s.stop.request_stop();
         // A loser took at least this long: recorded so the learned delay is
         // not biased towards the fast answers that won.
-        if (owner.tracker_ != nullptr) owner.tracker_->record(now - s.start);
+        if (owner->tracker_ != nullptr) owner->tracker_->record(now - s.start);
       }
       if (outstanding > 0) {
-        owner.cancelled_losers_.fetch_add(outstanding, std::memory_order_relaxed);
-        owner.outstanding_.fetch_add(outstanding, std::memory_order_relaxed);
-        observe(ctx.listener, events::hedge_losers_cancelled{ctx.call, won, outstanding});
+        owner->cancelled_losers_.fetch_add(outstanding, std::memory_order_relaxed);
+        owner->outstanding_.fetch_add(outstanding, std::memory_order_relaxed);
+        observe(caller->listener, events::hedge_losers_cancelled{caller->call, won, outstanding});
       }
     }
 
     // Reserves the next hedge, or returns -1 (and reports why) when none may
-    // start. On success the caller calls start(i) without holding mu.
+    // start. Then hand_over_locked(i).
     int reserve_locked(time_point now) {
-      if (no_more || hedges >= owner.options_.max_hedges) return -1;
+      if (no_more || hedges >= owner->options_.max_hedges) return -1;
       const int k = hedges + 1;
       std::optional<skip> why;
       if (plan.stop.stop_requested()) {
         why = skip::cancelled;
       } else if (plan.deadline.expired(now) ||
-                 plan.deadline.remaining(now) < std::max(owner.options_.min_attempt_time, duration(1))) {
+                 plan.deadline.remaining(now) < std::max(owner->options_.min_attempt_time, duration(1))) {
         why = skip::deadline;
-      } else if (ctx.call.attempts_exhausted()) {
+      } else if (own_call->attempts_exhausted()) {
         why = skip::attempt_cap;
-      } else if (owner.options_.budget != nullptr && !owner.options_.budget->try_acquire_retry(now)) {
+      } else if (owner->options_.budget != nullptr && !owner->options_.budget->try_acquire_retry(now)) {
         why = skip::budget;
       }
       if (why) {
         no_more = true;
-        owner.count_skip(*why);
-        observe(ctx.listener, events::hedge_skipped{ctx.call, k, *why});
+        owner->count_skip(*why);
+        observe(caller->listener, events::hedge_skipped{caller->call, k, *why});
         return -1;
       }
       const int i = launched;
-      slot& s = *std::construct_at(&slots[static_cast<std::size_t>(i)].s);
+      slot& s = slots[static_cast<std::size_t>(i)];
       s.stop = std::stop_source();
       if (plan.stop.stop_possible()) s.link.emplace(plan.stop, detail::forward_stop{&s.stop});
       s.start = now;
       s.running = true;
+      s.cancelled = false;
       ++launched;
       ++hedges;
       return i;
     }
 
-    // Hands reserved hedge i to the executor. The race is alive: i has not
-    // returned. Once the executor has it, the hedge may finish and the caller
-    // return at any moment, so nothing of the race is touched afterwards
-    // (unless the timer lock holds the caller back: see on_timer).
-    void start(int i) {
-      observe(ctx.listener, events::hedge_started{ctx.call, i, at(i).start - plan.now});
-      hedge& o = owner;
-      absl::Status refused = o.executor_.try_execute([this, i] { run_hedge(i); });
-      if (refused.ok()) {
-        o.hedges_started_.fetch_add(1, std::memory_order_relaxed);
-        return;
+    // Hands attempt i (reserved) to the executor. Under `mu`, so the caller
+    // is still here when hedge_started is reported, and only for a hedge the
+    // executor accepted. A refused hedge is taken back as if never reserved:
+    // the race's answer stays what the attempts returned.
+    bool hand_over_locked(int i) {
+      ++refs;
+      if (absl::Status s = owner->executor_.try_execute([this, i] { attempt(i, /*owns_ref=*/true); }); s.ok()) {
+        if (i > 0) {
+          owner->hedges_started_.fetch_add(1, std::memory_order_relaxed);
+          observe(caller->listener,
+                  events::hedge_started{caller->call, i, slots[static_cast<std::size_t>(i)].start - plan.now});
+        }
+        return true;
       }
-      {
-        std::lock_guard lock(mu);
-        no_more = true;
+      --refs;
+      if (i == 0) return false;  // the caller runs its primary itself
+      slot& s = slots[static_cast<std::size_t>(i)];
+      s.link.reset();
+      s.running = false;
+      --launched;
+      --hedges;
+      no_more = true;
+      owner->count_skip(skip::executor);
+      observe(caller->listener, events::hedge_skipped{caller->call, i, skip::executor});
+      return false;
+    }
+
+    // The caller, deciding: what the attempts did goes on the caller's call
+    // (attempts, retries, cost and missing units since the race began).
+    // What a loser does after this is not on the call's record.
+    void settle_call_locked() {
+      keel::call& to = caller->call;
+      const call_record now = own_call->record();
+      for (int k = base.attempts; k < now.attempts; ++k) (void)to.begin_attempt();
+      for (int k = 0; k < now.retries; ++k) to.note_retry();
+      if (now.cost != 0) to.charge(now.cost);
+      if (now.missing != 0) to.note_missing(now.missing);
+    }
+
+    // The last owner: clears the call's state and keeps the block as this
+    // thread's spare, then lets the hedge know (its destructor waits for it)
+    // unless that was counted already.
+    void recycle(bool counted) {
+      hedge& o = *owner;
+      for (int j = 0; j < launched; ++j) {
+        slot& s = slots[static_cast<std::size_t>(j)];
+        s.link.reset();  // before the source it forwards to is replaced
+        if (j > 0) s.stop = std::stop_source(std::nostopstate);
       }
-      owner.count_skip(skip::executor);
-      observe(ctx.listener, events::hedge_skipped{ctx.call, i, skip::executor});
-      finish(i, R(std::move(refused)));
+      answer.reset();
+      last_failure = absl::OkStatus();
+      next.reset();
+      ctx.reset();
+      own_call.reset();
+      listener.reset();
+      classifier.reset();
+      clock.reset();
+      plan = {};
+      owner = nullptr;
+      spare& s = thread_spare();
+      if (s.block == nullptr) {
+        s.block = this;
+      } else {
+        delete this;
+      }
+      if (!counted) o.race_released();
     }
 
     // The timer thread, under the hedge's timer lock.
     static bool on_timer(detail::hedge_timer* t, time_point now) {
       race& self = static_cast<race&>(*t);
-      int i = -1;
-      bool more = false;
-      {
-        std::lock_guard lock(self.mu);
-        if (self.decided) return false;
-        i = self.reserve_locked(now);
-        more = i >= 0 && self.hedges < self.owner.options_.max_hedges;
-      }
+      std::lock_guard lock(self.mu);
+      if (self.decided) return false;
+      const int i = self.reserve_locked(now);
       if (i < 0) return false;
-      if (more) self.due = now + self.owner.current_delay();
-      self.start(i);
-      return more;
+      const bool more = self.hedges < self.owner->options_.max_hedges;
+      if (more) self.due = now + self.owner->current_delay();
+      return self.hand_over_locked(i) && more;
     }
 
-    hedge& owner;
-    Ctx& ctx;
-    Next& next;
-    const attempt_plan plan;
+    hedge* owner = nullptr;
+    Ctx* caller = nullptr;  // while the caller waits: its ctx (its call, the pipeline's listener)
+    std::optional<clock_type> clock;
+    std::optional<classifier_type> classifier;
+    std::optional<listener_type> listener;
+    detail::label_store labels;
+    std::optional<keel::call> own_call;
+    call_record base;
+    std::optional<Ctx> ctx;  // attempts run with this: own_call and the copies above
+    std::optional<Next> next;
+    attempt_plan plan;
     std::mutex mu;
     std::condition_variable done;
-    // Raw storage, constructed as attempts start (slots [0, launched)): the
-    // primary-wins path builds one slot and clears no memory for the others.
-    union slot_storage {
-      slot s;
-      slot_storage() noexcept {}  // NOLINT: deliberately leaves `s` unconstructed
-      ~slot_storage() {}
-    };
-    std::array<slot_storage, hedge_options::max_hedges_limit + 1> slots;
-    int launched = 0;   // attempts started, the primary included
-    int returned = 0;   // attempts that have returned
-    int hedges = 0;     // hedges reserved
+    std::array<slot, hedge_options::max_hedges_limit + 1> slots;
+    int launched = 0;  // attempts started, the primary included
+    int returned = 0;  // attempts that have returned
+    int hedges = 0;    // hedges reserved
     int winner = -1;
+    int refs = 0;      // the caller while it waits, and each attempt handed to the executor
     bool decided = false;
     bool no_more = false;  // a hedge was refused: start no other
     std::optional<R> answer;
@@ -603,10 +781,12 @@ class hedge {
 
   // --- the timer ------------------------------------------------------------
 
+  // A race begins: linked for its hedge time, and counted until released.
   void arm(detail::hedge_timer& t) {
     bool wake = false;
     {
       std::lock_guard lock(mu_);
+      ++races_;
       t.prev = nullptr;
       t.next = head_;
       if (head_ != nullptr) head_->prev = &t;
@@ -626,9 +806,25 @@ class hedge {
     if (wake) wake_.notify_one();
   }
 
-  void disarm(detail::hedge_timer& t) {
+  // The caller leaves its race: unlinked, then `drop` (its reference, under
+  // the race's lock). True when it was the last: the race is released.
+  template <class Race, class Drop>
+  bool disarm_and_release(Race& r, Drop drop) {
     std::lock_guard lock(mu_);
-    if (t.linked) unlink(t);
+    if (r.linked) unlink(r);
+    bool last = false;
+    {
+      std::lock_guard race_lock(r.mu);
+      last = drop();
+    }
+    if (last && --races_ == 0 && draining_) drained_.notify_all();
+    return last;
+  }
+
+  // A race block has no owner left. The last thing a loser does with the hedge.
+  void race_released() {
+    std::lock_guard lock(mu_);
+    if (--races_ == 0 && draining_) drained_.notify_all();
   }
 
   void unlink(detail::hedge_timer& t) noexcept {
@@ -688,10 +884,13 @@ class hedge {
   std::atomic<std::int64_t> cancelled_losers_{0};
   std::atomic<std::int64_t> outstanding_{0};
 
-  std::mutex mu_;                     // the timer list
+  std::mutex mu_;                     // the timer list and races_
   std::condition_variable_any wake_;  // the timer thread waits here (through the clock)
+  std::condition_variable drained_;   // the destructor waits here for races_ == 0
   detail::hedge_timer* head_ = nullptr;
   time_point armed_ = time_point::max();  // when the timer thread will next wake by itself
+  std::int64_t races_ = 0;                // race blocks not yet released
+  bool draining_ = false;                 // the destructor is waiting
   bool idle_ = false;                     // waiting for a first entry, not on the clock
   bool changed_ = false;                  // an entry due before armed_ arrived
   std::jthread timer_;                    // last: starts after everything above exists

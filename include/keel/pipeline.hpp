@@ -120,12 +120,46 @@ R invoke_provider(Ctx& ctx, const attempt_plan& plan, Provider& provider) {
   }
 }
 
+// The last stage of a pipeline run: the provider, held by reference, or by
+// value below a policy whose attempts may outlive run() (keel::hedge).
+template <class R, class Provider>
+struct provider_stage {
+  using provider_type = Provider;
+  Provider provider;
+  template <class Ctx>
+  R operator()(Ctx& c, attempt_plan p) {
+    return invoke_provider<R>(c, p, provider);
+  }
+};
+template <class T>
+inline constexpr bool is_provider_stage = false;
+template <class R, class P>
+inline constexpr bool is_provider_stage<provider_stage<R, P>> = true;
+
 // Runs policies I.. of the tuple, then `last` (the provider, or the next
 // stage of an outer pipeline this one is nested in).
 template <std::size_t I, class R, class Tuple, class Ctx, class Last>
 R run_from(const Tuple& policies, Ctx& ctx, attempt_plan plan, Last& last) {
   if constexpr (I == std::tuple_size_v<Tuple>) {
     return last(ctx, std::move(plan));
+  } else if constexpr (concurrent_policy<std::tuple_element_t<I, Tuple>>) {
+    // Its attempts may outlive run() (keel/hedge.hpp): they call a copy.
+    static_assert(is_provider_stage<Last>,
+                  "keel: keel::hedge must sit in the outermost pipeline (the one run() is called on): its losing "
+                  "attempts may outlive the pass, and a nested pipeline's next stage belongs to the outer pass");
+    using P = std::decay_t<typename Last::provider_type>;  // a function: a pointer to it
+    if constexpr (!std::is_copy_constructible_v<P>) {
+      static_assert(std::is_copy_constructible_v<P>,
+                    "keel: a hedged pipeline copies its provider, because a losing attempt may still run after "
+                    "run() returns; make the provider copyable (hold shared state by shared_ptr), or pass "
+                    "std::ref(provider) for one that outlives every attempt");
+      return R(absl::InternalError("unreachable"));
+    } else {
+      auto next = [&policies, owned = provider_stage<R, P>{P(last.provider)}](Ctx& c, attempt_plan p) mutable -> R {
+        return run_from<I + 1, R>(policies, c, std::move(p), owned);
+      };
+      return std::get<I>(policies).execute(ctx, std::move(plan), next);
+    }
   } else {
     auto next = [&policies, &last](Ctx& c, attempt_plan p) -> R {
       return run_from<I + 1, R>(policies, c, std::move(p), last);
@@ -161,7 +195,7 @@ class basic_pipeline {
                   "a policy here (keel::hedge) would run it more than once at a time");
     run_context<Clock, Classifier, Listener> ctx{call, clock_, classifier_, listener_};
     attempt_plan plan{.now = clock_.now(), .deadline = call.work_deadline(), .stop = call.stop_token()};
-    auto last = [&provider](auto& c, attempt_plan p) -> R { return detail::invoke_provider<R>(c, p, provider); };
+    detail::provider_stage<R, Provider&> last{provider};
     return detail::run_from<0, R>(policies_, ctx, std::move(plan), last);
   }
 
