@@ -4,6 +4,7 @@
 #include "keel/testing/store_conformance.hpp"
 
 #include <memory>
+#include <stdexcept>
 #include <string>
 
 #include "durable_support.hpp"
@@ -21,7 +22,7 @@ namespace {
 template <class Store>
 void run_sections(const keel::testing::store_harness<Store>& h) {
   const std::vector<std::string> names = keel::testing::conformance_checks<Store>();
-  REQUIRE(names.size() == 39);  // 22 idempotency + 11 lease + 6 results
+  REQUIRE(names.size() == 43);  // 24 idempotency + 13 lease + 6 results
   for (const std::string& name : names) {
     SECTION(name) {
       const keel::testing::conformance_report r = keel::testing::run_store_conformance(h, name);
@@ -41,6 +42,7 @@ TEST_CASE("the in-memory store passes the conformance suite", "[conformance][mem
       .advance = [&](keel::duration d) { clock.advance(d); },
       .step_back = [&](keel::duration d) { clock.set(clock.now() - d); },
       .peer = [](memory& s) { return std::shared_ptr<memory>(std::shared_ptr<memory>(), &s); },
+      .purge = [](memory& s) { s.purge_expired(); },
       .slack = keel::duration::zero()};
   run_sections(h);
 }
@@ -60,6 +62,10 @@ TEST_CASE("the SQLite store passes the conformance suite", "[conformance][sqlite
       .step_back = [&](keel::duration d) { clock.set(clock.now() - d); },
       // Another connection on the same file: what another process would have.
       .peer = [&](sqlite&) { return std::shared_ptr<sqlite>(keel_durable::open_sqlite(current, clock)); },
+      .purge =
+          [](sqlite& s) {
+            if (auto n = s.purge_expired(); !n.ok()) throw std::runtime_error(n.status().ToString());
+          },
       .slack = keel::duration::zero()};
   run_sections(h);
 }
@@ -100,7 +106,7 @@ TEST_CASE("the suite catches a store that does not check fences", "[conformance]
   for (const auto& f : r.failures)
     if (f.check.find("takes over with a higher fence") != std::string::npos) takeover_failed = true;
   CHECK(takeover_failed);
-  CHECK(r.skipped.size() == 5);  // no step_back, no peer
+  CHECK(r.skipped.size() == 9);  // no step_back (4 checks), no peer (3), no purge (2)
   INFO(r.summary());
   CHECK(r.summary().find("FAIL") != std::string::npos);
 }

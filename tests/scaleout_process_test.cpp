@@ -287,8 +287,8 @@ TEMPLATE_TEST_CASE("a SIGKILLed owner is taken over after expiry with a higher f
   in >> owner_hex >> lease_fence >> record_fence;
   const std::optional<keel::owner_id> dead = keel::owner_id::from_hex(owner_hex);
   REQUIRE(dead.has_value());
-  REQUIRE(lease_fence == 1);
-  REQUIRE(record_fence == 1);
+  REQUIRE(lease_fence >= 1);  // 1 on PostgreSQL; Redis starts a new key from its clock
+  REQUIRE(record_fence >= 1);
   const keel::ownership dead_lease{*dead, lease_fence}, dead_record{*dead, record_fence};
   const keel::begin_options bo{.lease = 10s, .retention = 1h};
 
@@ -307,12 +307,12 @@ TEMPLATE_TEST_CASE("a SIGKILLed owner is taken over after expiry with a higher f
   REQUIRE(lease.ok());
   CHECK(lease->acquired);
   CHECK(lease->took_over);
-  CHECK(lease->ownership.fence == 2);
+  CHECK(lease->ownership.fence == lease_fence + 1);
   auto record = store->begin(held_record, digest_of("receipt"), me, bo);
   REQUIRE(record.ok());
   CHECK(record->state == keel::begin_state::claimed);
   CHECK(record->took_over);
-  CHECK(record->ownership.fence == 2);
+  CHECK(record->ownership.fence == record_fence + 1);
 
   // The dead owner's late writes (a zombie that woke up) change nothing.
   CHECK(keel::is_lost_ownership(store->renew(held_lease, dead_lease, 10s)));
@@ -328,7 +328,7 @@ TEMPLATE_TEST_CASE("a SIGKILLed owner is taken over after expiry with a higher f
   REQUIRE(replay.ok());
   CHECK(replay->state == keel::begin_state::replay);
   CHECK(replay->decision.id == "fresh");
-  CHECK(replay->ownership.fence == 2);
+  CHECK(replay->ownership.fence == record_fence + 1);
 }
 
 TEST_CASE("K processes hammering one shared quota stay within it, measured over the run", "[scaleout][processes][quota]") {

@@ -8,9 +8,11 @@
 //   claim(work_key, owner, ttl) -> absl::StatusOr<lease_claim>
 //       Atomically: if nobody holds the key, or the holder's lease has
 //       expired, or `owner` already holds it, the caller gets it for `ttl`
-//       (acquired = true). A new holder gets fence = previous fence + 1 (1
-//       for a key never seen); `owner` claiming again keeps its fence (a
-//       lost reply can be retried). took_over says the previous holder's
+//       (acquired = true). A new holder gets fence = previous fence + 1; a
+//       key the store has no lease for (never seen, or purged) gets a fence
+//       above every fence it ever had (docs/stores.md, rule 4), so fences
+//       never go backwards. `owner` claiming again keeps its fence (a lost
+//       reply can be retried). took_over says the previous holder's
 //       lease had expired without a release: its work may have half-run.
 //       Otherwise acquired = false, with the holder's fence and the time
 //       left on its lease.

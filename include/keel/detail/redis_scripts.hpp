@@ -15,6 +15,16 @@
 // own hash, so it is always in the record's hash slot.
 //
 // Lease hash fields: o owner, f fence, e end, h held (1/0).
+//
+// A key with no hash (never claimed, or forgotten forget_after after it
+// ended) gets its first fence from the server clock: `now` in microseconds.
+// Every fence the key had before was issued at least forget_after (>= 1 s)
+// of that clock earlier, and a key cannot take a new owner more than once a
+// microsecond (each claim is one script, and Redis runs one script at a
+// time), so the new fence is above all of them: fences never go backwards
+// for a key, whatever Redis forgot — unless the server's clock was stepped
+// back by more than forget_after while the key lived. Fences of keys the
+// store still has go up by 1 per new owner, as on every backend.
 // Result hash fields: v value, e end (0: kept until erased).
 #pragma once
 
@@ -47,7 +57,7 @@ local function claim(fence, kind)
   keep(k, now + ret, forget)
   return {0, fence, lease, kind}
 end
-if not r[2] then return claim(1, 0) end
+if not r[2] then return claim(math.max(1, now), 0) end
 local state, fence, le, re = tonumber(r[2]), tonumber(r[4]), tonumber(r[5]), tonumber(r[6])
 if re <= now or state == 2 then return claim(fence + 1, 0) end
 if r[1] ~= ARGV[2] then return {3, fence, 0, state} end
@@ -114,9 +124,10 @@ local k = KEYS[1]
 local ttl, forget = tonumber(ARGV[3]), tonumber(ARGV[4])
 local r = redis.call('HMGET', k, 'o', 'f', 'e', 'h')
 if not r[2] then
-  redis.call('HSET', k, 'o', ARGV[2], 'f', '1', 'e', num(now + ttl), 'h', '1')
+  local first = math.max(1, now)
+  redis.call('HSET', k, 'o', ARGV[2], 'f', num(first), 'e', num(now + ttl), 'h', '1')
   keep(k, now + ttl, forget)
-  return {1, 1, ttl, 0}
+  return {1, first, ttl, 0}
 end
 local fence, e, held = tonumber(r[2]), tonumber(r[3]), r[4] == '1'
 if held and r[1] == ARGV[2] then

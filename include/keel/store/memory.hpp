@@ -25,7 +25,9 @@
 //   absl::StatusOr<keel::lease_claim> c = store.claim("reindex", keel::owner_id::random(), std::chrono::seconds(5));
 //
 // Memory: records stay until purge_expired() removes the expired ones (call
-// it periodically in a long-running process).
+// it periodically in a long-running process). Purging never lets a fence go
+// backwards: the store keeps the highest fence it purged, and a key it no
+// longer has starts above it.
 //
 // Thread-safety: every operation may be called from any thread; each is
 // atomic (one critical section). wait_for_change blocks only the caller.
@@ -110,7 +112,7 @@ class memory_store {
     if (it == records_.end()) {
       it = records_.emplace(detail::identity_key{std::string(id.tenant), std::string(id.endpoint), std::string(id.key)},
                             record{}).first;
-      return claim_locked(it->second, request, owner, /*fence=*/1, now, o, false, false);
+      return claim_locked(it->second, request, owner, purged_fence_ + 1, now, o, false, false);
     }
     record& r = it->second;
     if (r.record_expires <= now || r.state == detail::record_state::abandoned) {
@@ -221,8 +223,9 @@ class memory_store {
     const std::int64_t until = detail::add_ns(now, detail::to_ns(ttl));
     auto it = leases_.find(detail::to_absl(work_key));
     if (it == leases_.end()) {
-      leases_.emplace(std::string(work_key), lease_record{{owner, 1}, until, true});
-      return lease_claim{.acquired = true, .ownership = {owner, 1}, .took_over = false, .remaining = ttl};
+      const ownership holder{owner, purged_fence_ + 1};
+      leases_.emplace(std::string(work_key), lease_record{holder, until, true});
+      return lease_claim{.acquired = true, .ownership = holder, .took_over = false, .remaining = ttl};
     }
     lease_record& l = it->second;
     if (l.held && l.holder.owner == owner) {  // the holder claiming again
@@ -303,15 +306,24 @@ class memory_store {
   // ---- housekeeping --------------------------------------------------------
 
   // Removes expired idempotency records, results, and leases that are
-  // released or expired. Their keys' fences start again at 1 afterwards;
-  // owners are random, so a stale token still cannot match. Returns the
-  // number of entries removed.
+  // released or expired (held ones too: their holder may only be paused).
+  // The highest fence removed is kept and a key claimed again starts above
+  // it, so a fence never goes backwards: a paused holder's token stays below
+  // the new owner's. Returns the number of entries removed.
   std::size_t purge_expired() {
     std::lock_guard lock(mu_);
     const std::int64_t now = now_locked();
     std::size_t n = 0;
-    n += absl::erase_if(records_, [&](const auto& kv) { return kv.second.record_expires <= now; });
-    n += absl::erase_if(leases_, [&](const auto& kv) { return !kv.second.held || kv.second.expires <= now; });
+    n += absl::erase_if(records_, [&](const auto& kv) {
+      if (kv.second.record_expires > now) return false;
+      purged_fence_ = std::max(purged_fence_, kv.second.holder.fence);
+      return true;
+    });
+    n += absl::erase_if(leases_, [&](const auto& kv) {
+      if (kv.second.held && kv.second.expires > now) return false;
+      purged_fence_ = std::max(purged_fence_, kv.second.holder.fence);
+      return true;
+    });
     n += absl::erase_if(results_, [&](const auto& kv) { return kv.second.expires <= now; });
     return n;
   }
@@ -392,6 +404,7 @@ class memory_store {
   std::condition_variable_any changed_;
   std::uint64_t version_ = 0;
   std::int64_t high_water_ = INT64_MIN;
+  std::int64_t purged_fence_ = 0;  // the highest fence purge_expired removed
   absl::flat_hash_map<detail::identity_key, record, detail::identity_hash, detail::identity_eq> records_;
   absl::flat_hash_map<std::string, lease_record> leases_;
   absl::flat_hash_map<std::string, result_record> results_;

@@ -14,6 +14,13 @@
 //     run again: a second round trip, only under that race;
 //   - time is the database server's clock (clock_timestamp()), never the
 //     client's; expiries are Unix nanoseconds computed inside the statements;
+//   - fences never go backwards: purge_expired() keeps the highest fence it
+//     deletes in a reserved row of the lease table (work key: one NUL byte,
+//     which no caller can use), and a key with no row starts above it. Purge
+//     is one transaction that first locks the record and lease tables
+//     against writers (SHARE ROW EXCLUSIVE), so no begin or claim can read
+//     the old floor and then insert a row purge deleted; begins and claims
+//     wait for it, readers do not;
 //   - a bounded pool of connections (pool_size), each lent to one thread at
 //     a time, with every statement prepared once per connection; an idle
 //     connection the server closed (restart, failover) is noticed before use
@@ -155,7 +162,7 @@ struct pg_sql {
       "WITH CLOCK, up AS ("
       " INSERT INTO $S.idempotency AS r (tenant, endpoint, key, request, state, owner, fence, lease_expires,"
       "  record_expires, claim_kind)"
-      " SELECT $1, $2, $3, $4, 0, $5, 1, clk.now + $6, clk.now + $7, 0 FROM clk"
+      " SELECT $1, $2, $3, $4, 0, $5, FIRST_FENCE, clk.now + $6, clk.now + $7, 0 FROM clk"
       " ON CONFLICT (tenant, endpoint, key) DO UPDATE SET"
       "  claim_kind = CASE WHEN r.record_expires <= NOW OR r.state = 2 THEN 0"
       "    WHEN r.state = 0 AND r.owner = excluded.owner THEN 3 WHEN r.state = 0 THEN 1 ELSE 2 END,"
@@ -212,7 +219,7 @@ struct pg_sql {
   static constexpr const char* claim =
       "WITH CLOCK, up AS ("
       " INSERT INTO $S.lease AS l (work_key, owner, fence, expires, held, claim_kind)"
-      " SELECT $1, $2, 1, clk.now + $3, true, 0 FROM clk"
+      " SELECT $1, $2, FIRST_FENCE, clk.now + $3, true, 0 FROM clk"
       " ON CONFLICT (work_key) DO UPDATE SET"
       "  fence = CASE WHEN l.held AND l.owner = excluded.owner THEN l.fence ELSE l.fence + 1 END,"
       "  expires = CASE WHEN l.held AND l.owner = excluded.owner THEN greatest(l.expires, excluded.expires)"
@@ -253,18 +260,31 @@ struct pg_sql {
       "WITH CLOCK SELECT x.value FROM $S.result x, clk WHERE x.key = $1 AND x.expires > clk.now";
   // $1 key
   static constexpr const char* erase = "DELETE FROM $S.result WHERE key = $1";
-  // $1 offset
+  // $1 offset. Run after purge_lock, in its transaction: the floor row
+  // (work key '\x00') rises to the highest fence deleted.
   static constexpr const char* purge =
       "WITH CLOCK,"
-      " a AS (DELETE FROM $S.idempotency WHERE record_expires <= NOW RETURNING 1),"
-      " b AS (DELETE FROM $S.lease WHERE NOT held OR expires <= NOW RETURNING 1),"
-      " c AS (DELETE FROM $S.result WHERE expires <= NOW RETURNING 1)"
-      " SELECT (SELECT count(*) FROM a) + (SELECT count(*) FROM b) + (SELECT count(*) FROM c)";
+      " a AS (DELETE FROM $S.idempotency WHERE record_expires <= NOW RETURNING fence),"
+      " b AS (DELETE FROM $S.lease WHERE (NOT held OR expires <= NOW) AND work_key <> '\\x00'::bytea"
+      "  RETURNING fence),"
+      " c AS (DELETE FROM $S.result WHERE expires <= NOW RETURNING 1),"
+      " m AS (SELECT max(fence) AS top FROM (SELECT fence FROM a UNION ALL SELECT fence FROM b) x),"
+      " f AS (INSERT INTO $S.lease AS l (work_key, owner, fence, expires, held, claim_kind)"
+      "  SELECT '\\x00'::bytea, ''::bytea, m.top, 9223372036854775807, false, 0 FROM m WHERE m.top IS NOT NULL"
+      "  ON CONFLICT (work_key) DO UPDATE SET fence = greatest(l.fence, excluded.fence) RETURNING 1)"
+      " SELECT (SELECT count(*) FROM a) + (SELECT count(*) FROM b) + (SELECT count(*) FROM c),"
+      "  (SELECT count(*) FROM f)";
+  // Keeps begins and claims out while purge deletes and raises the floor.
+  static constexpr const char* purge_lock = "LOCK TABLE $S.idempotency, $S.lease IN SHARE ROW EXCLUSIVE MODE";
+  // The fence of a key with no row: above every fence purge ever deleted.
+  static constexpr const char* first_fence =
+      "(COALESCE((SELECT z.fence FROM $S.lease z WHERE z.work_key = '\\x00'::bytea), 0) + 1)";
 
   static std::string make(std::string_view text, const std::string& schema, int offset_param) {
     const std::string off = absl::StrCat("$", offset_param);
     std::string clock_cte = absl::StrReplaceAll(clock, {{"$OFF", off}});
-    return absl::StrReplaceAll(to_absl(text), {{"CLOCK", clock_cte}, {"$S", schema}, {"NOW", "(SELECT now FROM clk)"}});
+    const std::string with_fence = absl::StrReplaceAll(to_absl(text), {{"FIRST_FENCE", first_fence}});
+    return absl::StrReplaceAll(with_fence, {{"CLOCK", clock_cte}, {"$S", schema}, {"NOW", "(SELECT now FROM clk)"}});
   }
 };
 
@@ -476,14 +496,40 @@ class postgres_store {
 
   // ---- housekeeping --------------------------------------------------------
 
-  // Deletes expired records, free or expired leases and expired results
-  // (their fences start again at 1; owners are random, so stale tokens still
-  // fail). Returns how many rows went. Run it periodically from one replica.
+  // Deletes expired records, free or expired leases (held ones too: their
+  // holder may only be paused) and expired results, and raises the floor
+  // row to the highest fence deleted, so a key claimed again starts above
+  // every fence it ever had. One transaction of four statements (BEGIN,
+  // LOCK TABLE, the purge, COMMIT); begins and claims wait while it runs.
+  // Returns how many rows went (the floor row is not counted). Run it
+  // periodically from one replica.
   absl::StatusOr<std::int64_t> purge_expired() {
+    absl::StatusOr<detail::client_pool<detail::pg_connection>::handle> h =
+        pool_.acquire_alive(options_.acquire_timeout, who_);
+    if (!h.ok()) return h.status();
+    detail::pg_connection& c = **h;
     detail::pg_params<1> p;
     p.add(offset());
-    absl::StatusOr<detail::pg_result> r = run(detail::pg_purge, p, detail::pg_effect::write);
-    if (!r.ok()) return r.status();
+    const std::string lock = detail::pg_sql::make(detail::pg_sql::purge_lock, c.quote_identifier(options_.schema), 0);
+    absl::StatusOr<detail::pg_result> r = [&]() -> absl::StatusOr<detail::pg_result> {
+      round_trips_.fetch_add(1, std::memory_order_relaxed);
+      if (auto b = c.exec("BEGIN", detail::pg_effect::read, options_.command_timeout); !b.ok()) return b.status();
+      round_trips_.fetch_add(1, std::memory_order_relaxed);
+      if (auto l = c.exec(lock, detail::pg_effect::read, options_.command_timeout); !l.ok()) return l.status();
+      round_trips_.fetch_add(1, std::memory_order_relaxed);
+      absl::StatusOr<detail::pg_result> out =
+          c.exec_prepared(detail::pg_purge, p, detail::pg_effect::write, options_.command_timeout);
+      if (!out.ok()) return out.status();
+      round_trips_.fetch_add(1, std::memory_order_relaxed);
+      if (auto e = c.exec("COMMIT", detail::pg_effect::write, options_.command_timeout); !e.ok()) return e.status();
+      return out;
+    }();
+    if (!r.ok()) {
+      // Leave no transaction open on a pooled connection.
+      if (c.broken() || !c.exec("ROLLBACK", detail::pg_effect::read, options_.command_timeout).ok()) h->mark_broken();
+      return r.status();
+    }
+    if (c.broken()) h->mark_broken();
     return r->integer(0, 0);
   }
 

@@ -14,8 +14,11 @@
 //   - each record, lease or result is one hash holding its own fence, under
 //     a key with a hash tag ("<prefix>idem:{...}"), so it maps to one slot;
 //   - Redis expires dead keys itself: each write sets PEXPIRE to the end of
-//     what the key must remember plus forget_after (fences are remembered
-//     that long after a record or lease ends);
+//     what the key must remember plus forget_after;
+//   - fences never go backwards: a key with no hash (new, or forgotten)
+//     starts from the server clock in microseconds, above every fence it had
+//     before it was forgotten (keel/detail/redis_scripts.hpp says why); a
+//     key the store still has goes up by 1 per new owner;
 //   - a bounded pool of connections (pool_size), each lent to one thread at
 //     a time; a connection timeout and a command timeout on every command;
 //     an idle connection the server closed is noticed before use and replaced.
@@ -26,8 +29,10 @@
 // the last snapshot). durability() reports what the server said at open;
 // require_aof_always refuses to open on anything weaker. Replication is
 // asynchronous: after a failover the new primary may lack the last writes —
-// a lease or an in-flight claim may vanish and be granted again, so the
-// fence restarts from what the replica had. Fencing tokens protect
+// a lease or an in-flight claim may vanish and be granted again: a key the
+// replica lacks starts again from the clock (above its lost fences), but
+// a key the replica has at an older state continues from that state's
+// fence, which the lost writes may already have used. Fencing tokens protect
 // downstream systems only if they reject a fence they have already seen
 // superseded; see docs/scaleout.md.
 //
@@ -118,8 +123,8 @@ struct redis_options {
   duration connect_timeout = std::chrono::seconds(2);  // [1 ms, 1 h]
   duration command_timeout = std::chrono::seconds(2);  // [1 ms, 1 h]
   duration acquire_timeout = std::chrono::seconds(2);  // [0, 1 h]
-  // How long a key (and so its fence) is kept after its record, lease or
-  // result ends; [1 s, 365 days].
+  // How long a key is kept after its record, lease or result ends; [1 s,
+  // 365 days]. A forgotten key's next fence still starts above its old ones.
   duration forget_after = std::chrono::hours(24);
   // Refuse to open unless the server runs AOF with appendfsync always.
   bool require_aof_always = false;

@@ -15,6 +15,9 @@
 //     empty file gets the schema; another application's database, another
 //     schema version, a corrupted file or a read-only path is refused with a
 //     clear status and left untouched;
+//   - fences never go backwards: purge_expired() keeps the highest fence it
+//     deletes in a reserved row of keel_lease (work key: one NUL byte, which
+//     no caller can use), and a key with no row starts above it;
 //   - time from a wall clock (keel::system_time), injectable for tests;
 //     expiries survive reboots, and a persisted high-water mark keeps store
 //     time from going backwards when the clock is stepped back (docs/stores.md,
@@ -112,7 +115,11 @@ class sqlite_store {
       row.bind(1, id.tenant).bind(2, id.endpoint).bind(3, id.key);
       const int rc = row.step();
       if (rc != SQLITE_ROW && rc != SQLITE_DONE) return failure(rc, "reading the record");
-      if (rc == SQLITE_DONE) return claim_row(id, request, owner_view, owner, 1, now, o, false, false);
+      if (rc == SQLITE_DONE) {
+        absl::StatusOr<std::int64_t> fence = first_fence();
+        if (!fence.ok()) return fence.status();
+        return claim_row(id, request, owner_view, owner, *fence, now, o, false, false);
+      }
 
       const auto state = static_cast<int>(row.i64(1));
       const ownership holder{owner_from(row.bytes(2)), row.i64(3)};
@@ -219,14 +226,18 @@ class sqlite_store {
     std::lock_guard lock(mu_);
     return transact<lease_claim>("claim", [&](const times& now) -> absl::StatusOr<lease_claim> {
       const std::int64_t until = detail::add_ns(now.grant, detail::to_ns(ttl));
-      std::int64_t fence = 1;
+      std::int64_t fence = 0;
       bool took_over = false;
       {
         detail::sqlite_stmt::use row(lease_select_);
         row.bind(1, work_key);
         const int rc = row.step();
         if (rc != SQLITE_ROW && rc != SQLITE_DONE) return failure(rc, "reading the lease");
-        if (rc == SQLITE_ROW) {
+        if (rc == SQLITE_DONE) {
+          absl::StatusOr<std::int64_t> first = first_fence();
+          if (!first.ok()) return first.status();
+          fence = *first;
+        } else {
           const ownership holder{owner_from(row.bytes(0)), row.i64(1)};
           const std::int64_t expires = row.i64(2);
           const bool held = row.i64(3) != 0;
@@ -323,11 +334,19 @@ class sqlite_store {
   // ---- housekeeping --------------------------------------------------------
 
   // Deletes records past their retention, expired results, and leases that
-  // are released or expired (their fences start again at 1; stale owners
-  // still cannot match). Returns the number of rows deleted.
+  // are released or expired (held ones too: their holder may only be
+  // paused). In the same transaction it raises the reserved floor row to the
+  // highest fence deleted, so a key claimed again starts above every fence
+  // it ever had. Returns the number of rows deleted (the floor row is not
+  // counted).
   absl::StatusOr<std::int64_t> purge_expired() {
     std::lock_guard lock(mu_);
     return transact<std::int64_t>("purge_expired", [&](const times& now) -> absl::StatusOr<std::int64_t> {
+      {
+        detail::sqlite_stmt::use f(purge_floor_);
+        f.bind(1, now.check);
+        if (int rc = f.step(); rc != SQLITE_DONE) return failure(rc, "keeping the highest fence");
+      }
       std::int64_t n = 0;
       for (detail::sqlite_stmt* st : {&purge_records_, &purge_leases_, &purge_results_}) {
         detail::sqlite_stmt::use u(*st);
@@ -407,7 +426,15 @@ class sqlite_store {
          " AND expires > max(?2, (SELECT high_water FROM keel_clock WHERE id = 0))"},
         {&result_erase_, "DELETE FROM keel_result WHERE key = ?1"},
         {&purge_records_, "DELETE FROM keel_idempotency WHERE record_expires <= ?1"},
-        {&purge_leases_, "DELETE FROM keel_lease WHERE held = 0 OR expires <= ?1"},
+        {&fence_floor_, "SELECT fence FROM keel_lease WHERE work_key = X'00'"},
+        {&purge_floor_,
+         "INSERT INTO keel_lease(work_key, owner, fence, expires, held)"
+         " SELECT X'00', X'', m, 9223372036854775807, 0 FROM (SELECT max(f) AS m FROM ("
+         "  SELECT max(fence) AS f FROM keel_idempotency WHERE record_expires <= ?1 UNION ALL"
+         "  SELECT max(fence) FROM keel_lease WHERE (held = 0 OR expires <= ?1) AND work_key <> X'00'))"
+         " WHERE m IS NOT NULL"
+         " ON CONFLICT (work_key) DO UPDATE SET fence = max(fence, excluded.fence)"},
+        {&purge_leases_, "DELETE FROM keel_lease WHERE (held = 0 OR expires <= ?1) AND work_key <> X'00'"},
         {&purge_results_, "DELETE FROM keel_result WHERE expires <= ?1"},
     };
     for (const item& i : items) {
@@ -444,6 +471,16 @@ class sqlite_store {
                          .took_over = took_over,
                          .superseded = superseded,
                          .lease_remaining = o.lease};
+  }
+
+  // The fence of a key the store has no row for: above every fence purge
+  // ever deleted (1 in a store never purged).
+  absl::StatusOr<std::int64_t> first_fence() {
+    detail::sqlite_stmt::use q(fence_floor_);
+    const int rc = q.step();
+    if (rc == SQLITE_DONE) return 1;
+    if (rc != SQLITE_ROW) return failure(rc, "reading the highest purged fence");
+    return q.i64(0) + 1;
   }
 
   // After a fenced update changed no row: a repeat of a done operation (OK)
@@ -489,7 +526,7 @@ class sqlite_store {
   detail::sqlite_stmt idem_select_, idem_claim_, idem_extend_, idem_extend_fenced_, idem_commit_, idem_abandon_;
   detail::sqlite_stmt lease_select_, lease_upsert_, lease_renew_, lease_release_;
   detail::sqlite_stmt result_save_, result_load_, result_erase_;
-  detail::sqlite_stmt purge_records_, purge_leases_, purge_results_;
+  detail::sqlite_stmt fence_floor_, purge_floor_, purge_records_, purge_leases_, purge_results_;
 };
 
 static_assert(idempotency_store<sqlite_store<>>);
