@@ -14,7 +14,10 @@
 //   - a versioned schema (PRAGMA application_id "keel", user_version 1): an
 //     empty file gets the schema; another application's database, another
 //     schema version, a corrupted file or a read-only path is refused with a
-//     clear status and left untouched;
+//     clear status and left untouched; an existing file is integrity-checked
+//     when it opens (PRAGMA quick_check by default, with a time limit:
+//     sqlite_options::integrity_check), so a damaged page anywhere in it is
+//     refused at open (DataLoss naming the file), not at the first request;
 //   - time from a wall clock (keel::system_time), injectable for tests;
 //     expiries survive reboots, and a persisted high-water mark keeps store
 //     time from going backwards when the clock is stepped back (docs/stores.md,
@@ -76,7 +79,8 @@ class sqlite_store {
   //   InvalidArgument     invalid options
   //   NotFound            the file does not exist and create is off, or its directory is missing
   //   PermissionDenied    the path cannot be written (read-only file, directory or file system)
-  //   DataLoss            not a SQLite database, or corrupted
+  //   DataLoss            not a SQLite database, or corrupted (the integrity check found damage)
+  //   DeadlineExceeded    the integrity check did not finish within integrity_check_timeout
   //   FailedPrecondition  another application's database, or a keel schema of another version
   //   Unavailable         busy past busy_timeout, or another open failure
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<sqlite_store>> open(std::string path,
