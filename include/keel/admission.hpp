@@ -59,25 +59,41 @@
 // outermost, so refusal comes before any expensive work.
 //
 // Keys are bounded: each level keeps at most max_keys quotas besides its
-// configured overrides; beyond that, new keys share one overflow quota with
-// the level's defaults (stricter, never looser).
+// configured overrides. When the table is full, a new key reclaims the keys
+// that are idle — nothing in flight or queued and every bucket full again, so
+// forgetting them loses nothing: a returning tenant gets exactly the quota it
+// would have had. If none is idle (every key in use), the new key is refused
+// with limit table_full (refused-by "tenant:<key>:table_full", retry-after
+// when the first key will be idle), counted in table_full_refusals() and
+// reported to the listener like any refusal; it never shares another key's
+// quota. A level whose defaults set no limit keeps no keys besides its
+// overrides.
 //
-// Thread-safety: every operation may be called from any thread. Lookups and
-// admission are lock-free (a mutex is taken once per new key); a ticket may
-// be reconciled or released on any thread, once.
+// Thread-safety: every operation may be called from any thread. Configured
+// overrides are looked up lock-free; other keys under one of 16 mutexes,
+// held for a hash lookup (a new key allocates once; reclaiming, when the
+// table is full, scans it at most once per retry-after). A ticket may be
+// reconciled or released on any thread, once.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/hash/hash.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -171,8 +187,9 @@ struct admission_options {
   }
 };
 
-// Which limit of a level refused.
-enum class quota_limit : std::uint8_t { rate, in_flight, queued, compute };
+// Which limit of a level refused. table_full: the level's table of keys is
+// full of keys in use, so a new key could not get its own quota.
+enum class quota_limit : std::uint8_t { rate, in_flight, queued, compute, table_full };
 
 [[nodiscard]] constexpr std::string_view to_string(quota_limit l) noexcept {
   switch (l) {
@@ -180,6 +197,7 @@ enum class quota_limit : std::uint8_t { rate, in_flight, queued, compute };
     case quota_limit::in_flight: return "in_flight";
     case quota_limit::queued: return "queued";
     case quota_limit::compute: return "compute";
+    case quota_limit::table_full: return "table_full";
   }
   return "unknown";
 }
@@ -209,8 +227,11 @@ namespace detail {
 // One key's limits and state.
 class quota {
  public:
-  quota(std::string k, const quota_limits& l)
-      : max_in_flight(l.max_in_flight.value_or(0)), max_queued(l.max_queued.value_or(0)), key(std::move(k)) {
+  quota(std::string k, const quota_limits& l, bool reclaim = false)
+      : max_in_flight(l.max_in_flight.value_or(0)),
+        max_queued(l.max_queued.value_or(0)),
+        reclaimable(reclaim),
+        key(std::move(k)) {
     if (l.rate) rate.emplace(rate_limiter_options{.rate = *l.rate, .burst = l.burst.value_or(std::max(1.0, *l.rate))});
     if (l.compute_budget) {
       const double budget = static_cast<double>(*l.compute_budget);
@@ -237,11 +258,34 @@ class quota {
     }
   }
 
+  // A key from traffic is pinned by each lookup and ticket using it; it is
+  // reclaimed only unpinned. Configured overrides are never reclaimed.
+  void unpin() noexcept {
+    if (reclaimable) pins.fetch_sub(1, std::memory_order_release);
+  }
+
+  // How long until this quota is as a new one would be (zero: now), given
+  // nothing holds it: every bucket full again.
+  [[nodiscard]] duration until_fresh(time_point now) const noexcept {
+    std::int64_t ns = 0;
+    for (const std::optional<rate_limiter>* b : {&rate, &compute}) {
+      if (!*b) continue;
+      const rate_limiter_options& o = (*b)->options();
+      const double interval_ns = std::chrono::duration<double, std::nano>(o.per).count() / o.rate;
+      const double missing_ns = (o.burst - (*b)->available(now)) * interval_ns;
+      // Under a microsecond short is full: the rounding of the bucket's depth.
+      if (missing_ns >= 1000.0) ns = std::max(ns, static_cast<std::int64_t>(missing_ns));
+    }
+    return std::chrono::duration_cast<duration>(std::chrono::nanoseconds(ns));
+  }
+
   // Hot fields first, so an admission touches as few cache lines as it can.
   std::atomic<int> in_flight{0};
   std::atomic<int> queued{0};
+  std::atomic<int> pins{0};
   int max_in_flight;
   int max_queued;
+  bool reclaimable;
   std::optional<rate_limiter> rate;
   std::optional<rate_limiter> compute;
   std::int64_t compute_budget = 0;
@@ -331,6 +375,9 @@ class admission_ticket {
     }
     if (tenant_ != nullptr && holds_slot_) tenant_->give(queued_);
     if (model_ != nullptr && holds_slot_) model_->give(queued_);
+    // Last: after this the key may be reclaimed.
+    if (tenant_ != nullptr) tenant_->unpin();
+    if (model_ != nullptr) model_->unpin();
   }
 
   void take(admission_ticket& o) noexcept {
@@ -362,8 +409,8 @@ class admission {
   // Throws keel::invalid_options if `o` is invalid.
   explicit admission(admission_options o)
       : options_((detail::require_valid(o.validate()), std::move(o))),
-        tenants_("tenant", options_.tenant_defaults, options_.tenants, options_.max_keys),
-        models_("model", options_.model_defaults, options_.models, options_.max_keys) {}
+        tenants_("tenant", options_.tenant_defaults, options_.tenants, options_),
+        models_("model", options_.model_defaults, options_.models, options_) {}
   admission(const admission&) = delete;
   admission& operator=(const admission&) = delete;
 
@@ -372,7 +419,7 @@ class admission {
   // Why a request was refused.
   struct refusal_reason {
     std::string_view level;  // "tenant" or "model"
-    std::string_view key;
+    std::string_view key;    // views the request's tenant or model
     quota_limit limit = quota_limit::rate;
     std::optional<duration> retry_after;
     bool never = false;      // the estimate exceeds the whole compute budget
@@ -387,27 +434,38 @@ class admission {
   }
 
   // The same, without building a status: on refusal the ticket is empty and
-  // `why` says which limit refused. Lock-free once both keys exist.
+  // `why` says which limit refused. Allocates only for a key not seen before.
   [[nodiscard]] admission_ticket try_admit(const admission_request& r, time_point now, refusal_reason& why) {
     const bool fresh = r.kind == request_kind::fresh;
-    detail::quota* t = tenants_.active ? &tenants_.get(r.tenant) : nullptr;
-    detail::quota* m = fresh && models_.active ? &models_.get(r.model) : nullptr;
     const bool queued = fresh && r.queued;
     const std::int64_t estimate = fresh ? std::max<std::int64_t>(0, r.estimate) : 0;
+    detail::quota* t = nullptr;
+    detail::quota* m = nullptr;
 
     // Each step either takes its reservation or undoes all earlier ones.
-    auto refuse = [&](const level& lv, std::string_view key, quota_limit limit, std::optional<duration> after,
-                      bool never = false) {
-      why = {lv.name, key, limit, after, never};
+    auto refuse = [&](const level& lv, quota_limit limit, std::optional<duration> after, bool never = false) {
+      why = {lv.name, &lv == &tenants_ ? r.tenant : r.model, limit, after, never};
+      if (t != nullptr) t->unpin();
+      if (m != nullptr) m->unpin();
       return admission_ticket();
     };
+    if (tenants_.active) {
+      duration full{};
+      t = tenants_.acquire(r.tenant, now, full);
+      if (full > duration::zero()) return refuse(tenants_, quota_limit::table_full, full);
+    }
+    if (fresh && models_.active) {
+      duration full{};
+      m = models_.acquire(r.model, now, full);
+      if (full > duration::zero()) return refuse(models_, quota_limit::table_full, full);
+    }
     if (t != nullptr && t->rate) {
-      if (rate_decision d = t->rate->try_acquire(now); !d) return refuse(tenants_, t->key, quota_limit::rate, d.retry_after);
+      if (rate_decision d = t->rate->try_acquire(now); !d) return refuse(tenants_, quota_limit::rate, d.retry_after);
     }
     if (m != nullptr && m->rate) {
       if (rate_decision d = m->rate->try_acquire(now); !d) {
         if (t != nullptr && t->rate) t->rate->refund();
-        return refuse(models_, m->key, quota_limit::rate, d.retry_after);
+        return refuse(models_, quota_limit::rate, d.retry_after);
       }
     }
     auto undo_rates = [&] {
@@ -418,12 +476,12 @@ class admission {
     if (fresh) {
       if (t != nullptr && !t->take(queued)) {
         undo_rates();
-        return refuse(tenants_, t->key, slot, options_.busy_retry_after);
+        return refuse(tenants_, slot, options_.busy_retry_after);
       }
       if (m != nullptr && !m->take(queued)) {
         undo_rates();
         if (t != nullptr) t->give(queued);
-        return refuse(models_, m->key, slot, options_.busy_retry_after);
+        return refuse(models_, slot, options_.busy_retry_after);
       }
     }
     auto undo_slots = [&] {
@@ -436,14 +494,13 @@ class admission {
         detail::quota* q = i == 0 ? t : m;
         if (q == nullptr || !q->compute) continue;
         const level& lv = i == 0 ? tenants_ : models_;
-        const std::string_view key = q->key;
         const bool never = estimate > q->compute_budget;
         rate_decision d = never ? rate_decision{} : q->compute->try_acquire(now, static_cast<double>(estimate));
         if (!d) {
           if (i == 1 && t != nullptr && t->compute) t->compute->refund(static_cast<double>(estimate));
           undo_slots();
           undo_rates();
-          return refuse(lv, key, quota_limit::compute, never ? std::nullopt : std::optional(d.retry_after), never);
+          return refuse(lv, quota_limit::compute, never ? std::nullopt : std::optional(d.retry_after), never);
         }
       }
     }
@@ -473,16 +530,23 @@ class admission {
     return why.never ? with_outcome(std::move(s), outcome_kind::permanent) : s;
   }
 
-  // Usage of one tenant / model, if it has been seen (overrides always are).
-  [[nodiscard]] std::optional<quota_usage> tenant_usage(std::string_view key, time_point now) const noexcept {
-    return usage(tenants_, key, now);
+  // Usage of one tenant / model, if it is in the table (overrides always are).
+  [[nodiscard]] std::optional<quota_usage> tenant_usage(std::string_view key, time_point now) const {
+    return tenants_.usage(key, now);
   }
-  [[nodiscard]] std::optional<quota_usage> model_usage(std::string_view key, time_point now) const noexcept {
-    return usage(models_, key, now);
+  [[nodiscard]] std::optional<quota_usage> model_usage(std::string_view key, time_point now) const {
+    return models_.usage(key, now);
   }
-  // Lookups that got a level's overflow quota because it was full.
-  [[nodiscard]] std::int64_t overflowed() const noexcept {
-    return tenants_.overflowed.load(std::memory_order_relaxed) + models_.overflowed.load(std::memory_order_relaxed);
+  // Keys each level holds besides its overrides (at most max_keys).
+  [[nodiscard]] std::int64_t tenant_keys() const noexcept { return tenants_.size.load(std::memory_order_relaxed); }
+  [[nodiscard]] std::int64_t model_keys() const noexcept { return models_.size.load(std::memory_order_relaxed); }
+  // Requests refused with table_full, at either level.
+  [[nodiscard]] std::int64_t table_full_refusals() const noexcept {
+    return tenants_.refused.load(std::memory_order_relaxed) + models_.refused.load(std::memory_order_relaxed);
+  }
+  // Idle keys forgotten to make room for new ones, at either level.
+  [[nodiscard]] std::int64_t keys_reclaimed() const noexcept {
+    return tenants_.reclaimed.load(std::memory_order_relaxed) + models_.reclaimed.load(std::memory_order_relaxed);
   }
 
   // A policy reserving estimator(call) compute units per call.
@@ -529,54 +593,154 @@ class admission {
 
   struct level {
     level(std::string_view n, const quota_limits& d, const std::vector<std::pair<std::string, quota_limits>>& overrides,
-          int max_keys)
+          const admission_options& o)
         : name(n),
           defaults(d),
-          active(d.any() || std::any_of(overrides.begin(), overrides.end(), [](const auto& o) { return o.second.any(); })),
-          table(static_cast<std::size_t>(max_keys) + overrides.size()),
-          overflow("(overflow)", d) {
+          limited(d.any()),
+          active(d.any() || std::any_of(overrides.begin(), overrides.end(), [](const auto& e) { return e.second.any(); })),
+          max_keys(o.max_keys),
+          busy_retry_after(o.busy_retry_after),
+          fixed(overrides.size()) {
       for (const auto& entry : overrides) {
         const std::string& key = entry.first;
         const quota_limits& limits = entry.second;
-        (void)table.find_or_insert(
-            hash(key), [&](const std::string& k) { return detail::key_equals(k, key); }, [&] { return key; },
-            [&] { return detail::quota(key, limits); });
+        (void)fixed.find_or_insert(
+            detail::key_hash(key), [&](const std::string& k) { return detail::key_equals(k, key); },
+            [&] { return key; }, [&] { return detail::quota(key, limits); });
       }
     }
 
-    detail::quota& get(std::string_view key) {
-      const std::size_t h = hash(key);
-      auto matches = [&](const std::string& k) { return detail::key_equals(k, key); };
-      if (detail::quota* q = table.find(h, matches)) return *q;
-      detail::quota* q = table.find_or_insert(
-          h, matches, [&] { return std::string(key); }, [&] { return detail::quota(std::string(key), defaults); });
-      if (q != nullptr) return *q;
-      overflowed.fetch_add(1, std::memory_order_relaxed);
-      return overflow;
+    // The quota of `key`, pinned until unpin() when reclaimable; null when
+    // the level has no limit for it, or when the table is full of keys in
+    // use (then `full` is the retry-after hint, > 0).
+    detail::quota* acquire(std::string_view key, time_point now, duration& full) {
+      if (detail::quota* q = override_of(key)) return q;
+      if (!limited) return nullptr;
+      shard& sh = shard_of(key);
+      {
+        std::lock_guard lock(sh.mu);
+        if (auto it = sh.keys.find(detail::to_absl(key)); it != sh.keys.end()) {
+          it->second->pins.fetch_add(1, std::memory_order_relaxed);
+          return it->second.get();
+        }
+      }
+      return insert(sh, key, now, full);
     }
 
-    static std::size_t hash(std::string_view key) noexcept { return detail::key_hash(key); }
+    [[nodiscard]] std::optional<quota_usage> usage(std::string_view key, time_point now) const {
+      if (const detail::quota* q = override_of(key)) return usage_of(*q, now);
+      if (!limited) return std::nullopt;
+      shard& sh = shard_of(key);
+      std::lock_guard lock(sh.mu);  // the key cannot be reclaimed while we read it
+      auto it = sh.keys.find(detail::to_absl(key));
+      if (it == sh.keys.end()) return std::nullopt;
+      return usage_of(*it->second, now);
+    }
 
     std::string_view name;
     quota_limits defaults;
+    bool limited;  // the defaults limit something: keys besides the overrides are kept
     bool active;
-    detail::keyed_table<std::string, detail::quota> table;
-    detail::quota overflow;
-    std::atomic<std::int64_t> overflowed{0};
-  };
+    int max_keys;
+    duration busy_retry_after;
+    std::atomic<std::int64_t> size{0};
+    std::atomic<std::int64_t> refused{0};
+    std::atomic<std::int64_t> reclaimed{0};
 
-  [[nodiscard]] static std::optional<quota_usage> usage(const level& lv, std::string_view key,
-                                                        time_point now) noexcept {
-    const detail::quota* q =
-        lv.table.find(level::hash(key), [&](const std::string& k) { return detail::key_equals(k, key); });
-    if (q == nullptr) return std::nullopt;
-    quota_usage u;
-    u.in_flight = q->in_flight.load(std::memory_order_acquire);
-    u.queued = q->queued.load(std::memory_order_acquire);
-    if (q->rate) u.rate_available = q->rate->available(now);
-    if (q->compute) u.compute_available = q->compute->available(now);
-    return u;
-  }
+   private:
+    struct shard {
+      std::mutex mu;
+      // Its default hash is abseil's, seeded per process: tenant names come
+      // from traffic, so they may be chosen to collide under a fixed hash.
+      absl::flat_hash_map<std::string, std::unique_ptr<detail::quota>> keys;
+    };
+
+    detail::quota* override_of(std::string_view key) const noexcept {
+      return fixed.find(detail::key_hash(key), [&](const std::string& k) { return detail::key_equals(k, key); });
+    }
+    shard& shard_of(std::string_view key) const noexcept {
+      // The top bits: the map itself uses the low ones.
+      return shards[(absl::Hash<absl::string_view>{}(detail::to_absl(key)) >> (sizeof(std::size_t) * CHAR_BIT - 4)) & 15];
+    }
+
+    static quota_usage usage_of(const detail::quota& q, time_point now) noexcept {
+      quota_usage u;
+      u.in_flight = q.in_flight.load(std::memory_order_acquire);
+      u.queued = q.queued.load(std::memory_order_acquire);
+      if (q.rate) u.rate_available = q.rate->available(now);
+      if (q.compute) u.compute_available = q.compute->available(now);
+      return u;
+    }
+
+    // A key not seen before (allocates): takes a place in the table,
+    // reclaiming idle keys when it is full.
+    detail::quota* insert(shard& sh, std::string_view key, time_point now, duration& full) {
+      if (!reserve(now, full)) {
+        refused.fetch_add(1, std::memory_order_relaxed);
+        return nullptr;
+      }
+      auto made = std::make_unique<detail::quota>(std::string(key), defaults, /*reclaim=*/true);
+      std::lock_guard lock(sh.mu);
+      auto [it, inserted] = sh.keys.try_emplace(made->key);
+      if (inserted) {
+        it->second = std::move(made);
+      } else {
+        size.fetch_sub(1, std::memory_order_relaxed);  // another thread added it meanwhile
+      }
+      it->second->pins.fetch_add(1, std::memory_order_relaxed);
+      return it->second.get();
+    }
+
+    bool take_place() noexcept {
+      if (size.fetch_add(1, std::memory_order_relaxed) < max_keys) return true;
+      size.fetch_sub(1, std::memory_order_relaxed);
+      return false;
+    }
+
+    // A place for one more key, or false with the retry-after in `full`.
+    bool reserve(time_point now, duration& full) {
+      if (take_place()) return true;
+      std::lock_guard lock(sweep_mu);
+      if (take_place()) return true;
+      if (now < next_sweep) {  // swept lately and found every key in use
+        full = std::max(next_sweep - now, duration(1));
+        return false;
+      }
+      // Every key unpinned with full buckets goes. Otherwise look again when
+      // the first unpinned key will be idle, or after busy_retry_after when
+      // some key is only waiting for its tickets, whichever is sooner.
+      duration soonest = duration::max();
+      std::int64_t freed = 0;
+      for (shard& sh : shards) {
+        std::lock_guard shard_lock(sh.mu);
+        for (auto it = sh.keys.begin(); it != sh.keys.end();) {
+          const detail::quota& q = *it->second;
+          const duration wait =
+              q.pins.load(std::memory_order_acquire) != 0 ? busy_retry_after : q.until_fresh(now);
+          if (wait == duration::zero()) {
+            sh.keys.erase(it++);
+            ++freed;
+          } else {
+            soonest = std::min(soonest, wait);
+            ++it;
+          }
+        }
+      }
+      size.fetch_sub(freed, std::memory_order_relaxed);
+      reclaimed.fetch_add(freed, std::memory_order_relaxed);
+      if (take_place()) return true;
+      if (soonest == duration::max()) soonest = busy_retry_after;  // taken by racing inserts
+      soonest = std::max(soonest, duration(1));
+      next_sweep = now + soonest;
+      full = soonest;
+      return false;
+    }
+
+    detail::keyed_table<std::string, detail::quota> fixed;  // the overrides: lock-free, never reclaimed
+    mutable std::array<shard, 16> shards;
+    std::mutex sweep_mu;
+    time_point next_sweep{time_point::min()};  // under sweep_mu
+  };
 
   admission_options options_;
   level tenants_;
