@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+#include <sqlite3.h>
 
 #include "gateway_core.hpp"
 #include "keel/store/sqlite_jobs.hpp"
@@ -301,4 +302,29 @@ TEST_CASE("invalid gateway options are refused, naming the field and the rule", 
 
   const gateway::fault bad{.kind = gateway::fault_kind::slowdown, .factor = 0.5};
   CHECK(bad.validate().message() == "fault.factor must be in [1, 1000] (got 0.5)");
+}
+
+TEST_CASE("a job store that cannot answer its counts shows in /healthz and /metrics, not as ok",
+          "[service][health]") {
+  temp_dir dir;
+  kt::manual_clock clock;
+  auto core = open_core(seed_options(dir.path()), clock);
+  const json before = parse(core->health());
+  CHECK(before["status"] == "ok");
+  CHECK(before["batch_queue"]["queued"] == 0);
+  CHECK(core->metrics().body.find("gateway_batch_queue_readable 1") != std::string::npos);
+
+  // Someone renames the job table under the running gateway: counts fail.
+  sqlite3* db = nullptr;
+  REQUIRE(sqlite3_open(dir.file("jobs.db").c_str(), &db) == SQLITE_OK);
+  const int rc = sqlite3_exec(db, "ALTER TABLE keel_job RENAME TO keel_job_moved", nullptr, nullptr, nullptr);
+  sqlite3_close(db);
+  REQUIRE(rc == SQLITE_OK);
+  REQUIRE_FALSE(core->queue().counts().ok());
+
+  const json after = parse(core->health());
+  CHECK(after["status"] == "degraded");
+  REQUIRE(after["batch_queue"].contains("error"));
+  CHECK(after["batch_queue"]["error"].get<std::string>().find(dir.file("jobs.db")) != std::string::npos);
+  CHECK(core->metrics().body.find("gateway_batch_queue_readable 0") != std::string::npos);
 }
