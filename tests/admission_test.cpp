@@ -345,6 +345,50 @@ TEST_CASE("idle keys are reclaimed when the table is full; keys in use never are
   CHECK(!quotas.tenant_usage("a", clock.now()).has_value());
 }
 
+TEST_CASE("threads churning a small table: lookups race reclaiming, no key ever has two quotas, all comes back",
+          "[admission][keys][threads]") {
+  // 64 names through a table of 8: keys are reclaimed and their entries
+  // reused while other threads look them up without a lock.
+  keel::admission quotas({.tenant_defaults = {.max_in_flight = 1}, .max_keys = 8});
+  constexpr int names = 64, threads = 4, ops = 20'000;
+  std::vector<std::atomic<int>> holders(names);
+  std::atomic<int> over{0};  // a key admitted twice at once: two quotas for one name
+  std::atomic<long> admitted{0}, full{0};
+  const keel::time_point now{};
+  std::vector<std::thread> workers;
+  for (int w = 0; w < threads; ++w) {
+    workers.emplace_back([&, w] {
+      std::uint64_t x = 0x9e3779b97f4a7c15ull * static_cast<std::uint64_t>(w + 1);
+      for (int i = 0; i < ops; ++i) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        const int k = static_cast<int>(x % names);
+        const std::string name = "tenant-" + std::to_string(k);
+        keel::admission::refusal_reason why;
+        keel::admission_ticket t = quotas.try_admit({.tenant = name}, now, why);
+        if (!t) {
+          if (why.limit == keel::quota_limit::table_full) full.fetch_add(1);
+          continue;
+        }
+        admitted.fetch_add(1);
+        if (holders[k].fetch_add(1) != 0) over.fetch_add(1);
+        holders[k].fetch_sub(1);
+      }
+    });
+  }
+  for (std::thread& t : workers) t.join();
+  CHECK(over.load() == 0);
+  CHECK(admitted.load() > 0);
+  CHECK(quotas.keys_reclaimed() > 0);
+  CHECK(quotas.tenant_keys() <= 8);
+  for (int k = 0; k < names; ++k) {
+    if (auto u = quotas.tenant_usage("tenant-" + std::to_string(k), now)) CHECK(u->in_flight == 0);
+  }
+  INFO("admitted " << admitted.load() << ", table_full " << full.load() << ", reclaimed " << quotas.keys_reclaimed());
+  CHECK(quotas.table_full_refusals() == full.load());
+}
+
 TEST_CASE("configured overrides are never reclaimed; a level without default limits keeps no keys",
           "[admission][keys]") {
   manual_clock clock;

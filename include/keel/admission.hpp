@@ -69,16 +69,18 @@
 // quota. A level whose defaults set no limit keeps no keys besides its
 // overrides.
 //
-// Thread-safety: every operation may be called from any thread. Configured
-// overrides are looked up lock-free; other keys under one of 16 mutexes,
-// held for a hash lookup (a new key allocates once; reclaiming, when the
-// table is full, scans it at most once per retry-after). A ticket may be
-// reconciled or released on any thread, once.
+// Thread-safety: every operation may be called from any thread. Lookups
+// and admission are lock-free once a key is in the table (a ticket pins its
+// key: one atomic add, one subtract on release); a new key takes the level's
+// mutex and allocates once, and when the table is full it is scanned for
+// idle keys at most once per retry-after. A ticket may be reconciled or
+// released on any thread, once.
 #pragma once
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <climits>
 #include <cstddef>
@@ -87,13 +89,12 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
-#include "absl/hash/hash.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -227,10 +228,11 @@ namespace detail {
 // One key's limits and state.
 class quota {
  public:
-  quota(std::string k, const quota_limits& l, bool reclaim = false)
+  // `pin_count`: the entry's pins when the key may be reclaimed, else null.
+  quota(std::string k, const quota_limits& l, std::atomic<std::int64_t>* pin_count = nullptr)
       : max_in_flight(l.max_in_flight.value_or(0)),
         max_queued(l.max_queued.value_or(0)),
-        reclaimable(reclaim),
+        pins(pin_count),
         key(std::move(k)) {
     if (l.rate) rate.emplace(rate_limiter_options{.rate = *l.rate, .burst = l.burst.value_or(std::max(1.0, *l.rate))});
     if (l.compute_budget) {
@@ -261,7 +263,7 @@ class quota {
   // A key from traffic is pinned by each lookup and ticket using it; it is
   // reclaimed only unpinned. Configured overrides are never reclaimed.
   void unpin() noexcept {
-    if (reclaimable) pins.fetch_sub(1, std::memory_order_release);
+    if (pins != nullptr) pins->fetch_sub(1, std::memory_order_release);
   }
 
   // How long until this quota is as a new one would be (zero: now), given
@@ -282,10 +284,9 @@ class quota {
   // Hot fields first, so an admission touches as few cache lines as it can.
   std::atomic<int> in_flight{0};
   std::atomic<int> queued{0};
-  std::atomic<int> pins{0};
   int max_in_flight;
   int max_queued;
-  bool reclaimable;
+  std::atomic<std::int64_t>* pins;
   std::optional<rate_limiter> rate;
   std::optional<rate_limiter> compute;
   std::int64_t compute_budget = 0;
@@ -600,12 +601,16 @@ class admission {
           active(d.any() || std::any_of(overrides.begin(), overrides.end(), [](const auto& e) { return e.second.any(); })),
           max_keys(o.max_keys),
           busy_retry_after(o.busy_retry_after),
-          fixed(overrides.size()) {
+          fixed(overrides.size()),
+          // Chains of one entry or so: at most max_keys keys in 2 * max_keys
+          // buckets (one, for a level that keeps no keys).
+          mask(d.any() ? std::bit_ceil(static_cast<std::size_t>(o.max_keys) * 2) - 1 : 0),
+          buckets(std::make_unique<std::atomic<entry*>[]>(mask + 1)) {
       for (const auto& entry : overrides) {
         const std::string& key = entry.first;
         const quota_limits& limits = entry.second;
         (void)fixed.find_or_insert(
-            detail::key_hash(key), [&](const std::string& k) { return detail::key_equals(k, key); },
+            detail::key_hash(key, seed), [&](const std::string& k) { return detail::key_equals(k, key); },
             [&] { return key; }, [&] { return detail::quota(key, limits); });
       }
     }
@@ -614,27 +619,21 @@ class admission {
     // the level has no limit for it, or when the table is full of keys in
     // use (then `full` is the retry-after hint, > 0).
     detail::quota* acquire(std::string_view key, time_point now, duration& full) {
-      if (detail::quota* q = override_of(key)) return q;
+      const std::size_t h = detail::key_hash(key, seed);  // one hash for both tables
+      if (detail::quota* q = override_of(key, h)) return q;
       if (!limited) return nullptr;
-      shard& sh = shard_of(key);
-      {
-        std::lock_guard lock(sh.mu);
-        if (auto it = sh.keys.find(detail::to_absl(key)); it != sh.keys.end()) {
-          it->second->pins.fetch_add(1, std::memory_order_relaxed);
-          return it->second.get();
-        }
-      }
-      return insert(sh, key, now, full);
+      if (detail::quota* q = find_pinned(key, h)) return q;
+      return insert(key, h, now, full);
     }
 
     [[nodiscard]] std::optional<quota_usage> usage(std::string_view key, time_point now) const {
-      if (const detail::quota* q = override_of(key)) return usage_of(*q, now);
+      const std::size_t h = detail::key_hash(key, seed);
+      if (const detail::quota* q = override_of(key, h)) return usage_of(*q, now);
       if (!limited) return std::nullopt;
-      shard& sh = shard_of(key);
-      std::lock_guard lock(sh.mu);  // the key cannot be reclaimed while we read it
-      auto it = sh.keys.find(detail::to_absl(key));
-      if (it == sh.keys.end()) return std::nullopt;
-      return usage_of(*it->second, now);
+      std::lock_guard lock(mu);  // no key is reclaimed while we read it
+      const entry* e = chain_find(key, h);
+      if (e == nullptr) return std::nullopt;
+      return usage_of(*e->q, now);
     }
 
     std::string_view name;
@@ -648,19 +647,50 @@ class admission {
     std::atomic<std::int64_t> reclaimed{0};
 
    private:
-    struct shard {
-      std::mutex mu;
-      // Its default hash is abseil's, seeded per process: tenant names come
-      // from traffic, so they may be chosen to collide under a fixed hash.
-      absl::flat_hash_map<std::string, std::unique_ptr<detail::quota>> keys;
+    // Keys from traffic: a chained hash table whose lookups take no lock.
+    // An entry is never freed while the level lives, only reused: its pin
+    // count is negative (vacant) or counts the lookups and tickets holding
+    // it. A lookup pins before it reads the key; reclaiming turns a count of
+    // exactly zero vacant (one CAS, under `mu`), so a pinned entry is never
+    // reclaimed and a vacant one never read. Every change to the chains is
+    // under `mu`; a lookup that races one may miss and goes to insert(),
+    // which looks again under `mu`.
+    static constexpr std::int64_t vacant = INT64_MIN / 2;
+    struct entry {
+      std::atomic<std::int64_t> pins{vacant};
+      std::atomic<std::size_t> hash{0};
+      std::atomic<entry*> next{nullptr};
+      entry* next_free = nullptr;  // under mu
+      std::optional<detail::quota> q;  // engaged while live; written only while vacant
     };
 
-    detail::quota* override_of(std::string_view key) const noexcept {
-      return fixed.find(detail::key_hash(key), [&](const std::string& k) { return detail::key_equals(k, key); });
+    detail::quota* override_of(std::string_view key, std::size_t h) const noexcept {
+      if (fixed.size() == 0) return nullptr;
+      return fixed.find(h, [&](const std::string& k) { return detail::key_equals(k, key); });
     }
-    shard& shard_of(std::string_view key) const noexcept {
-      // The top bits: the map itself uses the low ones.
-      return shards[(absl::Hash<absl::string_view>{}(detail::to_absl(key)) >> (sizeof(std::size_t) * CHAR_BIT - 4)) & 15];
+
+    detail::quota* find_pinned(std::string_view key, std::size_t h) noexcept {
+      int steps = 0;  // a chain long by chance (or by a racing reuse): let insert() look
+      for (entry* e = buckets[h & mask].load(std::memory_order_acquire); e != nullptr && steps < 16;
+           e = e->next.load(std::memory_order_acquire), ++steps) {
+        if (e->hash.load(std::memory_order_relaxed) != h) continue;
+        if (e->pins.fetch_add(1, std::memory_order_acquire) < 0) {
+          e->pins.fetch_sub(1, std::memory_order_relaxed);
+          continue;
+        }
+        if (detail::key_equals(e->q->key, key)) return &*e->q;
+        e->pins.fetch_sub(1, std::memory_order_release);
+      }
+      return nullptr;
+    }
+
+    // Under mu: chains hold live entries only.
+    const entry* chain_find(std::string_view key, std::size_t h) const noexcept {
+      for (const entry* e = buckets[h & mask].load(std::memory_order_relaxed); e != nullptr;
+           e = e->next.load(std::memory_order_relaxed)) {
+        if (e->hash.load(std::memory_order_relaxed) == h && detail::key_equals(e->q->key, key)) return e;
+      }
+      return nullptr;
     }
 
     static quota_usage usage_of(const detail::quota& q, time_point now) noexcept {
@@ -672,74 +702,105 @@ class admission {
       return u;
     }
 
-    // A key not seen before (allocates): takes a place in the table,
-    // reclaiming idle keys when it is full.
-    detail::quota* insert(shard& sh, std::string_view key, time_point now, duration& full) {
-      if (!reserve(now, full)) {
+    // A key not found without the lock (allocates when new).
+    detail::quota* insert(std::string_view key, std::size_t h, time_point now, duration& full) {
+      std::lock_guard lock(mu);
+      if (const entry* found = chain_find(key, h)) {
+        auto* e = const_cast<entry*>(found);
+        e->pins.fetch_add(1, std::memory_order_relaxed);  // live: not reclaimable while we hold mu
+        return &*e->q;
+      }
+      entry* e = take_entry(now, full);
+      if (e == nullptr) {
         refused.fetch_add(1, std::memory_order_relaxed);
         return nullptr;
       }
-      auto made = std::make_unique<detail::quota>(std::string(key), defaults, /*reclaim=*/true);
-      std::lock_guard lock(sh.mu);
-      auto [it, inserted] = sh.keys.try_emplace(made->key);
-      if (inserted) {
-        it->second = std::move(made);
-      } else {
-        size.fetch_sub(1, std::memory_order_relaxed);  // another thread added it meanwhile
-      }
-      it->second->pins.fetch_add(1, std::memory_order_relaxed);
-      return it->second.get();
+      e->q.emplace(std::string(key), defaults, &e->pins);
+      e->hash.store(h, std::memory_order_relaxed);
+      std::atomic<entry*>& head = buckets[h & mask];
+      e->next.store(head.load(std::memory_order_relaxed), std::memory_order_relaxed);
+      // Live with our pin; the release publishes the quota and key to every
+      // lookup that pins it.
+      e->pins.fetch_add(1 - vacant, std::memory_order_release);
+      head.store(e, std::memory_order_release);
+      size.fetch_add(1, std::memory_order_relaxed);
+      return &*e->q;
     }
 
-    bool take_place() noexcept {
-      if (size.fetch_add(1, std::memory_order_relaxed) < max_keys) return true;
-      size.fetch_sub(1, std::memory_order_relaxed);
-      return false;
+    // Under mu: a vacant entry, or null with the retry-after in `full`.
+    entry* take_entry(time_point now, duration& full) {
+      if (free_list == nullptr && entries.size() < static_cast<std::size_t>(max_keys)) {
+        entries.push_back(std::make_unique<entry>());
+        return entries.back().get();
+      }
+      if (free_list == nullptr) {
+        if (now < next_sweep) {  // swept lately and found every key in use
+          full = std::max(next_sweep - now, duration(1));
+          return nullptr;
+        }
+        const duration soonest = sweep(now);
+        if (free_list == nullptr) {
+          next_sweep = now + soonest;
+          full = soonest;
+          return nullptr;
+        }
+      }
+      entry* e = free_list;
+      free_list = e->next_free;
+      return e;
     }
 
-    // A place for one more key, or false with the retry-after in `full`.
-    bool reserve(time_point now, duration& full) {
-      if (take_place()) return true;
-      std::lock_guard lock(sweep_mu);
-      if (take_place()) return true;
-      if (now < next_sweep) {  // swept lately and found every key in use
-        full = std::max(next_sweep - now, duration(1));
-        return false;
-      }
-      // Every key unpinned with full buckets goes. Otherwise look again when
-      // the first unpinned key will be idle, or after busy_retry_after when
-      // some key is only waiting for its tickets, whichever is sooner.
+    // Under mu: reclaims every unpinned key whose buckets are full again.
+    // Returns when to look again: when the first unpinned key will be idle,
+    // or busy_retry_after when some key only waits for its tickets.
+    duration sweep(time_point now) {
       duration soonest = duration::max();
       std::int64_t freed = 0;
-      for (shard& sh : shards) {
-        std::lock_guard shard_lock(sh.mu);
-        for (auto it = sh.keys.begin(); it != sh.keys.end();) {
-          const detail::quota& q = *it->second;
+      for (std::size_t b = 0; b <= mask; ++b) {
+        std::atomic<entry*>* link = &buckets[b];
+        for (entry* e = link->load(std::memory_order_relaxed); e != nullptr;) {
+          entry* next = e->next.load(std::memory_order_relaxed);
+          std::int64_t expected = 0;
           const duration wait =
-              q.pins.load(std::memory_order_acquire) != 0 ? busy_retry_after : q.until_fresh(now);
-          if (wait == duration::zero()) {
-            sh.keys.erase(it++);
+              e->pins.load(std::memory_order_relaxed) != 0 ? busy_retry_after : e->q->until_fresh(now);
+          bool take = wait == duration::zero() && e->pins.compare_exchange_strong(
+                                                      expected, vacant, std::memory_order_acquire,
+                                                      std::memory_order_relaxed);
+          if (take && e->q->until_fresh(now) != duration::zero()) {
+            // A ticket used and released it since we looked: it keeps its state.
+            e->pins.fetch_add(-vacant, std::memory_order_relaxed);
+            take = false;
+          }
+          if (take) {
+            // Unlinked, but its own next is left: a lookup standing on it
+            // walks on. Vacant, so no lookup reads its quota any more.
+            link->store(next, std::memory_order_release);
+            e->q.reset();
+            e->next_free = free_list;
+            free_list = e;
             ++freed;
           } else {
-            soonest = std::min(soonest, wait);
-            ++it;
+            soonest = std::min(soonest, wait == duration::zero() ? busy_retry_after : wait);
+            link = &e->next;
           }
+          e = next;
         }
       }
       size.fetch_sub(freed, std::memory_order_relaxed);
       reclaimed.fetch_add(freed, std::memory_order_relaxed);
-      if (take_place()) return true;
-      if (soonest == duration::max()) soonest = busy_retry_after;  // taken by racing inserts
-      soonest = std::max(soonest, duration(1));
-      next_sweep = now + soonest;
-      full = soonest;
-      return false;
+      return std::max(soonest == duration::max() ? busy_retry_after : soonest, duration(1));
     }
 
+    // Names come from traffic, so they may be chosen to collide: the hash is
+    // seeded per level.
+    std::uint64_t seed = (std::uint64_t{std::random_device{}()} << 32) | std::random_device{}();
     detail::keyed_table<std::string, detail::quota> fixed;  // the overrides: lock-free, never reclaimed
-    mutable std::array<shard, 16> shards;
-    std::mutex sweep_mu;
-    time_point next_sweep{time_point::min()};  // under sweep_mu
+    std::size_t mask;
+    std::unique_ptr<std::atomic<entry*>[]> buckets;
+    mutable std::mutex mu;                        // guards the chains, entries, free_list, next_sweep
+    std::vector<std::unique_ptr<entry>> entries;  // every entry ever made: at most max_keys
+    entry* free_list = nullptr;
+    time_point next_sweep{time_point::min()};
   };
 
   admission_options options_;
