@@ -147,14 +147,17 @@ using json = nlohmann::json;
 
 // The HTTP status for a failure. A tenant over its own quota is told 429;
 // the service's own limits (bulkheads, shedding, the queue, a model's
-// capacity, the provider) answer 503: the client did nothing wrong.
+// capacity, a quota table full of other tenants, the provider) answer 503:
+// the client did nothing wrong.
 [[nodiscard]] inline int http_status(const absl::Status& s) {
   if (keel::is_conflict(s) || keel::is_in_flight(s)) return 409;
   const std::optional<std::string> by = keel::refused_by(s);
+  // A quota table full of other tenants' keys is not the tenant's own quota.
+  const bool own_quota = by && by->starts_with("tenant:") && !by->ends_with(":table_full");
   if (by && keel::not_started(s) && s.code() != absl::StatusCode::kInvalidArgument) {
     // Refused before any work by a named limit: the tenant's own quota, or
     // the service's (a bulkhead queue that timed out included).
-    return by->starts_with("tenant:") ? 429 : 503;
+    return own_quota ? 429 : 503;
   }
   switch (s.code()) {
     case absl::StatusCode::kInvalidArgument:
@@ -163,7 +166,7 @@ using json = nlohmann::json;
     case absl::StatusCode::kAlreadyExists: return 409;
     case absl::StatusCode::kPermissionDenied: return 403;
     case absl::StatusCode::kUnauthenticated: return 401;
-    case absl::StatusCode::kResourceExhausted: return by && by->starts_with("tenant:") ? 429 : 503;
+    case absl::StatusCode::kResourceExhausted: return own_quota ? 429 : 503;
     case absl::StatusCode::kDeadlineExceeded: return 504;
     case absl::StatusCode::kUnavailable:
     case absl::StatusCode::kCancelled:
