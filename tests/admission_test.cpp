@@ -259,19 +259,172 @@ TEST_CASE("queued work holds a queued slot until it starts", "[admission][queued
   CHECK(quotas.tenant_usage("t", clock.now())->queued == 0);
 }
 
-TEST_CASE("keys are bounded: new keys beyond max_keys share one overflow quota", "[admission]") {
+TEST_CASE("10,000 made-up tenants fill the table; a real tenant still gets its own full quota, never a shared one",
+          "[admission][keys]") {
   manual_clock clock;
-  keel::admission quotas({.tenant_defaults = {.max_in_flight = 1}, .max_keys = 2});
-  std::vector<keel::admission_ticket> held;
-  for (const char* t : {"a", "b", "c"}) {
-    absl::StatusOr<keel::admission_ticket> r = quotas.admit({.tenant = t}, clock.now());
-    REQUIRE(r.ok());
-    held.push_back(std::move(*r));
+  keel::admission quotas(
+      {.tenant_defaults = {.rate = 10, .burst = 20, .max_in_flight = 4, .compute_budget = 1000}, .max_keys = 10'000});
+  // One request each under 10,000 names, each reserving compute it never
+  // gives back: every key's compute budget is 100 short, for 6 s.
+  for (int i = 0; i < 10'000; ++i) {
+    const std::string name = "made-up-" + std::to_string(i);
+    absl::StatusOr<keel::admission_ticket> t = quotas.admit({.tenant = name, .estimate = 100}, clock.now());
+    REQUIRE(t.ok());
   }
-  // "d" lands in the same overflow quota as "c", whose one slot is taken.
-  CHECK(refused_by(quotas.admit({.tenant = "d"}, clock.now()).status()) == "tenant:(overflow):in_flight");
-  CHECK(quotas.overflowed() == 2);
-  CHECK(!quotas.tenant_usage("c", clock.now()).has_value());
+  CHECK(quotas.tenant_keys() == 10'000);
+
+  // No key is idle yet: forgetting one would hand its owner a fresh budget.
+  // The newcomer is refused, visibly, with its own name and when to come back.
+  const absl::StatusOr<keel::admission_ticket> early = quotas.admit({.tenant = "acme"}, clock.now());
+  CHECK(early.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK(refused_by(early.status()) == "tenant:acme:table_full");
+  CHECK(keel::retry_after(early.status()) == std::optional<keel::duration>(6s));
+  CHECK(keel::not_started(early.status()));
+  // A second newcomer is refused on its own account too: nobody shares a bucket.
+  CHECK(refused_by(quotas.admit({.tenant = "globex"}, clock.now()).status()) == "tenant:globex:table_full");
+  CHECK(quotas.table_full_refusals() == 2);
+  CHECK(!quotas.tenant_usage("acme", clock.now()).has_value());
+
+  // Once the made-up keys are idle they are reclaimed, and acme gets
+  // exactly a new tenant's quota: 4 in flight, 20 at once, 1000 units.
+  clock.advance(6s);
+  std::vector<keel::admission_ticket> held;
+  for (int i = 0; i < 4; ++i) {
+    absl::StatusOr<keel::admission_ticket> t = quotas.admit({.tenant = "acme", .estimate = 250}, clock.now());
+    REQUIRE(t.ok());
+    held.push_back(std::move(*t));
+  }
+  CHECK(quotas.keys_reclaimed() == 10'000);
+  CHECK(refused_by(quotas.admit({.tenant = "acme"}, clock.now()).status()) == "tenant:acme:in_flight");
+  const keel::quota_usage acme = *quotas.tenant_usage("acme", clock.now());
+  CHECK(acme.in_flight == 4);
+  CHECK(acme.rate_available == 16.0);
+  CHECK(acme.compute_available == 0.0);
+  // ...and globex, arriving now, has its own, untouched by acme's.
+  absl::StatusOr<keel::admission_ticket> g = quotas.admit({.tenant = "globex", .estimate = 1000}, clock.now());
+  REQUIRE(g.ok());
+  CHECK(quotas.tenant_usage("globex", clock.now())->in_flight == 1);
+  CHECK(quotas.tenant_keys() == 2);
+}
+
+TEST_CASE("idle keys are reclaimed when the table is full; keys in use never are", "[admission][keys]") {
+  manual_clock clock;
+  keel::admission quotas({.tenant_defaults = {.rate = 1, .max_in_flight = 1}, .max_keys = 3});
+  absl::StatusOr<keel::admission_ticket> a = quotas.admit({.tenant = "a"}, clock.now());
+  REQUIRE(a.ok());  // held: in use
+  REQUIRE(quotas.admit({.tenant = "b"}, clock.now()).ok());
+  REQUIRE(quotas.admit({.tenant = "c"}, clock.now()).ok());
+  CHECK(quotas.tenant_keys() == 3);
+
+  // b and c are released but their rate buckets refill only in 1 s.
+  const absl::Status full = quotas.admit({.tenant = "d"}, clock.now()).status();
+  CHECK(refused_by(full) == "tenant:d:table_full");
+  CHECK(keel::retry_after(full) == std::optional<keel::duration>(100ms));  // a's ticket may end sooner
+  clock.advance(50ms);
+  // Looked again lately: refused without another scan, with the time left.
+  CHECK(keel::retry_after(quotas.admit({.tenant = "d"}, clock.now()).status()) ==
+        std::optional<keel::duration>(50ms));
+
+  clock.advance(950ms);  // b and c are idle now; a is still held
+  absl::StatusOr<keel::admission_ticket> d = quotas.admit({.tenant = "d"}, clock.now());
+  REQUIRE(d.ok());
+  CHECK(quotas.keys_reclaimed() == 2);
+  CHECK(!quotas.tenant_usage("b", clock.now()).has_value());
+  CHECK(quotas.tenant_usage("a", clock.now())->in_flight == 1);  // kept, with its slot
+  CHECK(refused_by(quotas.admit({.tenant = "a"}, clock.now()).status()) == "tenant:a:in_flight");
+
+  // A returning key starts as a new one would: its state was a new one's.
+  REQUIRE(quotas.admit({.tenant = "b"}, clock.now()).ok());
+  CHECK(quotas.tenant_usage("b", clock.now())->rate_available == 0.0);
+
+  // Released, a is reclaimable like any other once idle.
+  *a = keel::admission_ticket();
+  clock.advance(1s);
+  REQUIRE(quotas.admit({.tenant = "e"}, clock.now()).ok());
+  CHECK(quotas.tenant_keys() <= 3);
+  CHECK(!quotas.tenant_usage("a", clock.now()).has_value());
+}
+
+TEST_CASE("threads churning a small table: lookups race reclaiming, no key ever has two quotas, all comes back",
+          "[admission][keys][threads]") {
+  // 64 names through a table of 8: keys are reclaimed and their entries
+  // reused while other threads look them up without a lock.
+  keel::admission quotas({.tenant_defaults = {.max_in_flight = 1}, .max_keys = 8});
+  constexpr int names = 64, threads = 4, ops = 20'000;
+  std::vector<std::atomic<int>> holders(names);
+  std::atomic<int> over{0};  // a key admitted twice at once: two quotas for one name
+  std::atomic<long> admitted{0}, full{0};
+  const keel::time_point now{};
+  std::vector<std::thread> workers;
+  for (int w = 0; w < threads; ++w) {
+    workers.emplace_back([&, w] {
+      std::uint64_t x = 0x9e3779b97f4a7c15ull * static_cast<std::uint64_t>(w + 1);
+      for (int i = 0; i < ops; ++i) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        const int k = static_cast<int>(x % names);
+        const std::string name = "tenant-" + std::to_string(k);
+        keel::admission::refusal_reason why;
+        keel::admission_ticket t = quotas.try_admit({.tenant = name}, now, why);
+        if (!t) {
+          if (why.limit == keel::quota_limit::table_full) full.fetch_add(1);
+          continue;
+        }
+        admitted.fetch_add(1);
+        if (holders[k].fetch_add(1) != 0) over.fetch_add(1);
+        holders[k].fetch_sub(1);
+      }
+    });
+  }
+  for (std::thread& t : workers) t.join();
+  CHECK(over.load() == 0);
+  CHECK(admitted.load() > 0);
+  CHECK(quotas.keys_reclaimed() > 0);
+  CHECK(quotas.tenant_keys() <= 8);
+  for (int k = 0; k < names; ++k) {
+    if (auto u = quotas.tenant_usage("tenant-" + std::to_string(k), now)) CHECK(u->in_flight == 0);
+  }
+  INFO("admitted " << admitted.load() << ", table_full " << full.load() << ", reclaimed " << quotas.keys_reclaimed());
+  CHECK(quotas.table_full_refusals() == full.load());
+}
+
+TEST_CASE("configured overrides are never reclaimed; a level without default limits keeps no keys",
+          "[admission][keys]") {
+  manual_clock clock;
+  keel::admission quotas({.tenant_defaults = {.max_in_flight = 1},
+                          .tenants = {{"vip", {.max_in_flight = 2}}},
+                          .models = {{"m-large", {.max_in_flight = 1}}},
+                          .max_keys = 1});
+  for (int i = 0; i < 5; ++i) REQUIRE(quotas.admit({.tenant = "t" + std::to_string(i), .model = "m" + std::to_string(i)},
+                                                   clock.now()).ok());
+  CHECK(quotas.tenant_usage("vip", clock.now()).has_value());
+  CHECK(quotas.model_usage("m-large", clock.now()).has_value());
+  CHECK(quotas.model_keys() == 0);  // models other than m-large have no limit: nothing to keep
+  CHECK(quotas.tenant_keys() == 1);
+  CHECK(quotas.keys_reclaimed() == 4);
+}
+
+TEST_CASE("a table_full refusal is reported to the listener like any refusal, with its own limit",
+          "[admission][keys][pipeline]") {
+  manual_clock clock;
+  keel::admission quotas({.tenant_defaults = {.max_in_flight = 1}, .max_keys = 1});
+  absl::StatusOr<keel::admission_ticket> held = quotas.admit({.tenant = "first"}, clock.now());
+  REQUIRE(held.ok());
+  struct refusals {
+    std::vector<std::string>* seen;
+    void operator()(const keel::events::admission_refused& e) const {
+      seen->push_back(std::string(e.level) + ":" + std::string(e.key) + ":" + std::string(keel::to_string(e.limit)));
+    }
+  };
+  std::vector<std::string> seen;
+  auto pipe = keel::pipeline(quotas).on(clock).observe(refusals{&seen});
+  int ran = 0;
+  keel::call c(clock.now(), {.labels = {.tenant = "second"}});
+  const absl::StatusOr<int> r = pipe.run(c, [&](const keel::attempt&) -> absl::StatusOr<int> { return ++ran; });
+  CHECK(refused_by(r.status()) == "tenant:second:table_full");
+  CHECK(ran == 0);
+  CHECK(seen == std::vector<std::string>{"tenant:second:table_full"});
 }
 
 TEST_CASE("as a policy: refusal before the work, compute reconciled with what attempts charged",

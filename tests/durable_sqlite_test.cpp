@@ -15,10 +15,12 @@
 #include <sqlite3.h>
 #include <unistd.h>
 
+#include "absl/strings/str_cat.h"
 #include "durable_support.hpp"
 #include "keel/call.hpp"
 #include "keel/digest.hpp"
 #include "keel/idempotency.hpp"
+#include "keel/outcome.hpp"
 #include "keel/store/sqlite.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "support/catch.hpp"
@@ -133,6 +135,10 @@ TEST_CASE("sqlite options are validated", "[sqlite]") {
   CHECK(keel::sqlite_options{}.validate().ok());
   CHECK(keel::sqlite_options{.busy_timeout = -1ms}.validate().message() ==
         "sqlite_options.busy_timeout must be in [0, 24h] (got -1ms)");
+  CHECK(keel::sqlite_options{.integrity_check_timeout = 0s}.validate().message() ==
+        "sqlite_options.integrity_check_timeout must be in (0, 24h] (got 0s)");
+  CHECK(keel::sqlite_options{.integrity_check = static_cast<keel::sqlite_integrity_check>(7)}.validate().message() ==
+        "sqlite_options.integrity_check must be quick, full or off (got 7)");
   auto r = keel::sqlite_store<>::open("/tmp/never-created.db", {.busy_timeout = 25h});
   CHECK(r.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(::access("/tmp/never-created.db", F_OK) != 0);
@@ -280,20 +286,110 @@ TEST_CASE("a file that is not a database, or a corrupted keel file: a clear erro
     REQUIRE(bytes.size() > 4 * 4096);
     for (std::size_t i = 4096; i < bytes.size(); ++i) bytes[i] = static_cast<char>(0xA5 ^ (i & 0xff));
     keel_durable::write_file(db, bytes);
+    // The header and schema are intact: only the integrity check sees it.
     auto opened = store_t::open(db, {}, clock);
-    if (opened.ok()) {
-      // The header and schema are intact; the damage shows at the first read.
-      auto b = (*opened)->begin({"t", "e", "key-7"}, receipt("key-7"), keel::owner_id::random(), bo);
-      CHECK(b.status().code() == absl::StatusCode::kDataLoss);
-      CHECK(contains(b.status().message(), db));
-      auto l = (*opened)->claim("nightly", keel::owner_id::random(), 30s);
-      CHECK_FALSE(l.ok());
-      opened->reset();
-    } else {
-      CHECK(opened.status().code() == absl::StatusCode::kDataLoss);
-    }
+    CHECK(opened.status().code() == absl::StatusCode::kDataLoss);
+    CHECK(contains(opened.status().message(), db));
     CHECK(keel_durable::read_file(db) == bytes);
   }
+}
+
+namespace {
+
+// A keel file with 200 decisions, a lease and a result, closed (so
+// checkpointed into the main file); returns its page size.
+std::size_t write_store(const std::string& db, const manual_clock& clock) {
+  auto store = keel_durable::open_sqlite(db, clock);
+  for (int i = 0; i < 200; ++i) {
+    const std::string key = "key-" + std::to_string(i);
+    auto c = store->begin({"t", "e", key}, receipt(key), keel::owner_id::random(), bo);
+    REQUIRE(c.ok());
+    REQUIRE(store->commit({"t", "e", key}, c->ownership, keel::decision{.id = "d", .result = std::string(300, 'r')}, 2h)
+                .ok());
+  }
+  REQUIRE(store->claim("nightly", keel::owner_id::random(), 30s).ok());
+  REQUIRE(store->save_result("panel", "v", 1h).ok());
+  const std::string header = keel_durable::read_file(db).substr(0, 100);
+  const std::size_t page = (static_cast<unsigned char>(header[16]) << 8) | static_cast<unsigned char>(header[17]);
+  return page == 1 ? 65536 : page;
+}
+
+// Overwrites the page in the middle of the file with garbage, in place.
+void damage_middle_page(const std::string& db, std::size_t page) {
+  const std::size_t pages = std::filesystem::file_size(db) / page;
+  REQUIRE(pages >= 8);
+  std::string garbage(page, '\0');
+  for (std::size_t i = 0; i < garbage.size(); ++i) garbage[i] = static_cast<char>((i * 7919 + 13) % 251);
+  const int fd = ::open(db.c_str(), O_WRONLY);
+  REQUIRE(fd >= 0);
+  const auto at = static_cast<off_t>(pages / 2 * page);
+  const ssize_t n = ::pwrite(fd, garbage.data(), garbage.size(), at);
+  ::close(fd);
+  REQUIRE(n == static_cast<ssize_t>(garbage.size()));
+}
+
+}  // namespace
+
+TEST_CASE("a store file with a damaged page is refused when it opens, naming the file, and left byte for byte",
+          "[sqlite][errors][integrity]") {
+  keel_durable::temp_dir dir;
+  manual_clock clock;
+  const std::string db = dir.file("keel.db");
+  damage_middle_page(db, write_store(db, clock));
+  const std::string before = keel_durable::read_file(db);
+  bool wrote = false;  // only the check-off section writes (and then may change the file)
+  SECTION("quick_check, the default") {
+    auto r = store_t::open(db, {}, clock);
+    INFO(r.status().ToString());
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.status().code() == absl::StatusCode::kDataLoss);
+    CHECK(contains(r.status().message(), absl::StrCat("sqlite store '", db, "' is damaged: PRAGMA quick_check found: ")));
+    CHECK(contains(r.status().message(), "refuses to open it and has not changed it"));
+    // Permanent: nothing retries an open of a damaged file.
+    CHECK(keel::default_classifier{}(r.status(), {.effect = keel::effect::read}) == keel::outcome_kind::permanent);
+    CHECK(keel::default_classifier{}(r.status(), {.effect = keel::effect::write}) == keel::outcome_kind::permanent);
+  }
+  SECTION("integrity_check, when asked for") {
+    auto r = store_t::open(db, {.integrity_check = keel::sqlite_integrity_check::full}, clock);
+    INFO(r.status().ToString());
+    CHECK(r.status().code() == absl::StatusCode::kDataLoss);
+    CHECK(contains(r.status().message(), "PRAGMA integrity_check found: "));
+  }
+  SECTION("opening again: refused again, never recreated") {
+    CHECK(store_t::open(db, {}, clock).status().code() == absl::StatusCode::kDataLoss);
+    CHECK(store_t::open(db, {.create = false}, clock).status().code() == absl::StatusCode::kDataLoss);
+  }
+  SECTION("the check off: it opens, and the damage shows at the first read of that page") {
+    auto r = store_t::open(db, {.integrity_check = keel::sqlite_integrity_check::off}, clock);
+    REQUIRE(r.ok());
+    bool any_data_loss = false;
+    for (int i = 0; i < 200 && !any_data_loss; ++i) {
+      const std::string key = "key-" + std::to_string(i);
+      auto b = (*r)->begin({"t", "e", key}, receipt(key), keel::owner_id::random(), bo);
+      any_data_loss = b.status().code() == absl::StatusCode::kDataLoss;
+    }
+    CHECK(any_data_loss);
+    wrote = true;
+  }
+  if (!wrote) CHECK(keel_durable::read_file(db) == before);
+}
+
+TEST_CASE("the integrity check has a time limit: past it the file is refused unverified, and left untouched",
+          "[sqlite][errors][integrity]") {
+  keel_durable::temp_dir dir;
+  manual_clock clock;
+  const std::string db = dir.file("keel.db");
+  (void)write_store(db, clock);
+  const std::string before = keel_durable::read_file(db);
+  auto r = store_t::open(db, {.integrity_check_timeout = 1ns}, clock);
+  INFO(r.status().ToString());
+  CHECK(r.status().code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(contains(r.status().message(), db));
+  CHECK(contains(r.status().message(), "PRAGMA quick_check did not finish within 1ns"));
+  CHECK(keel_durable::read_file(db) == before);
+  // A healthy file passes the default check.
+  CHECK(store_t::open(db, {}, clock).ok());
+  CHECK(store_t::open(db, {.integrity_check = keel::sqlite_integrity_check::full}, clock).ok());
 }
 
 TEST_CASE("a keel file of another schema version, or with a damaged schema, is refused untouched",

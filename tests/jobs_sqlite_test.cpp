@@ -287,3 +287,35 @@ TEST_CASE("sqlite: job tables of another version, a damaged set or a foreign fil
     CHECK(std::string(s.status().message()).find("another application's database") != std::string::npos);
   }
 }
+
+TEST_CASE("sqlite: a job file with a damaged page is refused when it opens, naming the file, and left untouched",
+          "[jobs][sqlite][errors][integrity]") {
+  keel_durable::temp_dir dir;
+  const std::string db = dir.file("jobs.db");
+  {
+    auto s = keel::sqlite_job_store<>::open(db);
+    REQUIRE(s.ok());
+    keel::job_queue q(**s, {.queue = "q", .max_depth = 1000});
+    for (int i = 0; i < 300; ++i) REQUIRE(q.submit("acme", "k" + std::to_string(i), std::string(400, 'p')).ok());
+  }
+  const std::string header = keel_durable::read_file(db).substr(0, 100);
+  const std::size_t page = (static_cast<unsigned char>(header[16]) << 8) | static_cast<unsigned char>(header[17]);
+  const std::size_t pages = keel_durable::read_file(db).size() / page;
+  REQUIRE(pages >= 8);
+  std::string garbage(page, '\0');
+  for (std::size_t i = 0; i < garbage.size(); ++i) garbage[i] = static_cast<char>((i * 7919 + 13) % 251);
+  const int fd = ::open(db.c_str(), O_WRONLY);
+  REQUIRE(fd >= 0);
+  const ssize_t n = ::pwrite(fd, garbage.data(), garbage.size(), static_cast<off_t>(pages / 2 * page));
+  ::close(fd);
+  REQUIRE(n == static_cast<ssize_t>(page));
+  const std::string before = keel_durable::read_file(db);
+
+  auto s = keel::sqlite_job_store<>::open(db);
+  INFO(s.status().ToString());
+  REQUIRE_FALSE(s.ok());
+  CHECK(s.status().code() == absl::StatusCode::kDataLoss);
+  const std::string message(s.status().message());
+  CHECK(message.find("sqlite store '" + db + "' is damaged: PRAGMA quick_check found: ") != std::string::npos);
+  CHECK(keel_durable::read_file(db) == before);
+}

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+#include <sqlite3.h>
 
 #include "gateway_core.hpp"
 #include "keel/store/sqlite_jobs.hpp"
@@ -301,4 +302,51 @@ TEST_CASE("invalid gateway options are refused, naming the field and the rule", 
 
   const gateway::fault bad{.kind = gateway::fault_kind::slowdown, .factor = 0.5};
   CHECK(bad.validate().message() == "fault.factor must be in [1, 1000] (got 0.5)");
+}
+
+TEST_CASE("a job store that cannot answer its counts shows in /healthz and /metrics, not as ok",
+          "[service][health]") {
+  temp_dir dir;
+  kt::manual_clock clock;
+  auto core = open_core(seed_options(dir.path()), clock);
+  const json before = parse(core->health());
+  CHECK(before["status"] == "ok");
+  CHECK(before["batch_queue"]["queued"] == 0);
+  CHECK(core->metrics().body.find("gateway_batch_queue_readable 1") != std::string::npos);
+
+  // Someone renames the job table under the running gateway: counts fail.
+  sqlite3* db = nullptr;
+  REQUIRE(sqlite3_open(dir.file("jobs.db").c_str(), &db) == SQLITE_OK);
+  const int rc = sqlite3_exec(db, "ALTER TABLE keel_job RENAME TO keel_job_moved", nullptr, nullptr, nullptr);
+  sqlite3_close(db);
+  REQUIRE(rc == SQLITE_OK);
+  REQUIRE_FALSE(core->queue().counts().ok());
+
+  const json after = parse(core->health());
+  CHECK(after["status"] == "degraded");
+  REQUIRE(after["batch_queue"].contains("error"));
+  CHECK(after["batch_queue"]["error"].get<std::string>().find(dir.file("jobs.db")) != std::string::npos);
+  CHECK(core->metrics().body.find("gateway_batch_queue_readable 0") != std::string::npos);
+}
+
+TEST_CASE("a tenant refused because the quota table is full of other tenants' keys: 503, and it counts in the SLO",
+          "[service][quota]") {
+  temp_dir dir;
+  kt::manual_clock clock;  // never moved: every made-up tenant's rate token stays spent
+  gateway::gateway_options o = seed_options(dir.path());
+  o.batch_max_depth = 20'000;
+  auto core = open_core(o, clock);
+  auto submit = [&](const std::string& tenant) {
+    return core->batch_submit(json{{"tenant", tenant}, {"learner", "l-1"}, {"sessions", {"s"}}}.dump(),
+                              "k-" + tenant);
+  };
+  // One client invents 10,000 tenant names (the table's size), one job each.
+  for (int i = 0; i < 10'000; ++i) REQUIRE(submit("made-up-" + std::to_string(i)).status == 202);
+  const gateway::reply r = submit("acme");
+  const json error = parse(r)["error"];
+  CHECK(r.status == 503);  // the service's limit, not acme's own quota
+  CHECK(error["refused_by"] == "tenant:acme:table_full");
+  CHECK(error.contains("retry_after_ms"));
+  const keel::slo_report batch = core->slos().find("batch")->report(clock.now());
+  CHECK(batch.in_window.rejected == 1);
 }

@@ -147,14 +147,17 @@ using json = nlohmann::json;
 
 // The HTTP status for a failure. A tenant over its own quota is told 429;
 // the service's own limits (bulkheads, shedding, the queue, a model's
-// capacity, the provider) answer 503: the client did nothing wrong.
+// capacity, a quota table full of other tenants, the provider) answer 503:
+// the client did nothing wrong.
 [[nodiscard]] inline int http_status(const absl::Status& s) {
   if (keel::is_conflict(s) || keel::is_in_flight(s)) return 409;
   const std::optional<std::string> by = keel::refused_by(s);
+  // A quota table full of other tenants' keys is not the tenant's own quota.
+  const bool own_quota = by && by->starts_with("tenant:") && !by->ends_with(":table_full");
   if (by && keel::not_started(s) && s.code() != absl::StatusCode::kInvalidArgument) {
     // Refused before any work by a named limit: the tenant's own quota, or
     // the service's (a bulkhead queue that timed out included).
-    return by->starts_with("tenant:") ? 429 : 503;
+    return own_quota ? 429 : 503;
   }
   switch (s.code()) {
     case absl::StatusCode::kInvalidArgument:
@@ -163,7 +166,7 @@ using json = nlohmann::json;
     case absl::StatusCode::kAlreadyExists: return 409;
     case absl::StatusCode::kPermissionDenied: return 403;
     case absl::StatusCode::kUnauthenticated: return 401;
-    case absl::StatusCode::kResourceExhausted: return by && by->starts_with("tenant:") ? 429 : 503;
+    case absl::StatusCode::kResourceExhausted: return own_quota ? 429 : 503;
     case absl::StatusCode::kDeadlineExceeded: return 504;
     case absl::StatusCode::kUnavailable:
     case absl::StatusCode::kCancelled:
@@ -358,10 +361,7 @@ class gateway_core {
     keel::admission::refusal_reason why;
     keel::admission_ticket ticket =
         quotas_.try_admit({.tenant = rq.tenant, .model = rq.model, .estimate = model.config.token_estimate}, t0, why);
-    if (!ticket) {
-      return rejected(work_class::interactive, why.level == "tenant" ? "tenant_quota" : "model_quota",
-                      keel::admission::refusal(why), t0, /*counts_in_slo=*/why.level != "tenant");
-    }
+    if (!ticket) return quota_refusal(work_class::interactive, why, t0);
 
     progress p;
     const keel::request_identity id{.tenant = rq.tenant, .endpoint = "feedback", .key = rq.key};
@@ -435,10 +435,7 @@ class gateway_core {
     // later, by a worker.
     keel::admission::refusal_reason why;
     keel::admission_ticket ticket = quotas_.try_admit({.tenant = rq.tenant, .model = rq.model}, t0, why);
-    if (!ticket) {
-      return rejected(work_class::batch, why.level == "tenant" ? "tenant_quota" : "model_quota",
-                      keel::admission::refusal(why), t0, why.level != "tenant");
-    }
+    if (!ticket) return quota_refusal(work_class::batch, why, t0);
     absl::StatusOr<keel::job_submission> s = queue_.submit(rq.tenant, rq.key, rq.payload);
     if (!s.ok()) {
       if (keel::is_job_queue_full(s.status())) return rejected(work_class::batch, "job_queue", s.status(), t0);
@@ -589,15 +586,21 @@ class gateway_core {
         pools[std::string(f.name)] = {{"capacity", f.capacity}, {"active", f.active}, {"queued", f.queued},
                                       {"rejected", f.rejected}, {"timed_out", f.timed_out}};
       }
+      // A job store that cannot be read is not "ok": say so, with its error.
+      detail::json batch_queue;
+      if (absl::StatusOr<keel::job_counts> c = queue_.counts(); c.ok()) {
+        batch_queue = {{"queued", c->queued}, {"running", c->running}, {"done", c->done},
+                       {"failed", c->failed}, {"expired", c->expired}, {"depth", c->depth}};
+      } else {
+        batch_queue = {{"error", c.status().ToString()}};
+        degraded = true;
+      }
       detail::json out = {{"status", degraded ? "degraded" : "ok"},
                           {"breakers", breakers},
                           {"shed", shed},
                           {"fault", std::string(to_string(provider_.current_fault().kind))},
-                          {"bulkheads", pools}};
-      if (absl::StatusOr<keel::job_counts> c = queue_.counts(); c.ok()) {
-        out["batch_queue"] = {{"queued", c->queued}, {"running", c->running}, {"done", c->done},
-                              {"failed", c->failed}, {"expired", c->expired}, {"depth", c->depth}};
-      }
+                          {"bulkheads", pools},
+                          {"batch_queue", batch_queue}};
       detail::json slos = detail::json::object();
       for (const keel::slo_report& s : slos_.report(now)) {
         slos[s.work_class] = {{"target", s.availability.target},
@@ -1019,6 +1022,14 @@ class gateway_core {
     return answered(w == work_class::batch ? "batch" : "feedback", detail::error_reply(s));
   }
 
+  // A tenant over its own quota is its own doing and stays out of the SLO; a
+  // model's quota, or a quota table full of other tenants' keys, is the service's.
+  reply quota_refusal(work_class w, const keel::admission::refusal_reason& why, keel::time_point t0) {
+    const bool table_full = why.limit == keel::quota_limit::table_full;
+    return rejected(w, table_full ? "quota_table_full" : why.level == "tenant" ? "tenant_quota" : "model_quota",
+                    keel::admission::refusal(why), t0, /*counts_in_slo=*/table_full || why.level != "tenant");
+  }
+
   void record_slo(work_class w, keel::request_outcome o, keel::duration took, keel::time_point now) {
     if (keel::work_class_slo* s = slos_.find(work_class_names[idx(w)])) s->record(o, took, now);
     if (w == work_class::interactive) full_answers_->record(o, took, now);
@@ -1102,7 +1113,11 @@ class gateway_core {
                              .value = shed_[idx(w)].load(std::memory_order_relaxed) ? 1.0 : 0.0});
     }
     keel::metric_family_snapshot jobs = gauge("gateway_batch_jobs", "Batch jobs in the queue by state.", {"state"});
-    if (absl::StatusOr<keel::job_counts> c = queue_.counts(); c.ok()) {
+    keel::metric_family_snapshot readable =
+        gauge("gateway_batch_queue_readable", "1 when the job store answered the queue's counts, 0 on an error.", {});
+    const absl::StatusOr<keel::job_counts> c = queue_.counts();
+    readable.series.push_back({.labels = {}, .value = c.ok() ? 1.0 : 0.0});
+    if (c.ok()) {
       const std::pair<const char*, std::int64_t> states[] = {
           {"queued", c->queued}, {"running", c->running}, {"done", c->done}, {"failed", c->failed},
           {"expired", c->expired}};
@@ -1114,7 +1129,7 @@ class gateway_core {
     budget.series.push_back({.labels = {"requests"}, .value = static_cast<double>(b.requests)});
     budget.series.push_back({.labels = {"retries"}, .value = static_cast<double>(b.retries)});
     budget.series.push_back({.labels = {"allowed"}, .value = static_cast<double>(b.allowed)});
-    for (auto* f : {&active, &queued, &refused, &breaker, &calls, &abandoned, &shed, &jobs, &budget}) {
+    for (auto* f : {&active, &queued, &refused, &breaker, &calls, &abandoned, &shed, &jobs, &readable, &budget}) {
       s.families.push_back(std::move(*f));
     }
   }

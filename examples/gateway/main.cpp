@@ -150,6 +150,7 @@ int main(int argc, char** argv) {
     keel::time_point at{};
     keel::slo_report interactive, full_answers, batch;
     keel::job_counts jobs;
+    std::string jobs_error;  // the job store's error, when its counts could not be read
   };
   std::vector<snapshot> ends;
   const keel::time_point t0 = keel::real_clock{}.now();
@@ -159,7 +160,11 @@ int main(int argc, char** argv) {
     s.interactive = core.slos().find("interactive")->report(s.at);
     s.full_answers = core.slos().find("interactive-full-answers")->report(s.at);
     s.batch = core.slos().find("batch")->report(s.at);
-    if (absl::StatusOr<keel::job_counts> c = core.queue().counts(); c.ok()) s.jobs = *c;
+    if (absl::StatusOr<keel::job_counts> c = core.queue().counts(); c.ok()) {
+      s.jobs = *c;
+    } else {
+      s.jobs_error = c.status().ToString();
+    }
     ends.push_back(std::move(s));
   };
   auto fault = [&](const char* body, const char* what) {
@@ -188,7 +193,7 @@ int main(int argc, char** argv) {
   // Let the workers finish what the recovery left queued, briefly.
   for (int i = 0; i < 30; ++i) {
     absl::StatusOr<keel::job_counts> c = core.queue().counts();
-    if (!c.ok() || c->queued + c->running == 0) break;
+    if (!c.ok() || c->queued + c->running == 0) break;  // an error is printed with final_jobs
     std::this_thread::sleep_for(100ms);
   }
   const absl::StatusOr<keel::job_counts> final_jobs = core.queue().counts();
@@ -218,6 +223,7 @@ int main(int argc, char** argv) {
     std::printf("%-9s %-11s jobs done %lld, waiting %lld, running %lld", "", "",
                 static_cast<long long>(ends[p].jobs.done - done_before), static_cast<long long>(ends[p].jobs.queued),
                 static_cast<long long>(ends[p].jobs.running));
+    if (!ends[p].jobs_error.empty()) std::printf(" (job counts unreadable: %s)", ends[p].jobs_error.c_str());
     std::lock_guard lock(log.mu);
     const keel::time_point from = p == 0 ? t0 : ends[p - 1].at;
     for (const auto& [at, what] : log.events) {
@@ -225,12 +231,16 @@ int main(int argc, char** argv) {
     }
     std::printf("\n");
   }
-  std::printf("\nbatch after the run: %lld done, %lld failed, %lld still queued; the provider abandoned %lld "
-              "timed-out attempts\n",
-              final_jobs.ok() ? static_cast<long long>(final_jobs->done) : -1LL,
-              final_jobs.ok() ? static_cast<long long>(final_jobs->failed) : -1LL,
-              final_jobs.ok() ? static_cast<long long>(final_jobs->queued + final_jobs->running) : -1LL,
-              static_cast<long long>(pf.abandoned));
+  if (final_jobs.ok()) {
+    std::printf("\nbatch after the run: %lld done, %lld failed, %lld still queued; the provider abandoned %lld "
+                "timed-out attempts\n",
+                static_cast<long long>(final_jobs->done), static_cast<long long>(final_jobs->failed),
+                static_cast<long long>(final_jobs->queued + final_jobs->running), static_cast<long long>(pf.abandoned));
+  } else {
+    std::printf("\nbatch after the run: the job store's counts could not be read: %s; the provider abandoned %lld "
+                "timed-out attempts\n",
+                final_jobs.status().ToString().c_str(), static_cast<long long>(pf.abandoned));
+  }
   std::printf(
       "\nwhat to read: interactive p99 stays under the %lld ms deadline in every phase. The slowdown and the\n"
       "outage turn full answers into degraded ones (rubric feedback, marked degraded, not recorded) instead of\n"

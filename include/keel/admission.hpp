@@ -64,20 +64,37 @@
 // outside the fallback.
 //
 // Keys are bounded: each level keeps at most max_keys quotas besides its
-// configured overrides; beyond that, new keys share one overflow quota with
-// the level's defaults (stricter, never looser).
+// configured overrides. When the table is full, a new key reclaims the keys
+// that are idle — nothing in flight or queued and every bucket full again, so
+// forgetting them loses nothing: a returning tenant gets exactly the quota it
+// would have had. If none is idle (every key in use), the new key is refused
+// with limit table_full (refused-by "tenant:<key>:table_full", retry-after
+// when the first key will be idle), counted in table_full_refusals() and
+// reported to the listener like any refusal; it never shares another key's
+// quota. A level whose defaults set no limit keeps no keys besides its
+// overrides.
 //
-// Thread-safety: every operation may be called from any thread. Lookups and
-// admission are lock-free (a mutex is taken once per new key); a ticket may
-// be reconciled or released on any thread, once.
+// Thread-safety: every operation may be called from any thread. Lookups
+// and admission are lock-free once a key is in the table (a ticket pins its
+// key: one atomic add, one subtract on release); a new key takes the level's
+// mutex and allocates once, and when the table is full it is scanned for
+// idle keys at most once per retry-after. A ticket may be reconciled or
+// released on any thread, once.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <bit>
 #include <chrono>
+#include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <random>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -176,8 +193,9 @@ struct admission_options {
   }
 };
 
-// Which limit of a level refused.
-enum class quota_limit : std::uint8_t { rate, in_flight, queued, compute };
+// Which limit of a level refused. table_full: the level's table of keys is
+// full of keys in use, so a new key could not get its own quota.
+enum class quota_limit : std::uint8_t { rate, in_flight, queued, compute, table_full };
 
 [[nodiscard]] constexpr std::string_view to_string(quota_limit l) noexcept {
   switch (l) {
@@ -185,6 +203,7 @@ enum class quota_limit : std::uint8_t { rate, in_flight, queued, compute };
     case quota_limit::in_flight: return "in_flight";
     case quota_limit::queued: return "queued";
     case quota_limit::compute: return "compute";
+    case quota_limit::table_full: return "table_full";
   }
   return "unknown";
 }
@@ -214,8 +233,12 @@ namespace detail {
 // One key's limits and state.
 class quota {
  public:
-  quota(std::string k, const quota_limits& l)
-      : max_in_flight(l.max_in_flight.value_or(0)), max_queued(l.max_queued.value_or(0)), key(std::move(k)) {
+  // `pin_count`: the entry's pins when the key may be reclaimed, else null.
+  quota(std::string k, const quota_limits& l, std::atomic<std::int64_t>* pin_count = nullptr)
+      : max_in_flight(l.max_in_flight.value_or(0)),
+        max_queued(l.max_queued.value_or(0)),
+        pins(pin_count),
+        key(std::move(k)) {
     if (l.rate) rate.emplace(rate_limiter_options{.rate = *l.rate, .burst = l.burst.value_or(std::max(1.0, *l.rate))});
     if (l.compute_budget) {
       const double budget = static_cast<double>(*l.compute_budget);
@@ -242,11 +265,33 @@ class quota {
     }
   }
 
+  // A key from traffic is pinned by each lookup and ticket using it; it is
+  // reclaimed only unpinned. Configured overrides are never reclaimed.
+  void unpin() noexcept {
+    if (pins != nullptr) pins->fetch_sub(1, std::memory_order_release);
+  }
+
+  // How long until this quota is as a new one would be (zero: now), given
+  // nothing holds it: every bucket full again.
+  [[nodiscard]] duration until_fresh(time_point now) const noexcept {
+    std::int64_t ns = 0;
+    for (const std::optional<rate_limiter>* b : {&rate, &compute}) {
+      if (!*b) continue;
+      const rate_limiter_options& o = (*b)->options();
+      const double interval_ns = std::chrono::duration<double, std::nano>(o.per).count() / o.rate;
+      const double missing_ns = (o.burst - (*b)->available(now)) * interval_ns;
+      // Under a microsecond short is full: the rounding of the bucket's depth.
+      if (missing_ns >= 1000.0) ns = std::max(ns, static_cast<std::int64_t>(missing_ns));
+    }
+    return std::chrono::duration_cast<duration>(std::chrono::nanoseconds(ns));
+  }
+
   // Hot fields first, so an admission touches as few cache lines as it can.
   std::atomic<int> in_flight{0};
   std::atomic<int> queued{0};
   int max_in_flight;
   int max_queued;
+  std::atomic<std::int64_t>* pins;
   std::optional<rate_limiter> rate;
   std::optional<rate_limiter> compute;
   std::int64_t compute_budget = 0;
@@ -336,6 +381,9 @@ class admission_ticket {
     }
     if (tenant_ != nullptr && holds_slot_) tenant_->give(queued_);
     if (model_ != nullptr && holds_slot_) model_->give(queued_);
+    // Last: after this the key may be reclaimed.
+    if (tenant_ != nullptr) tenant_->unpin();
+    if (model_ != nullptr) model_->unpin();
   }
 
   void take(admission_ticket& o) noexcept {
@@ -367,8 +415,8 @@ class admission {
   // Throws keel::invalid_options if `o` is invalid.
   explicit admission(admission_options o)
       : options_((detail::require_valid(o.validate()), std::move(o))),
-        tenants_("tenant", options_.tenant_defaults, options_.tenants, options_.max_keys),
-        models_("model", options_.model_defaults, options_.models, options_.max_keys) {}
+        tenants_("tenant", options_.tenant_defaults, options_.tenants, options_),
+        models_("model", options_.model_defaults, options_.models, options_) {}
   admission(const admission&) = delete;
   admission& operator=(const admission&) = delete;
 
@@ -377,7 +425,7 @@ class admission {
   // Why a request was refused.
   struct refusal_reason {
     std::string_view level;  // "tenant" or "model"
-    std::string_view key;
+    std::string_view key;    // views the request's tenant or model
     quota_limit limit = quota_limit::rate;
     std::optional<duration> retry_after;
     bool never = false;      // the estimate exceeds the whole compute budget
@@ -392,27 +440,38 @@ class admission {
   }
 
   // The same, without building a status: on refusal the ticket is empty and
-  // `why` says which limit refused. Lock-free once both keys exist.
+  // `why` says which limit refused. Allocates only for a key not seen before.
   [[nodiscard]] admission_ticket try_admit(const admission_request& r, time_point now, refusal_reason& why) {
     const bool fresh = r.kind == request_kind::fresh;
-    detail::quota* t = tenants_.active ? &tenants_.get(r.tenant) : nullptr;
-    detail::quota* m = fresh && models_.active ? &models_.get(r.model) : nullptr;
     const bool queued = fresh && r.queued;
     const std::int64_t estimate = fresh ? std::max<std::int64_t>(0, r.estimate) : 0;
+    detail::quota* t = nullptr;
+    detail::quota* m = nullptr;
 
     // Each step either takes its reservation or undoes all earlier ones.
-    auto refuse = [&](const level& lv, std::string_view key, quota_limit limit, std::optional<duration> after,
-                      bool never = false) {
-      why = {lv.name, key, limit, after, never};
+    auto refuse = [&](const level& lv, quota_limit limit, std::optional<duration> after, bool never = false) {
+      why = {lv.name, &lv == &tenants_ ? r.tenant : r.model, limit, after, never};
+      if (t != nullptr) t->unpin();
+      if (m != nullptr) m->unpin();
       return admission_ticket();
     };
+    if (tenants_.active) {
+      duration full{};
+      t = tenants_.acquire(r.tenant, now, full);
+      if (full > duration::zero()) return refuse(tenants_, quota_limit::table_full, full);
+    }
+    if (fresh && models_.active) {
+      duration full{};
+      m = models_.acquire(r.model, now, full);
+      if (full > duration::zero()) return refuse(models_, quota_limit::table_full, full);
+    }
     if (t != nullptr && t->rate) {
-      if (rate_decision d = t->rate->try_acquire(now); !d) return refuse(tenants_, t->key, quota_limit::rate, d.retry_after);
+      if (rate_decision d = t->rate->try_acquire(now); !d) return refuse(tenants_, quota_limit::rate, d.retry_after);
     }
     if (m != nullptr && m->rate) {
       if (rate_decision d = m->rate->try_acquire(now); !d) {
         if (t != nullptr && t->rate) t->rate->refund();
-        return refuse(models_, m->key, quota_limit::rate, d.retry_after);
+        return refuse(models_, quota_limit::rate, d.retry_after);
       }
     }
     auto undo_rates = [&] {
@@ -423,12 +482,12 @@ class admission {
     if (fresh) {
       if (t != nullptr && !t->take(queued)) {
         undo_rates();
-        return refuse(tenants_, t->key, slot, options_.busy_retry_after);
+        return refuse(tenants_, slot, options_.busy_retry_after);
       }
       if (m != nullptr && !m->take(queued)) {
         undo_rates();
         if (t != nullptr) t->give(queued);
-        return refuse(models_, m->key, slot, options_.busy_retry_after);
+        return refuse(models_, slot, options_.busy_retry_after);
       }
     }
     auto undo_slots = [&] {
@@ -441,14 +500,13 @@ class admission {
         detail::quota* q = i == 0 ? t : m;
         if (q == nullptr || !q->compute) continue;
         const level& lv = i == 0 ? tenants_ : models_;
-        const std::string_view key = q->key;
         const bool never = estimate > q->compute_budget;
         rate_decision d = never ? rate_decision{} : q->compute->try_acquire(now, static_cast<double>(estimate));
         if (!d) {
           if (i == 1 && t != nullptr && t->compute) t->compute->refund(static_cast<double>(estimate));
           undo_slots();
           undo_rates();
-          return refuse(lv, key, quota_limit::compute, never ? std::nullopt : std::optional(d.retry_after), never);
+          return refuse(lv, quota_limit::compute, never ? std::nullopt : std::optional(d.retry_after), never);
         }
       }
     }
@@ -478,16 +536,23 @@ class admission {
     return why.never ? with_outcome(std::move(s), outcome_kind::permanent) : s;
   }
 
-  // Usage of one tenant / model, if it has been seen (overrides always are).
-  [[nodiscard]] std::optional<quota_usage> tenant_usage(std::string_view key, time_point now) const noexcept {
-    return usage(tenants_, key, now);
+  // Usage of one tenant / model, if it is in the table (overrides always are).
+  [[nodiscard]] std::optional<quota_usage> tenant_usage(std::string_view key, time_point now) const {
+    return tenants_.usage(key, now);
   }
-  [[nodiscard]] std::optional<quota_usage> model_usage(std::string_view key, time_point now) const noexcept {
-    return usage(models_, key, now);
+  [[nodiscard]] std::optional<quota_usage> model_usage(std::string_view key, time_point now) const {
+    return models_.usage(key, now);
   }
-  // Lookups that got a level's overflow quota because it was full.
-  [[nodiscard]] std::int64_t overflowed() const noexcept {
-    return tenants_.overflowed.load(std::memory_order_relaxed) + models_.overflowed.load(std::memory_order_relaxed);
+  // Keys each level holds besides its overrides (at most max_keys).
+  [[nodiscard]] std::int64_t tenant_keys() const noexcept { return tenants_.size.load(std::memory_order_relaxed); }
+  [[nodiscard]] std::int64_t model_keys() const noexcept { return models_.size.load(std::memory_order_relaxed); }
+  // Requests refused with table_full, at either level.
+  [[nodiscard]] std::int64_t table_full_refusals() const noexcept {
+    return tenants_.refused.load(std::memory_order_relaxed) + models_.refused.load(std::memory_order_relaxed);
+  }
+  // Idle keys forgotten to make room for new ones, at either level.
+  [[nodiscard]] std::int64_t keys_reclaimed() const noexcept {
+    return tenants_.reclaimed.load(std::memory_order_relaxed) + models_.reclaimed.load(std::memory_order_relaxed);
   }
 
   // A policy reserving estimator(call) compute units per call.
@@ -534,54 +599,214 @@ class admission {
 
   struct level {
     level(std::string_view n, const quota_limits& d, const std::vector<std::pair<std::string, quota_limits>>& overrides,
-          int max_keys)
+          const admission_options& o)
         : name(n),
           defaults(d),
-          active(d.any() || std::any_of(overrides.begin(), overrides.end(), [](const auto& o) { return o.second.any(); })),
-          table(static_cast<std::size_t>(max_keys) + overrides.size()),
-          overflow("(overflow)", d) {
+          limited(d.any()),
+          active(d.any() || std::any_of(overrides.begin(), overrides.end(), [](const auto& e) { return e.second.any(); })),
+          max_keys(o.max_keys),
+          busy_retry_after(o.busy_retry_after),
+          fixed(overrides.size()),
+          // Chains of one entry or so: at most max_keys keys in 2 * max_keys
+          // buckets (one, for a level that keeps no keys).
+          mask(d.any() ? std::bit_ceil(static_cast<std::size_t>(o.max_keys) * 2) - 1 : 0),
+          buckets(std::make_unique<std::atomic<entry*>[]>(mask + 1)) {
       for (const auto& entry : overrides) {
         const std::string& key = entry.first;
         const quota_limits& limits = entry.second;
-        (void)table.find_or_insert(
-            hash(key), [&](const std::string& k) { return detail::key_equals(k, key); }, [&] { return key; },
-            [&] { return detail::quota(key, limits); });
+        (void)fixed.find_or_insert(
+            detail::key_hash(key, seed), [&](const std::string& k) { return detail::key_equals(k, key); },
+            [&] { return key; }, [&] { return detail::quota(key, limits); });
       }
     }
 
-    detail::quota& get(std::string_view key) {
-      const std::size_t h = hash(key);
-      auto matches = [&](const std::string& k) { return detail::key_equals(k, key); };
-      if (detail::quota* q = table.find(h, matches)) return *q;
-      detail::quota* q = table.find_or_insert(
-          h, matches, [&] { return std::string(key); }, [&] { return detail::quota(std::string(key), defaults); });
-      if (q != nullptr) return *q;
-      overflowed.fetch_add(1, std::memory_order_relaxed);
-      return overflow;
+    // The quota of `key`, pinned until unpin() when reclaimable; null when
+    // the level has no limit for it, or when the table is full of keys in
+    // use (then `full` is the retry-after hint, > 0).
+    detail::quota* acquire(std::string_view key, time_point now, duration& full) {
+      const std::size_t h = detail::key_hash(key, seed);  // one hash for both tables
+      if (detail::quota* q = override_of(key, h)) return q;
+      if (!limited) return nullptr;
+      if (detail::quota* q = find_pinned(key, h)) return q;
+      return insert(key, h, now, full);
     }
 
-    static std::size_t hash(std::string_view key) noexcept { return detail::key_hash(key); }
+    [[nodiscard]] std::optional<quota_usage> usage(std::string_view key, time_point now) const {
+      const std::size_t h = detail::key_hash(key, seed);
+      if (const detail::quota* q = override_of(key, h)) return usage_of(*q, now);
+      if (!limited) return std::nullopt;
+      std::lock_guard lock(mu);  // no key is reclaimed while we read it
+      const entry* e = chain_find(key, h);
+      if (e == nullptr) return std::nullopt;
+      return usage_of(*e->q, now);
+    }
 
     std::string_view name;
     quota_limits defaults;
+    bool limited;  // the defaults limit something: keys besides the overrides are kept
     bool active;
-    detail::keyed_table<std::string, detail::quota> table;
-    detail::quota overflow;
-    std::atomic<std::int64_t> overflowed{0};
-  };
+    int max_keys;
+    duration busy_retry_after;
+    std::atomic<std::int64_t> size{0};
+    std::atomic<std::int64_t> refused{0};
+    std::atomic<std::int64_t> reclaimed{0};
 
-  [[nodiscard]] static std::optional<quota_usage> usage(const level& lv, std::string_view key,
-                                                        time_point now) noexcept {
-    const detail::quota* q =
-        lv.table.find(level::hash(key), [&](const std::string& k) { return detail::key_equals(k, key); });
-    if (q == nullptr) return std::nullopt;
-    quota_usage u;
-    u.in_flight = q->in_flight.load(std::memory_order_acquire);
-    u.queued = q->queued.load(std::memory_order_acquire);
-    if (q->rate) u.rate_available = q->rate->available(now);
-    if (q->compute) u.compute_available = q->compute->available(now);
-    return u;
-  }
+   private:
+    // Keys from traffic: a chained hash table whose lookups take no lock.
+    // An entry is never freed while the level lives, only reused: its pin
+    // count is negative (vacant) or counts the lookups and tickets holding
+    // it. A lookup pins before it reads the key; reclaiming turns a count of
+    // exactly zero vacant (one CAS, under `mu`), so a pinned entry is never
+    // reclaimed and a vacant one never read. Every change to the chains is
+    // under `mu`; a lookup that races one may miss and goes to insert(),
+    // which looks again under `mu`.
+    static constexpr std::int64_t vacant = INT64_MIN / 2;
+    struct entry {
+      std::atomic<std::int64_t> pins{vacant};
+      std::atomic<std::size_t> hash{0};
+      std::atomic<entry*> next{nullptr};
+      entry* next_free = nullptr;  // under mu
+      std::optional<detail::quota> q;  // engaged while live; written only while vacant
+    };
+
+    detail::quota* override_of(std::string_view key, std::size_t h) const noexcept {
+      if (fixed.size() == 0) return nullptr;
+      return fixed.find(h, [&](const std::string& k) { return detail::key_equals(k, key); });
+    }
+
+    detail::quota* find_pinned(std::string_view key, std::size_t h) noexcept {
+      int steps = 0;  // a chain long by chance (or by a racing reuse): let insert() look
+      for (entry* e = buckets[h & mask].load(std::memory_order_acquire); e != nullptr && steps < 16;
+           e = e->next.load(std::memory_order_acquire), ++steps) {
+        if (e->hash.load(std::memory_order_relaxed) != h) continue;
+        if (e->pins.fetch_add(1, std::memory_order_acquire) < 0) {
+          e->pins.fetch_sub(1, std::memory_order_relaxed);
+          continue;
+        }
+        if (detail::key_equals(e->q->key, key)) return &*e->q;
+        e->pins.fetch_sub(1, std::memory_order_release);
+      }
+      return nullptr;
+    }
+
+    // Under mu: chains hold live entries only.
+    const entry* chain_find(std::string_view key, std::size_t h) const noexcept {
+      for (const entry* e = buckets[h & mask].load(std::memory_order_relaxed); e != nullptr;
+           e = e->next.load(std::memory_order_relaxed)) {
+        if (e->hash.load(std::memory_order_relaxed) == h && detail::key_equals(e->q->key, key)) return e;
+      }
+      return nullptr;
+    }
+
+    static quota_usage usage_of(const detail::quota& q, time_point now) noexcept {
+      quota_usage u;
+      u.in_flight = q.in_flight.load(std::memory_order_acquire);
+      u.queued = q.queued.load(std::memory_order_acquire);
+      if (q.rate) u.rate_available = q.rate->available(now);
+      if (q.compute) u.compute_available = q.compute->available(now);
+      return u;
+    }
+
+    // A key not found without the lock (allocates when new).
+    detail::quota* insert(std::string_view key, std::size_t h, time_point now, duration& full) {
+      std::lock_guard lock(mu);
+      if (const entry* found = chain_find(key, h)) {
+        auto* e = const_cast<entry*>(found);
+        e->pins.fetch_add(1, std::memory_order_relaxed);  // live: not reclaimable while we hold mu
+        return &*e->q;
+      }
+      entry* e = take_entry(now, full);
+      if (e == nullptr) {
+        refused.fetch_add(1, std::memory_order_relaxed);
+        return nullptr;
+      }
+      e->q.emplace(std::string(key), defaults, &e->pins);
+      e->hash.store(h, std::memory_order_relaxed);
+      std::atomic<entry*>& head = buckets[h & mask];
+      e->next.store(head.load(std::memory_order_relaxed), std::memory_order_relaxed);
+      // Live with our pin; the release publishes the quota and key to every
+      // lookup that pins it.
+      e->pins.fetch_add(1 - vacant, std::memory_order_release);
+      head.store(e, std::memory_order_release);
+      size.fetch_add(1, std::memory_order_relaxed);
+      return &*e->q;
+    }
+
+    // Under mu: a vacant entry, or null with the retry-after in `full`.
+    entry* take_entry(time_point now, duration& full) {
+      if (free_list == nullptr && entries.size() < static_cast<std::size_t>(max_keys)) {
+        entries.push_back(std::make_unique<entry>());
+        return entries.back().get();
+      }
+      if (free_list == nullptr) {
+        if (now < next_sweep) {  // swept lately and found every key in use
+          full = std::max(next_sweep - now, duration(1));
+          return nullptr;
+        }
+        const duration soonest = sweep(now);
+        if (free_list == nullptr) {
+          next_sweep = now + soonest;
+          full = soonest;
+          return nullptr;
+        }
+      }
+      entry* e = free_list;
+      free_list = e->next_free;
+      return e;
+    }
+
+    // Under mu: reclaims every unpinned key whose buckets are full again.
+    // Returns when to look again: when the first unpinned key will be idle,
+    // or busy_retry_after when some key only waits for its tickets.
+    duration sweep(time_point now) {
+      duration soonest = duration::max();
+      std::int64_t freed = 0;
+      for (std::size_t b = 0; b <= mask; ++b) {
+        std::atomic<entry*>* link = &buckets[b];
+        for (entry* e = link->load(std::memory_order_relaxed); e != nullptr;) {
+          entry* next = e->next.load(std::memory_order_relaxed);
+          std::int64_t expected = 0;
+          const duration wait =
+              e->pins.load(std::memory_order_relaxed) != 0 ? busy_retry_after : e->q->until_fresh(now);
+          bool take = wait == duration::zero() && e->pins.compare_exchange_strong(
+                                                      expected, vacant, std::memory_order_acquire,
+                                                      std::memory_order_relaxed);
+          if (take && e->q->until_fresh(now) != duration::zero()) {
+            // A ticket used and released it since we looked: it keeps its state.
+            e->pins.fetch_add(-vacant, std::memory_order_relaxed);
+            take = false;
+          }
+          if (take) {
+            // Unlinked, but its own next is left: a lookup standing on it
+            // walks on. Vacant, so no lookup reads its quota any more.
+            link->store(next, std::memory_order_release);
+            e->q.reset();
+            e->next_free = free_list;
+            free_list = e;
+            ++freed;
+          } else {
+            soonest = std::min(soonest, wait == duration::zero() ? busy_retry_after : wait);
+            link = &e->next;
+          }
+          e = next;
+        }
+      }
+      size.fetch_sub(freed, std::memory_order_relaxed);
+      reclaimed.fetch_add(freed, std::memory_order_relaxed);
+      return std::max(soonest == duration::max() ? busy_retry_after : soonest, duration(1));
+    }
+
+    // Names come from traffic, so they may be chosen to collide: the hash is
+    // seeded per level.
+    std::uint64_t seed = (std::uint64_t{std::random_device{}()} << 32) | std::random_device{}();
+    detail::keyed_table<std::string, detail::quota> fixed;  // the overrides: lock-free, never reclaimed
+    std::size_t mask;
+    std::unique_ptr<std::atomic<entry*>[]> buckets;
+    mutable std::mutex mu;                        // guards the chains, entries, free_list, next_sweep
+    std::vector<std::unique_ptr<entry>> entries;  // every entry ever made: at most max_keys
+    entry* free_list = nullptr;
+    time_point next_sweep{time_point::min()};
+  };
 
   admission_options options_;
   level tenants_;

@@ -24,7 +24,7 @@
 //   admission and bulkheads (keel/admission.hpp, keel/bulkhead.hpp): rejections
 //   with the limit that refused
 //     keel_admission_rejections_total{level,key,limit}   level tenant/model, key its
-//                                             name, limit rate/in_flight/queued/compute
+//                                             name, limit rate/in_flight/queued/compute/table_full
 //     keel_bulkhead_rejections_total{class,reason}        queue_full, queue_timeout,
 //                                             deadline, cancelled, unknown_class
 //   circuit breakers (keel/circuit_breaker.hpp)

@@ -1,6 +1,6 @@
 // keel/detail/keyed_table.hpp — an insert-only hash table with lock-free
 // lookups, for shared state kept per key (a breaker per failure domain, a
-// quota per tenant or model).
+// quota per configured tenant or model).
 //
 // Capacity is fixed at construction and entries live until the table is
 // destroyed: nothing is ever removed or moved, so a lookup is a few atomic

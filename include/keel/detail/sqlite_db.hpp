@@ -43,6 +43,13 @@ namespace keel {
 
 enum class sqlite_sync { normal, full };
 
+// What opening an existing keel file checks before keel uses it.
+//   quick  PRAGMA quick_check: every page and b-tree is read and checked
+//          (time linear in the file's size; not index contents)
+//   full   PRAGMA integrity_check: quick, plus that indexes match their tables
+//   off    nothing: damage shows up at the first read of a damaged page
+enum class sqlite_integrity_check { quick, full, off };
+
 struct sqlite_options {
   // PRAGMA synchronous: normal (fsync at checkpoints) or full (at every commit).
   sqlite_sync synchronous = sqlite_sync::normal;
@@ -53,10 +60,24 @@ struct sqlite_options {
   // A registered SQLite VFS to open the file with; empty: the default. (Tests
   // use a fault-injecting VFS to make commits fail.)
   std::string vfs{};
+  // The check run when an existing file is opened. A damaged file is refused
+  // (DataLoss, naming the file and what the check found) and never written.
+  sqlite_integrity_check integrity_check = sqlite_integrity_check::quick;
+  // The check's time limit, in (0, 24h]. A check that runs longer refuses the
+  // file unverified (DeadlineExceeded): raise it, or turn the check off, for a
+  // file that big (quick_check reads on the order of 1 GB/s).
+  duration integrity_check_timeout = std::chrono::seconds(30);
 
   [[nodiscard]] absl::Status validate() const {
     if (busy_timeout < duration::zero() || busy_timeout > std::chrono::hours(24))
       return detail::invalid_field("sqlite_options", "busy_timeout", "be in [0, 24h]", busy_timeout);
+    if (integrity_check != sqlite_integrity_check::quick && integrity_check != sqlite_integrity_check::full &&
+        integrity_check != sqlite_integrity_check::off)
+      return detail::invalid_field("sqlite_options", "integrity_check", "be quick, full or off",
+                                   static_cast<int>(integrity_check));
+    if (integrity_check_timeout <= duration::zero() || integrity_check_timeout > std::chrono::hours(24))
+      return detail::invalid_field("sqlite_options", "integrity_check_timeout", "be in (0, 24h]",
+                                   integrity_check_timeout);
     return absl::OkStatus();
   }
 };
@@ -230,6 +251,9 @@ class sqlite_db {
     // before a single byte of it is written.
     absl::StatusOr<file_kind> kind = inspect();
     if (!kind.ok()) return kind.status();
+    if (*kind == file_kind::keel) {
+      if (absl::Status s = check_integrity(); !s.ok()) return s;
+    }
     if (sqlite3_db_readonly(db_.get(), "main") == 1)
       return absl::PermissionDeniedError(absl::StrCat("keel: sqlite store '", path_,
                                                       "' can only be opened read-only; keel needs to write"));
@@ -356,6 +380,57 @@ class sqlite_db {
                                                           " is missing"));
     }
     return file_kind::keel;
+  }
+
+  // inspect() reads the header and the schema only: a damaged page further
+  // in would open cleanly and fail every request later. Read-only; interrupted
+  // at the time limit through the progress handler.
+  absl::Status check_integrity() {
+    if (options_.integrity_check == sqlite_integrity_check::off) return absl::OkStatus();
+    const bool full = options_.integrity_check == sqlite_integrity_check::full;
+    const std::string_view name = full ? "integrity_check" : "quick_check";
+    struct limit {
+      std::chrono::steady_clock::time_point deadline;
+      bool expired = false;
+    } lim{std::chrono::steady_clock::now() +
+          std::chrono::duration_cast<std::chrono::steady_clock::duration>(options_.integrity_check_timeout)};
+    sqlite3_progress_handler(
+        db_.get(), 16,
+        [](void* p) -> int {
+          auto* l = static_cast<limit*>(p);
+          l->expired = l->expired || std::chrono::steady_clock::now() >= l->deadline;
+          return l->expired ? 1 : 0;
+        },
+        &lim);
+    std::vector<std::string> found;  // at most 8 lines: the pragma's argument
+    int rc = SQLITE_OK;
+    {
+      detail::sqlite_stmt q;
+      rc = q.prepare(db_.get(), full ? "PRAGMA integrity_check(8)" : "PRAGMA quick_check(8)");
+      if (rc == SQLITE_OK) {
+        detail::sqlite_stmt::use u(q);
+        while ((rc = u.step()) == SQLITE_ROW) found.emplace_back(u.bytes(0));
+      }
+    }
+    sqlite3_progress_handler(db_.get(), 0, nullptr, nullptr);
+    if (lim.expired) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "keel: sqlite store '", path_, "': PRAGMA ", detail::to_absl(name), " did not finish within ",
+          detail::describe(options_.integrity_check_timeout),
+          " (sqlite_options.integrity_check_timeout); the file is not verified, so keel does not use it; raise the "
+          "limit, or set integrity_check = off"));
+    }
+    const int code = rc & 0xff;
+    if (rc != SQLITE_DONE && code != SQLITE_CORRUPT && code != SQLITE_NOTADB)
+      return open_error(rc, absl::StrCat("checking integrity (PRAGMA ", detail::to_absl(name), ")"));
+    if (rc == SQLITE_DONE && found.size() == 1 && found[0] == "ok") return absl::OkStatus();
+    if (rc != SQLITE_DONE) found.emplace_back(sqlite3_errmsg(db_.get()));
+    const std::size_t shown = std::min<std::size_t>(found.size(), 3);
+    return absl::DataLossError(absl::StrCat(
+        "keel: sqlite store '", path_, "' is damaged: PRAGMA ", detail::to_absl(name), " found: ",
+        absl::StrJoin(found.begin(), found.begin() + static_cast<std::ptrdiff_t>(shown), "; "),
+        found.size() > shown ? absl::StrCat(" (and ", found.size() - shown, " more)") : std::string(),
+        "; keel refuses to open it and has not changed it (restore it from a backup, or move it aside)"));
   }
 
   absl::StatusOr<std::int64_t> pragma_int(const char* sql) {

@@ -14,7 +14,10 @@
 //   - a versioned schema (PRAGMA application_id "keel", user_version 1): an
 //     empty file gets the schema; another application's database, another
 //     schema version, a corrupted file or a read-only path is refused with a
-//     clear status and left untouched;
+//     clear status and left untouched; an existing file is integrity-checked
+//     when it opens (PRAGMA quick_check by default, with a time limit:
+//     sqlite_options::integrity_check), so a damaged page anywhere in it is
+//     refused at open (DataLoss naming the file), not at the first request;
 //   - fences never go backwards: purge_expired() keeps the highest fence it
 //     deletes in a reserved row of keel_lease (work key: one NUL byte, which
 //     no caller can use), and a key with no row starts above it;
@@ -79,7 +82,8 @@ class sqlite_store {
   //   InvalidArgument     invalid options
   //   NotFound            the file does not exist and create is off, or its directory is missing
   //   PermissionDenied    the path cannot be written (read-only file, directory or file system)
-  //   DataLoss            not a SQLite database, or corrupted
+  //   DataLoss            not a SQLite database, or corrupted (the integrity check found damage)
+  //   DeadlineExceeded    the integrity check did not finish within integrity_check_timeout
   //   FailedPrecondition  another application's database, or a keel schema of another version
   //   Unavailable         busy past busy_timeout, or another open failure
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<sqlite_store>> open(std::string path,
