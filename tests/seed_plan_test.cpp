@@ -396,7 +396,8 @@ TEST_CASE("clock reads per successful call: the full protection pipeline and the
     keel::admission quotas({.tenant_defaults = {.rate = 1e9, .burst = 1e12, .max_in_flight = 1000},
                             .model_defaults = {.max_in_flight = 1000}});
     keel::bulkhead pools({.classes = {{.name = "interactive", .capacity = 24}, {.name = "batch", .capacity = 8}}});
-    keel::circuit_breaker breaker({.name = "llm"});
+    // A slow-call threshold makes the breaker want the attempt's end too.
+    keel::circuit_breaker breaker({.name = "llm", .slow_call_duration = 1s, .slow_call_rate_threshold = 0.5});
     keel::retry_budget budget({.ratio = 0.1});
     keel::adaptive_timeout timeouts;
     const auto pipe = keel::pipeline(keel::time_limit({.at_most = 2s}), quotas, pools, breaker,
@@ -407,7 +408,15 @@ TEST_CASE("clock reads per successful call: the full protection pipeline and the
     const absl::StatusOr<int> r = pipe.run(call, trivial{});
     REQUIRE(r.ok());
     CHECK(call.record().attempts == 1);
+    // The pass's start and the attempt's end, which the breaker (with a
+    // slow-call threshold) and the adaptive timeout share.
     CHECK(reads.load() == 2);
+    // Given the time the caller read to make the call: one read in all.
+    reads = 0;
+    keel::call second(base.now(), {.timeout = 3s, .response_reserve = 200ms,
+                                   .labels = {.tenant = "acme", .model = "m-large", .work_class = "interactive"}});
+    REQUIRE(pipe.run(second, base.now(), trivial{}).ok());
+    CHECK(reads.load() == 1);
   }
 
   SECTION("the seed plan: 3 reads (start, the hedge's attempt end, the adaptive timeout's attempt end)") {

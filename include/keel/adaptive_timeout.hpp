@@ -142,9 +142,9 @@ class adaptive_timeout {
     R r = next(ctx, plan);
     const absl::Status& s = status_of(r);
     if (s.ok()) {
-      record(ctx.clock.now() - start);
+      record(ctx.attempt_end(start) - start);
     } else if (s.code() == absl::StatusCode::kDeadlineExceeded && !not_started(s)) {
-      const duration took = ctx.clock.now() - start;
+      const duration took = ctx.attempt_end(start) - start;
       if (took >= *timeout) record(took, /*censored=*/true);
     }
     return r;

@@ -594,13 +594,13 @@ class circuit_breaker {
     if (s.ok()) {
       // Success needs the end time only to judge slowness.
       if (slow_tracked_) {
-        const time_point end = ctx.clock.now();
+        const time_point end = ctx.attempt_end(plan.now);
         finish(permit, outcome_kind::success, end, end - plan.now, &changes);
       } else {
         finish(permit, outcome_kind::success, plan.now, duration::zero(), &changes);
       }
     } else if (!not_started(s)) {
-      const time_point end = ctx.clock.now();
+      const time_point end = ctx.attempt_end(plan.now);
       finish(permit, ctx.classify(s), end, end - plan.now, &changes);
     }
     report(ctx, changes);

@@ -104,6 +104,7 @@ R invoke_provider(Ctx& ctx, const attempt_plan& plan, Provider& provider) {
                                                                " reached for this call")),
                      "attempt_cap"));
   }
+  ctx.attempt_started();
   invocation self{&ctx.call, number, true};
   const invocation_scope scope(&self, outer);
   const attempt a{.number = number,
@@ -188,13 +189,21 @@ class basic_pipeline {
   // Runs `provider` for `call` through every policy. Never throws.
   template <class Provider>
   provider_result_t<Provider> run(keel::call& call, Provider&& provider) const {
+    return run(call, clock_.now(), std::forward<Provider>(provider));
+  }
+
+  // The same, from a time the caller has just read from this pipeline's
+  // clock (the one it made the call with, say): a successful single-attempt
+  // call then reads the clock once more, when the attempt ends.
+  template <class Provider>
+  provider_result_t<Provider> run(keel::call& call, time_point now, Provider&& provider) const {
     using R = provider_result_t<Provider>;
     static_assert(result<R>, "a keel provider returns absl::Status or absl::StatusOr<T>");
     static_assert(!((concurrent_policy<Policies> || ...) && declares_unsafe_write<Provider>()),
                   "keel: this provider declares a consequential write without an idempotency identity; "
                   "a policy here (keel::hedge) would run it more than once at a time");
     run_context<Clock, Classifier, Listener> ctx{call, clock_, classifier_, listener_};
-    attempt_plan plan{.now = clock_.now(), .deadline = call.work_deadline(), .stop = call.stop_token()};
+    attempt_plan plan{.now = now, .deadline = call.work_deadline(), .stop = call.stop_token()};
     detail::provider_stage<R, Provider&> last{provider};
     return detail::run_from<0, R>(policies_, ctx, std::move(plan), last);
   }

@@ -119,6 +119,13 @@ concept concurrent_policy = requires {
 
 // What a policy's ctx is. `listener` receives the events policies report
 // (keel/telemetry.hpp); call keel::observe(ctx.listener, event).
+//
+// Reading the clock costs as much as ten atomics, so one pass reads it at
+// most twice: plan.now when the pass starts, and attempt_end() once the
+// attempt has returned, shared by every policy that wants it (the adaptive
+// timeout, the breaker, the hedge, the retry's wait). A run context belongs
+// to one thread: a policy that runs attempts on other threads (keel::hedge)
+// gives each its own copy.
 template <keel::clock Clock, keel::classifier Classifier, class Listener = null_listener>
 struct run_context {
   keel::call& call;
@@ -129,6 +136,24 @@ struct run_context {
   [[nodiscard]] outcome_kind classify(const absl::Status& s) const {
     return s.ok() ? outcome_kind::success : classifier(s, call.operation());
   }
+
+  // When the latest attempt of a pass that started at `pass_start` ended:
+  // the clock is read by the first policy to ask after the attempt returned,
+  // and the others get the same time. A time read before `pass_start`
+  // belongs to an earlier pass and is never handed out.
+  [[nodiscard]] time_point attempt_end(time_point pass_start) {
+    if (!end_read_ || end_ < pass_start) {
+      end_ = clock.now();
+      end_read_ = true;
+    }
+    return end_;
+  }
+  // Called as an attempt starts (keel's pipeline does): the next
+  // attempt_end() reads the clock.
+  void attempt_started() noexcept { end_read_ = false; }
+
+  time_point end_{};
+  bool end_read_ = false;
 };
 
 namespace detail {

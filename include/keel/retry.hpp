@@ -146,7 +146,7 @@ class retry {
       const duration wait = hint ? *hint : backoff_.delay(k, previous, random_);
       previous = wait;
 
-      const time_point now = ctx.clock.now();
+      const time_point now = ctx.attempt_end(plan.now);  // read once, shared with the policies inside
       const duration left = plan.deadline.remaining(now);
       if (left <= wait || left - wait < options_.min_attempt_time) {
         return stopped(stop::deadline,
