@@ -397,7 +397,7 @@ TEST_CASE("clock reads per successful call: the full protection pipeline and the
                             .model_defaults = {.max_in_flight = 1000}});
     keel::bulkhead pools({.classes = {{.name = "interactive", .capacity = 24}, {.name = "batch", .capacity = 8}}});
     // A slow-call threshold makes the breaker want the attempt's end too.
-    keel::circuit_breaker breaker({.name = "llm", .slow_call_duration = 1s, .slow_call_rate_threshold = 0.5});
+    keel::circuit_breaker breaker({.name = "llm", .slow_call_rate_threshold = 0.5, .slow_call_duration = 1s});
     keel::retry_budget budget({.ratio = 0.1});
     keel::adaptive_timeout timeouts;
     const auto pipe = keel::pipeline(keel::time_limit({.at_most = 2s}), quotas, pools, breaker,
