@@ -565,18 +565,29 @@ class hedge {
         return;
       }
       if (i > 0 || owns_ref) p.now = clock->now();  // it may have waited for a thread
-      finish(i, invoke(p), owns_ref);
+      time_point end{};
+      R r = invoke(p, end);
+      finish(i, std::move(r), owns_ref, end);
     }
 
-    R invoke(const attempt_plan& p) { return detail::call_user<R>("hedge: attempt", *next, *ctx, p); }
+    // A run context belongs to one thread: each attempt runs with its own
+    // copy, whose attempt end (read once, by whichever policy below asks
+    // first) is the race's end time for it too.
+    R invoke(const attempt_plan& p, time_point& end) {
+      Ctx mine = *ctx;
+      mine.attempt_started();
+      R r = detail::call_user<R>("hedge: attempt", *next, mine, p);
+      if (owner->tracker_ != nullptr) end = mine.attempt_end(p.now);
+      return r;
+    }
 
     // Records attempt i's result and decides the race when it can. An
     // attempt that owns a reference gives it up in the same critical
     // section, so the waiting caller (woken by it) is the one that releases
     // the block when the primary wins.
-    void finish(int i, R&& r, bool owns_ref) {
+    void finish(int i, R&& r, bool owns_ref, std::optional<time_point> ended = std::nullopt) {
       const bool timed = owner->tracker_ != nullptr;
-      const time_point end = timed ? clock->now() : time_point{};
+      const time_point end = timed ? (ended ? *ended : clock->now()) : time_point{};
       bool last = false;
       {
         std::lock_guard lock(mu);

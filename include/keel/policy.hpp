@@ -98,15 +98,19 @@ using provider_result_t = typename detail::provider_result<std::remove_reference
 // declares `static constexpr bool concurrent_attempts = true;`. A pipeline
 // with such a policy does not compile around a provider that declares a
 // write without an idempotency identity (operation.idempotent false).
+// std::ref(provider) declares what the provider declares.
+template <class Provider>
+using declared_provider_t = std::unwrap_reference_t<std::remove_cvref_t<Provider>>;
+
 template <class Provider>
 concept declares_operation = requires {
-  { std::remove_cvref_t<Provider>::operation } -> std::convertible_to<operation>;
+  { declared_provider_t<Provider>::operation } -> std::convertible_to<operation>;
 };
 
 template <class Provider>
 [[nodiscard]] consteval bool declares_unsafe_write() {
   if constexpr (declares_operation<Provider>) {
-    return !std::remove_cvref_t<Provider>::operation.repeatable();
+    return !declared_provider_t<Provider>::operation.repeatable();
   } else {
     return false;
   }
