@@ -110,7 +110,7 @@ constexpr keel::labels learner{.tenant = "learner-7",
 // The plan's shared parts, built once at startup.
 template <class Clock>
 struct seed_parts {
-  explicit seed_parts(Clock timer_clock)
+  explicit seed_parts(Clock timer_clock, bool primary_on_caller_thread = false)
       : quotas({.tenant_defaults = {.rate = 20, .burst = 40, .max_in_flight = 8},
                 .model_defaults = {.max_in_flight = 64},
                 .tenants = {{"learner-7", {.rate = 20, .burst = 40, .max_in_flight = 1}}}}),
@@ -121,7 +121,8 @@ struct seed_parts {
         hedge_pool({.threads = 2, .queue_capacity = 8}),
         // The retry inside deposits each call's request; the hedge only spends.
         hedger({.delay = 400ms, .percentile = 0.95, .min_delay = 100ms, .max_hedges = 1, .budget = &budget,
-                .deposit_requests = false, .min_attempt_time = 500ms},
+                .deposit_requests = false, .min_attempt_time = 500ms,
+                .primary_on_caller_thread = primary_on_caller_thread},
                hedge_pool, std::move(timer_clock)),
         breakers({.breaker = {.minimum_calls = 20, .open_duration = 10s}}),
         timeouts({.margin = 200ms, .lower = 500ms, .upper = 1500ms, .initial = 1s}) {}
@@ -368,22 +369,19 @@ TEST_CASE("seed plan, admission refusal: the primary provider is never called", 
 // service, is not counted here: the test makes the call from the manual
 // clock directly).
 //
-// The target (issue 12) is at most 2 reads per successful call, shared by
-// every policy: one when the pass starts (basic_pipeline::run, plan.now) and
-// one when the attempt ends. Who reads the clock today (grep ctx.clock.now /
-// clock_.now in include/keel):
-//   pipeline.hpp        run(): plan.now, once per call
-//   adaptive_timeout    execute(): the attempt's end, on success and on a timeout
-//   hedge               race::finish: each attempt's end in percentile mode;
-//                       run_hedge: a hedge's start; the timer thread's own reads
-//   circuit_breaker     execute(): the end, on success only with a slow-call
-//                       threshold, on every counted failure
-//   retry               before each wait, and after it
+// The target is at most 2 reads per successful call, shared by every
+// policy: the call's start (the caller's read, handed to
+// run(call, now, provider)) and the attempt's end (run_context::attempt_end,
+// read by the first policy that asks and shared by the rest: the adaptive
+// timeout, the breaker, the hedge, the retry's wait). Who else reads the
+// clock (grep ctx.clock.now / clock->now in include/keel):
+//   pipeline.hpp        run(call, provider) without a time: plan.now
+//   hedge               a hedge's start, and the primary's when it runs on
+//                       the executor (it may have waited for a thread)
+//   retry               after a wait
 //   fallback            each alternative's start (failure path only)
 //   bulkhead            after a wait in its queue (and while waiting)
-// so the seed plan's successful call pays a third read: the hedge's end
-// read, which the adaptive timeout's end read duplicates.
-// These assert today's counts exactly, so a new read fails here.
+// These assert the counts exactly, so a new read fails here.
 TEST_CASE("clock reads per successful call: the full protection pipeline and the seed plan", "[seed_plan][clock]") {
   manual_clock base;
   std::atomic<int> reads{0};
@@ -419,7 +417,7 @@ TEST_CASE("clock reads per successful call: the full protection pipeline and the
     CHECK(reads.load() == 1);
   }
 
-  SECTION("the seed plan: 3 reads (start, the hedge's attempt end, the adaptive timeout's attempt end)") {
+  SECTION("the seed plan, primary on the executor (the default)") {
     seed_parts<counting_clock> parts(counting_clock(base, nullptr));
     trivial small_model;
     auto cached = [](const keel::attempt&) -> absl::StatusOr<int> { return 0; };
@@ -429,6 +427,23 @@ TEST_CASE("clock reads per successful call: the full protection pipeline and the
     REQUIRE(r.ok());
     CHECK(call.record().attempts == 1);
     CHECK_FALSE(call.record().degraded);
+    // The pass's start, the primary's start on the executor, and the
+    // attempt's end (shared by the adaptive timeout and the hedge).
     CHECK(reads.load() == 3);
+    reads = 0;
+    keel::call second(base.now(), {.timeout = 3s, .response_reserve = 200ms, .labels = learner});
+    REQUIRE(plan.run(second, base.now(), trivial{}).ok());
+    CHECK(reads.load() == 2);
+  }
+
+  SECTION("the seed plan with the primary on the caller's thread: the attempt's end only") {
+    seed_parts<counting_clock> parts(counting_clock(base, nullptr), /*primary_on_caller_thread=*/true);
+    trivial small_model;
+    auto cached = [](const keel::attempt&) -> absl::StatusOr<int> { return 0; };
+    const auto plan = seed_plan(parts, small_model, cached, clock);
+    keel::call call(base.now(), {.timeout = 3s, .response_reserve = 200ms, .labels = learner});
+    REQUIRE(plan.run(call, base.now(), trivial{}).ok());
+    CHECK(call.record().attempts == 1);
+    CHECK(reads.load() == 1);
   }
 }

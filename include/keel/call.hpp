@@ -151,6 +151,16 @@ class call {
     return true;
   }
 
+  // Takes on the budgets `from` has deposited into: a call that stands in
+  // for another (a hedge's race) must not deposit its request again.
+  void inherit_deposits(const call& from) noexcept {
+    for (std::size_t i = 0; i < static_cast<std::size_t>(kDepositSlots); ++i) {
+      const void* b = from.deposited_[i].load(std::memory_order_relaxed);
+      if (b == nullptr) break;
+      (void)first_deposit(b);
+    }
+  }
+
   // Record keeping, for policies and providers.
   void charge(std::int64_t units) noexcept { cost_.fetch_add(units, std::memory_order_relaxed); }
   void note_retry() noexcept { retries_.fetch_add(1, std::memory_order_relaxed); }

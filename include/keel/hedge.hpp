@@ -504,6 +504,7 @@ class hedge {
                                            .max_attempts = from.max_attempts()});
       base = from.record();
       for (int k = 0; k < base.attempts; ++k) (void)own_call->begin_attempt();  // numbers go on from the call's
+      own_call->inherit_deposits(from);  // a retry below must not deposit the call's request again
       ctx.emplace(Ctx{*own_call, *clock, *classifier, *listener});
       next.emplace(std::move(n));
 
