@@ -5,13 +5,13 @@
 
 #include <benchmark/benchmark.h>
 
-#include "keel/adaptive_timeout.hpp"
-#include "keel/backoff.hpp"
-#include "keel/call.hpp"
-#include "keel/pipeline.hpp"
-#include "keel/retry.hpp"
-#include "keel/retry_budget.hpp"
-#include "keel/time_limit.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/policy/adaptive_timeout.hpp"
+#include "keel/policy/backoff.hpp"
+#include "keel/policy/retry.hpp"
+#include "keel/policy/retry_budget.hpp"
+#include "keel/policy/time_limit.hpp"
 #include "support/alloc_counter.hpp"
 
 using namespace std::chrono_literals;

@@ -22,9 +22,9 @@
 #include <sqlite3.h>
 #include <unistd.h>
 
-#include "keel/digest.hpp"
-#include "keel/idempotency.hpp"
-#include "keel/lease.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/idempotency.hpp"
+#include "keel/durable/lease.hpp"
 #include "keel/store/memory.hpp"
 #include "keel/store/sqlite.hpp"
 #include "support/alloc_counter.hpp"

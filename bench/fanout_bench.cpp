@@ -27,13 +27,13 @@
 #include <benchmark/benchmark.h>
 
 #include "absl/strings/str_cat.h"
-#include "keel/call.hpp"
-#include "keel/digest.hpp"
-#include "keel/executor.hpp"
-#include "keel/fan_out.hpp"
-#include "keel/hedge.hpp"
-#include "keel/pipeline.hpp"
-#include "keel/retry_budget.hpp"
+#include "keel/compose/executor.hpp"
+#include "keel/compose/hedge.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/fan_out.hpp"
+#include "keel/policy/retry_budget.hpp"
 #include "keel/store/memory.hpp"
 #include "support/alloc_counter.hpp"
 

@@ -20,8 +20,8 @@
 #include <sqlite3.h>
 #include <unistd.h>
 
-#include "keel/digest.hpp"
-#include "keel/job_queue.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/job_queue.hpp"
 #include "keel/store/sqlite_jobs.hpp"
 #include "support/alloc_counter.hpp"
 

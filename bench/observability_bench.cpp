@@ -13,19 +13,19 @@
 
 #include <benchmark/benchmark.h>
 
-#include "keel/adaptive_timeout.hpp"
-#include "keel/backoff.hpp"
-#include "keel/call.hpp"
-#include "keel/latency_histogram.hpp"
-#include "keel/metrics.hpp"
-#include "keel/pipeline.hpp"
-#include "keel/prometheus.hpp"
-#include "keel/retry.hpp"
-#include "keel/retry_budget.hpp"
-#include "keel/slo.hpp"
-#include "keel/telemetry.hpp"
-#include "keel/telemetry_metrics.hpp"
-#include "keel/time_limit.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/core/telemetry.hpp"
+#include "keel/observe/latency_histogram.hpp"
+#include "keel/observe/metrics.hpp"
+#include "keel/observe/prometheus.hpp"
+#include "keel/observe/slo.hpp"
+#include "keel/observe/telemetry_metrics.hpp"
+#include "keel/policy/adaptive_timeout.hpp"
+#include "keel/policy/backoff.hpp"
+#include "keel/policy/retry.hpp"
+#include "keel/policy/retry_budget.hpp"
+#include "keel/policy/time_limit.hpp"
 #include "support/alloc_counter.hpp"
 
 using namespace std::chrono_literals;

@@ -45,12 +45,12 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "keel/digest.hpp"
-#include "keel/idempotency.hpp"
-#include "keel/lease.hpp"
-#include "keel/shared_quota.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/idempotency.hpp"
+#include "keel/durable/lease.hpp"
 #include "keel/store/postgres.hpp"
 #include "keel/store/redis.hpp"
+#include "keel/store/shared_quota.hpp"
 #include "support/alloc_counter.hpp"
 
 #ifndef KEEL_SOURCE_DIR

@@ -32,12 +32,12 @@
 #include <thread>
 #include <vector>
 
-#include "keel/call.hpp"
-#include "keel/clock.hpp"
-#include "keel/executor.hpp"
-#include "keel/hedge.hpp"
-#include "keel/pipeline.hpp"
-#include "keel/retry_budget.hpp"
+#include "keel/compose/executor.hpp"
+#include "keel/compose/hedge.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/core/clock.hpp"
+#include "keel/policy/retry_budget.hpp"
 
 using namespace std::chrono_literals;
 

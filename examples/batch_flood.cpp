@@ -15,9 +15,9 @@
 #include <thread>
 #include <vector>
 
-#include "keel/bulkhead.hpp"
-#include "keel/call.hpp"
-#include "keel/pipeline.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/policy/bulkhead.hpp"
 
 using namespace std::chrono_literals;
 

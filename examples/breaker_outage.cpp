@@ -18,11 +18,11 @@
 #include <thread>
 #include <vector>
 
-#include "keel/breaker_registry.hpp"
-#include "keel/call.hpp"
-#include "keel/circuit_breaker.hpp"
-#include "keel/pipeline.hpp"
-#include "keel/retry.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/policy/breaker_registry.hpp"
+#include "keel/policy/circuit_breaker.hpp"
+#include "keel/policy/retry.hpp"
 #include "keel/testing/manual_clock.hpp"
 
 using namespace std::chrono_literals;

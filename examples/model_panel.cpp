@@ -28,13 +28,13 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "keel/call.hpp"
-#include "keel/digest.hpp"
-#include "keel/executor.hpp"
-#include "keel/fan_out.hpp"
-#include "keel/pipeline.hpp"
+#include "keel/compose/executor.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/fan_out.hpp"
+#include "keel/policy/time_limit.hpp"
 #include "keel/store/sqlite.hpp"
-#include "keel/time_limit.hpp"
 
 using namespace std::chrono_literals;
 

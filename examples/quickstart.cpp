@@ -4,7 +4,7 @@
 
 #include <fmt/core.h>
 
-#include "keel/format.hpp"
+#include "keel/core/format.hpp"
 #include "keel/keel.hpp"
 
 using namespace std::chrono_literals;
@@ -30,7 +30,7 @@ int main() {
     return std::string("a short summary");
   });
 
-  // keel/format.hpp prints keel's values with fmt.
+  // keel/core/format.hpp prints keel's values with fmt.
   fmt::print("answer: {}\n", answer.ok() ? *answer : answer.status().ToString());
   fmt::print("{}: {}\n", call.labels(), call.record());   // tenant=acme model=summarizer-v2: attempts=2 retries=1 cost=412
   return answer.ok() ? 0 : 1;

@@ -24,9 +24,9 @@
 
 #include <unistd.h>
 
-#include "keel/call.hpp"
-#include "keel/digest.hpp"
-#include "keel/idempotency.hpp"
+#include "keel/core/call.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/once.hpp"
 #include "keel/store/sqlite.hpp"
 
 using namespace std::chrono_literals;

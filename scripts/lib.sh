@@ -8,7 +8,7 @@ keel_packages=(
   libpq-dev postgresql
   libhiredis-dev redis-server
   libcpp-httplib-dev nlohmann-json3-dev
-  python3-prometheus-client
+  python3 python3-prometheus-client
 )
 
 keel_missing_packages() {

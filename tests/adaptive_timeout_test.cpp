@@ -1,6 +1,6 @@
 // keel::adaptive_timeout: the seed's formula, the deadline clip, skipping
 // attempts that cannot finish, and censored samples.
-#include "keel/adaptive_timeout.hpp"
+#include "keel/policy/adaptive_timeout.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -8,10 +8,10 @@
 #include <thread>
 #include <vector>
 
-#include "keel/call.hpp"
-#include "keel/latency_tracker.hpp"
-#include "keel/pipeline.hpp"
-#include "keel/retry.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/policy/latency_tracker.hpp"
+#include "keel/policy/retry.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_provider.hpp"
 #include "support/catch.hpp"

@@ -2,7 +2,7 @@
 // and its bound under contention; multi-level, all-or-nothing admission
 // with rollback, compute reservations reconciled after the work, replays,
 // queued work, refusal payloads, the pipeline policy, and bad options.
-#include "keel/admission.hpp"
+#include "keel/policy/admission.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -10,14 +10,14 @@
 #include <thread>
 #include <vector>
 
-#include "keel/backoff.hpp"
-#include "keel/bulkhead.hpp"
-#include "keel/call.hpp"
-#include "keel/circuit_breaker.hpp"
-#include "keel/pipeline.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
 #include "keel/detail/short_key.hpp"
-#include "keel/rate_limiter.hpp"
-#include "keel/retry.hpp"
+#include "keel/policy/backoff.hpp"
+#include "keel/policy/bulkhead.hpp"
+#include "keel/policy/circuit_breaker.hpp"
+#include "keel/policy/rate_limiter.hpp"
+#include "keel/policy/retry.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "support/catch.hpp"
 

@@ -2,7 +2,7 @@
 // caller's deadline and stop token, lending that keeps the lender's
 // guarantee, permits released exactly once on every path, and the seed's
 // batch flood beside interactive traffic.
-#include "keel/bulkhead.hpp"
+#include "keel/policy/bulkhead.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -14,11 +14,11 @@
 #include <thread>
 #include <vector>
 
-#include "keel/call.hpp"
-#include "keel/pipeline.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/policy/time_limit.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_provider.hpp"
-#include "keel/time_limit.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;

@@ -1,7 +1,7 @@
 // keel::circuit_breaker and keel::breaker_registry: every transition under
 // the manual clock, operator controls, what counts, placement around retry,
 // scoped health, and the half-open probe bound under contention.
-#include "keel/circuit_breaker.hpp"
+#include "keel/policy/circuit_breaker.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -11,10 +11,10 @@
 #include <thread>
 #include <vector>
 
-#include "keel/breaker_registry.hpp"
-#include "keel/call.hpp"
-#include "keel/pipeline.hpp"
-#include "keel/retry.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/policy/breaker_registry.hpp"
+#include "keel/policy/retry.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_provider.hpp"
 #include "support/catch.hpp"

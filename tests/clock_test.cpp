@@ -1,6 +1,6 @@
 // The clocks: the real steady clock, and the manual clock every other test
 // drives time with.
-#include "keel/clock.hpp"
+#include "keel/core/clock.hpp"
 
 #include <atomic>
 #include <chrono>

@@ -1,10 +1,10 @@
 // Deadlines and the call's budget: the seed's 3-second plan.
-#include "keel/deadline.hpp"
+#include "keel/core/deadline.hpp"
 
 #include <chrono>
 
-#include "keel/call.hpp"
-#include "keel/status.hpp"
+#include "keel/core/call.hpp"
+#include "keel/core/status.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "support/catch.hpp"
 

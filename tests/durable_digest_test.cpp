@@ -1,5 +1,5 @@
 // keel::digest, keel::digest_builder, keel::sha256, keel::owner_id and key validation.
-#include "keel/digest.hpp"
+#include "keel/durable/digest.hpp"
 
 #include <array>
 #include <cctype>
@@ -11,7 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "keel/ownership.hpp"
+#include "keel/durable/ownership.hpp"
 #include "support/alloc_counter.hpp"
 #include "support/catch.hpp"
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <thread>
 
-#include "keel/lease.hpp"
+#include "keel/durable/lease.hpp"
 #include "keel/store/memory.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "support/catch.hpp"

@@ -12,9 +12,9 @@
 #include <thread>
 #include <vector>
 
-#include "keel/call.hpp"
-#include "keel/digest.hpp"
-#include "keel/idempotency.hpp"
+#include "keel/core/call.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/once.hpp"
 #include "keel/store/memory.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "support/catch.hpp"

@@ -24,10 +24,10 @@
 #include <unistd.h>
 
 #include "durable_support.hpp"
-#include "keel/call.hpp"
-#include "keel/digest.hpp"
-#include "keel/idempotency.hpp"
-#include "keel/lease.hpp"
+#include "keel/core/call.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/lease.hpp"
+#include "keel/durable/once.hpp"
 #include "keel/store/sqlite.hpp"
 #include "support/catch.hpp"
 

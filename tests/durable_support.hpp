@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "keel/clock.hpp"
+#include "keel/core/clock.hpp"
 #include "keel/store/sqlite.hpp"
 
 #include "support/child_process.hpp"

@@ -1,5 +1,5 @@
 // keel::unique_task, the executor concept and keel::bounded_pool.
-#include "keel/executor.hpp"
+#include "keel/compose/executor.hpp"
 
 #include <array>
 #include <atomic>

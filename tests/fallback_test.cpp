@@ -1,21 +1,21 @@
 // keel::fallback: the remaining deadline only, gates honoured, degraded
 // answers marked, deferred and clear-failure endings, writes left alone.
-#include "keel/fallback.hpp"
+#include "keel/compose/fallback.hpp"
 
 #include <chrono>
 #include <functional>
 #include <string>
 #include <vector>
 
-#include "keel/call.hpp"
-#include "keel/circuit_breaker.hpp"
-#include "keel/executor.hpp"
-#include "keel/hedge.hpp"
-#include "keel/pipeline.hpp"
-#include "keel/retry.hpp"
+#include "keel/compose/executor.hpp"
+#include "keel/compose/hedge.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/policy/circuit_breaker.hpp"
+#include "keel/policy/retry.hpp"
+#include "keel/policy/time_limit.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_provider.hpp"
-#include "keel/time_limit.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;
@@ -335,7 +335,7 @@ TEST_CASE("fallback outside a hedge: when the race has no acceptable answer, the
   text_provider backup(clock, {kt::answer(std::string("from the backup"), 10ms)});
   auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("backup", backup)), hedger).on(clock);
   keel::call call(clock.now(), {.timeout = 2s});
-  // std::ref: a hedged pipeline copies its provider (keel/hedge.hpp); this one outlives the race.
+  // std::ref: a hedged pipeline copies its provider (keel/compose/hedge.hpp); this one outlives the race.
   const absl::StatusOr<std::string> r = pipe.run(call, std::ref(model));
   REQUIRE(r.ok());
   CHECK(*r == "from the backup");

@@ -20,15 +20,15 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "keel/call.hpp"
-#include "keel/digest.hpp"
-#include "keel/executor.hpp"
-#include "keel/fan_out.hpp"
-#include "keel/pipeline.hpp"
+#include "keel/compose/executor.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/fan_out.hpp"
+#include "keel/policy/time_limit.hpp"
 #include "keel/store/sqlite.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_provider.hpp"
-#include "keel/time_limit.hpp"
 #include "support/catch.hpp"
 #include "support/child_process.hpp"
 

@@ -1,7 +1,7 @@
 // keel::fan_out on the in-memory store: saved as they arrive, reruns pay
 // only for what is missing, completion rules cancel the rest, the report and
 // the progress callback tell the truth.
-#include "keel/fan_out.hpp"
+#include "keel/durable/fan_out.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -20,14 +20,14 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "keel/call.hpp"
-#include "keel/digest.hpp"
-#include "keel/executor.hpp"
-#include "keel/pipeline.hpp"
+#include "keel/compose/executor.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/policy/time_limit.hpp"
 #include "keel/store/memory.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_provider.hpp"
-#include "keel/time_limit.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;

@@ -1,13 +1,13 @@
-// keel/format.hpp: keel's values printed with fmt.
-#include "keel/format.hpp"
+// keel/core/format.hpp: keel's values printed with fmt.
+#include "keel/core/format.hpp"
 
 #include <chrono>
 #include <string>
 
-#include "keel/call.hpp"
-#include "keel/circuit_breaker.hpp"
-#include "keel/fan_out.hpp"
-#include "keel/outcome.hpp"
+#include "keel/core/call.hpp"
+#include "keel/core/outcome.hpp"
+#include "keel/durable/fan_out.hpp"
+#include "keel/policy/circuit_breaker.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "support/catch.hpp"
 

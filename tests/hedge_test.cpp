@@ -1,6 +1,6 @@
 // keel::hedge on the manual clock: the first acceptable answer wins, losers
 // are cancelled and counted, the budget and the write rule stop hedges.
-#include "keel/hedge.hpp"
+#include "keel/compose/hedge.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -15,15 +15,15 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "keel/backoff.hpp"
-#include "keel/call.hpp"
-#include "keel/executor.hpp"
-#include "keel/pipeline.hpp"
-#include "keel/retry.hpp"
-#include "keel/retry_budget.hpp"
+#include "keel/compose/executor.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/policy/backoff.hpp"
+#include "keel/policy/retry.hpp"
+#include "keel/policy/retry_budget.hpp"
+#include "keel/policy/time_limit.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_provider.hpp"
-#include "keel/time_limit.hpp"
 #include "support/alloc_counter.hpp"
 #include "support/catch.hpp"
 

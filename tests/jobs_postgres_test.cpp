@@ -16,7 +16,7 @@
 
 #include "jobs_suite.hpp"
 #include "jobs_support.hpp"
-#include "keel/job_queue.hpp"
+#include "keel/durable/job_queue.hpp"
 #include "keel/store/postgres_jobs.hpp"
 #include "scaleout_support.hpp"
 #include "support/catch.hpp"

@@ -20,7 +20,7 @@
 
 #include "jobs_suite.hpp"
 #include "jobs_support.hpp"
-#include "keel/job_queue.hpp"
+#include "keel/durable/job_queue.hpp"
 #include "keel/store/sqlite.hpp"
 #include "keel/store/sqlite_jobs.hpp"
 #include "support/catch.hpp"

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "jobs_support.hpp"
-#include "keel/job_queue.hpp"
+#include "keel/durable/job_queue.hpp"
 #include "support/catch.hpp"
 
 namespace keel_jobs::suite {

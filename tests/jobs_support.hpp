@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "durable_support.hpp"
-#include "keel/job_queue.hpp"
+#include "keel/durable/job_queue.hpp"
 #include "keel/store/sqlite_jobs.hpp"
 #include "keel/testing/manual_clock.hpp"
 

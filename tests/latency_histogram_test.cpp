@@ -1,7 +1,7 @@
 // keel::latency_histogram: bucket layout, percentiles against exact ones on
 // several distributions (heavy tails included), merging, deltas, concurrent
 // recording and allocation-free recording.
-#include "keel/latency_histogram.hpp"
+#include "keel/observe/latency_histogram.hpp"
 
 #include <algorithm>
 #include <atomic>

@@ -1,6 +1,6 @@
 // keel::metrics_registry: families, label handles, name rules, snapshots,
 // collectors, concurrency and allocation-free increments.
-#include "keel/metrics.hpp"
+#include "keel/observe/metrics.hpp"
 
 #include <atomic>
 #include <chrono>

@@ -1,10 +1,10 @@
 // Classification and the hints that travel with a status.
-#include "keel/outcome.hpp"
+#include "keel/core/outcome.hpp"
 
 #include <chrono>
 #include <string>
 
-#include "keel/status.hpp"
+#include "keel/core/status.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;

@@ -1,18 +1,18 @@
 // Composition: order, exceptions, classifiers, clocks, shared policies, and
 // no heap allocation on the success path.
-#include "keel/pipeline.hpp"
+#include "keel/compose/pipeline.hpp"
 
 #include <chrono>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "keel/adaptive_timeout.hpp"
-#include "keel/call.hpp"
-#include "keel/retry.hpp"
-#include "keel/retry_budget.hpp"
+#include "keel/core/call.hpp"
+#include "keel/policy/adaptive_timeout.hpp"
+#include "keel/policy/retry.hpp"
+#include "keel/policy/retry_budget.hpp"
+#include "keel/policy/time_limit.hpp"
 #include "keel/testing/manual_clock.hpp"
-#include "keel/time_limit.hpp"
 #include "support/alloc_counter.hpp"
 #include "support/catch.hpp"
 

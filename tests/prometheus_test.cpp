@@ -2,7 +2,7 @@
 // escaping, histogram buckets, summaries), number forms, ordering, refusal
 // of invalid snapshots, and a round trip through an independent parser (the
 // prometheus_client Python package's text parser, from Debian).
-#include "keel/prometheus.hpp"
+#include "keel/observe/prometheus.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "keel/metrics.hpp"
+#include "keel/observe/metrics.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;

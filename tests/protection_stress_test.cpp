@@ -22,15 +22,15 @@
 #include <thread>
 #include <vector>
 
-#include "keel/adaptive_timeout.hpp"
-#include "keel/admission.hpp"
-#include "keel/bulkhead.hpp"
-#include "keel/call.hpp"
-#include "keel/circuit_breaker.hpp"
-#include "keel/pipeline.hpp"
-#include "keel/retry.hpp"
-#include "keel/retry_budget.hpp"
-#include "keel/time_limit.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/policy/adaptive_timeout.hpp"
+#include "keel/policy/admission.hpp"
+#include "keel/policy/bulkhead.hpp"
+#include "keel/policy/circuit_breaker.hpp"
+#include "keel/policy/retry.hpp"
+#include "keel/policy/retry_budget.hpp"
+#include "keel/policy/time_limit.hpp"
 #include "support/alloc_counter.hpp"
 #include "support/catch.hpp"
 

@@ -1,5 +1,5 @@
 // keel::retry, the backoff strategies and the retry budget.
-#include "keel/retry.hpp"
+#include "keel/policy/retry.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -8,12 +8,12 @@
 #include <thread>
 #include <vector>
 
-#include "keel/backoff.hpp"
-#include "keel/call.hpp"
-#include "keel/executor.hpp"
-#include "keel/hedge.hpp"
-#include "keel/pipeline.hpp"
-#include "keel/retry_budget.hpp"
+#include "keel/compose/executor.hpp"
+#include "keel/compose/hedge.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/policy/backoff.hpp"
+#include "keel/policy/retry_budget.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_provider.hpp"
 #include "keel/testing/seeded_random.hpp"

@@ -12,7 +12,7 @@
 
 #include <hiredis/hiredis.h>
 
-#include "keel/circuit_breaker.hpp"
+#include "keel/policy/circuit_breaker.hpp"
 #include "keel/store/memory.hpp"
 #include "keel/store/postgres.hpp"
 #include "keel/store/redis.hpp"

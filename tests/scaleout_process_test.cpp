@@ -22,11 +22,11 @@
 
 #include <hiredis/hiredis.h>
 
-#include "keel/call.hpp"
-#include "keel/digest.hpp"
-#include "keel/idempotency.hpp"
-#include "keel/lease.hpp"
-#include "keel/shared_quota.hpp"
+#include "keel/core/call.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/lease.hpp"
+#include "keel/durable/once.hpp"
+#include "keel/store/shared_quota.hpp"
 #include "scaleout_backends.hpp"
 #include "scaleout_support.hpp"
 #include "support/catch.hpp"

@@ -2,7 +2,7 @@
 // timed by the server's clock (moved with the test offset), with a local
 // fallback (timed by the manual clock) when Redis cannot answer, and as a
 // pipeline level after keel::admission.
-#include "keel/shared_quota.hpp"
+#include "keel/store/shared_quota.hpp"
 
 #include <chrono>
 #include <memory>
@@ -17,9 +17,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "keel/admission.hpp"
-#include "keel/circuit_breaker.hpp"
-#include "keel/pipeline.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/policy/admission.hpp"
+#include "keel/policy/circuit_breaker.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "scaleout_support.hpp"
 #include "support/catch.hpp"

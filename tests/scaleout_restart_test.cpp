@@ -12,9 +12,9 @@
 
 #include <libpq-fe.h>
 
-#include "keel/call.hpp"
-#include "keel/digest.hpp"
-#include "keel/idempotency.hpp"
+#include "keel/core/call.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/once.hpp"
 #include "scaleout_backends.hpp"
 #include "scaleout_support.hpp"
 #include "support/catch.hpp"

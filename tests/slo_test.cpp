@@ -1,15 +1,15 @@
 // keel::slo_tracker and keel::error_budget: the 100,000-at-99.9 % example,
 // configured eligibility, separate indicators, the rolling window on the
 // manual clock, several classes, concurrency and the metrics it exports.
-#include "keel/slo.hpp"
+#include "keel/observe/slo.hpp"
 
 #include <chrono>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "keel/metrics.hpp"
-#include "keel/prometheus.hpp"
+#include "keel/observe/metrics.hpp"
+#include "keel/observe/prometheus.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "support/alloc_counter.hpp"
 #include "support/catch.hpp"

@@ -1,7 +1,7 @@
 // keel::metrics_listener: keel's events counted as metrics — retries, their
 // waits and why retry layers stopped — through real pipelines on the manual
 // clock, under contention, without allocating, and rendered for Prometheus.
-#include "keel/telemetry_metrics.hpp"
+#include "keel/observe/telemetry_metrics.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -13,24 +13,24 @@
 #include <type_traits>
 #include <vector>
 
-#include "keel/admission.hpp"
-#include "keel/backoff.hpp"
-#include "keel/bulkhead.hpp"
-#include "keel/call.hpp"
-#include "keel/circuit_breaker.hpp"
-#include "keel/digest.hpp"
-#include "keel/executor.hpp"
-#include "keel/fallback.hpp"
-#include "keel/fan_out.hpp"
-#include "keel/hedge.hpp"
-#include "keel/idempotency.hpp"
-#include "keel/job_queue.hpp"
-#include "keel/lease.hpp"
-#include "keel/metrics.hpp"
-#include "keel/pipeline.hpp"
-#include "keel/prometheus.hpp"
-#include "keel/retry.hpp"
-#include "keel/retry_budget.hpp"
+#include "keel/compose/executor.hpp"
+#include "keel/compose/fallback.hpp"
+#include "keel/compose/hedge.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/fan_out.hpp"
+#include "keel/durable/job_queue.hpp"
+#include "keel/durable/lease.hpp"
+#include "keel/durable/once.hpp"
+#include "keel/observe/metrics.hpp"
+#include "keel/observe/prometheus.hpp"
+#include "keel/policy/admission.hpp"
+#include "keel/policy/backoff.hpp"
+#include "keel/policy/bulkhead.hpp"
+#include "keel/policy/circuit_breaker.hpp"
+#include "keel/policy/retry.hpp"
+#include "keel/policy/retry_budget.hpp"
 #include "keel/store/memory.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_provider.hpp"

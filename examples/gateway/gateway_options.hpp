@@ -29,12 +29,12 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "text.hpp"
-#include "keel/adaptive_timeout.hpp"
-#include "keel/admission.hpp"
-#include "keel/backoff.hpp"
-#include "keel/circuit_breaker.hpp"
-#include "keel/retry_budget.hpp"
-#include "keel/status.hpp"
+#include "keel/core/status.hpp"
+#include "keel/policy/adaptive_timeout.hpp"
+#include "keel/policy/admission.hpp"
+#include "keel/policy/backoff.hpp"
+#include "keel/policy/circuit_breaker.hpp"
+#include "keel/policy/retry_budget.hpp"
 #include "simulated_provider.hpp"
 
 namespace gateway {

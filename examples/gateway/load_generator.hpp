@@ -54,7 +54,7 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
-#include "keel/clock.hpp"
+#include "keel/core/clock.hpp"
 #include "text.hpp"
 
 namespace gateway {

@@ -58,10 +58,10 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "text.hpp"
-#include "keel/call.hpp"
-#include "keel/clock.hpp"
-#include "keel/outcome.hpp"
-#include "keel/status.hpp"
+#include "keel/core/call.hpp"
+#include "keel/core/clock.hpp"
+#include "keel/core/outcome.hpp"
+#include "keel/core/status.hpp"
 
 namespace gateway {
 

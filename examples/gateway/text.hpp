@@ -1,6 +1,6 @@
 // gateway/text.hpp — absl::StrCat that also takes std::string_view.
 //
-// Debian's abseil has its own absl::string_view (keel/status.hpp explains);
+// Debian's abseil has its own absl::string_view (keel/core/status.hpp explains);
 // gateway::cat converts std::string_view arguments on the way in.
 //
 // Example:

@@ -1,7 +1,9 @@
 // keel/keel.hpp — every core keel header at once, for convenience.
 //
 // Prefer including the component headers you use: each is self-contained
-// and compiles faster alone. Store backends (keel/store/*.hpp) and the test
+// and compiles faster alone. The folders are keel's layers, each including
+// only from the ones before it: core (vocabulary), policy, compose, durable,
+// observe, then store (backends) and testing. Store backends (keel/store/*.hpp) and the test
 // kit (keel/testing/*.hpp) are not included here: they link their own
 // clients.
 //
@@ -11,38 +13,44 @@
 //   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}));
 #pragma once
 
-#include "keel/adaptive_timeout.hpp"
-#include "keel/admission.hpp"
-#include "keel/backoff.hpp"
-#include "keel/breaker_registry.hpp"
-#include "keel/bulkhead.hpp"
-#include "keel/call.hpp"
-#include "keel/circuit_breaker.hpp"
-#include "keel/clock.hpp"
-#include "keel/deadline.hpp"
-#include "keel/digest.hpp"
-#include "keel/executor.hpp"
-#include "keel/fallback.hpp"
-#include "keel/fan_out.hpp"
-#include "keel/format.hpp"
-#include "keel/hedge.hpp"
-#include "keel/idempotency.hpp"
-#include "keel/job_queue.hpp"
-#include "keel/latency_histogram.hpp"
-#include "keel/latency_tracker.hpp"
-#include "keel/lease.hpp"
-#include "keel/metrics.hpp"
-#include "keel/outcome.hpp"
-#include "keel/ownership.hpp"
-#include "keel/pipeline.hpp"
-#include "keel/policy.hpp"
-#include "keel/prometheus.hpp"
-#include "keel/rate_limiter.hpp"
-#include "keel/result_store.hpp"
-#include "keel/retry.hpp"
-#include "keel/retry_budget.hpp"
-#include "keel/slo.hpp"
-#include "keel/status.hpp"
-#include "keel/telemetry.hpp"
-#include "keel/telemetry_metrics.hpp"
-#include "keel/time_limit.hpp"
+#include "keel/core/call.hpp"
+#include "keel/core/clock.hpp"
+#include "keel/core/deadline.hpp"
+#include "keel/core/format.hpp"
+#include "keel/core/outcome.hpp"
+#include "keel/core/policy.hpp"
+#include "keel/core/status.hpp"
+#include "keel/core/telemetry.hpp"
+
+#include "keel/policy/adaptive_timeout.hpp"
+#include "keel/policy/admission.hpp"
+#include "keel/policy/backoff.hpp"
+#include "keel/policy/breaker_registry.hpp"
+#include "keel/policy/bulkhead.hpp"
+#include "keel/policy/circuit_breaker.hpp"
+#include "keel/policy/latency_tracker.hpp"
+#include "keel/policy/rate_limiter.hpp"
+#include "keel/policy/retry.hpp"
+#include "keel/policy/retry_budget.hpp"
+#include "keel/policy/time_limit.hpp"
+
+#include "keel/compose/executor.hpp"
+#include "keel/compose/fallback.hpp"
+#include "keel/compose/hedge.hpp"
+#include "keel/compose/pipeline.hpp"
+
+#include "keel/durable/digest.hpp"
+#include "keel/durable/fan_out.hpp"
+#include "keel/durable/idempotency.hpp"
+#include "keel/durable/job_queue.hpp"
+#include "keel/durable/job_store.hpp"
+#include "keel/durable/lease.hpp"
+#include "keel/durable/once.hpp"
+#include "keel/durable/ownership.hpp"
+#include "keel/durable/result_store.hpp"
+
+#include "keel/observe/latency_histogram.hpp"
+#include "keel/observe/metrics.hpp"
+#include "keel/observe/prometheus.hpp"
+#include "keel/observe/slo.hpp"
+#include "keel/observe/telemetry_metrics.hpp"

@@ -6,10 +6,10 @@
 #include <functional>
 #include <mutex>
 
-#include "keel/call.hpp"
-#include "keel/executor.hpp"
-#include "keel/hedge.hpp"
-#include "keel/pipeline.hpp"
+#include "keel/compose/executor.hpp"
+#include "keel/compose/hedge.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
 
 struct counting_provider {
   std::mutex mu;  // not copyable

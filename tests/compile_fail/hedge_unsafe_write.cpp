@@ -3,10 +3,10 @@
 // -DKEEL_EXPECT_OK the provider declares an idempotent write and it must
 // compile (the control: the failure is the static_assert, nothing else).
 // Run by the fanout_compile_*_write tests (tests/CMakeLists.txt).
-#include "keel/call.hpp"
-#include "keel/executor.hpp"
-#include "keel/hedge.hpp"
-#include "keel/pipeline.hpp"
+#include "keel/compose/executor.hpp"
+#include "keel/compose/hedge.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
 
 struct charge_card {
 #ifdef KEEL_EXPECT_OK

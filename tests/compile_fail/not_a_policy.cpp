@@ -3,9 +3,9 @@
 // keel's readable one. With -DKEEL_EXPECT_OK the stage is passed as an lvalue
 // (held by reference, so a non-const execute is fine) and it must compile.
 // Run by the core_compile_*_policy tests (tests/CMakeLists.txt).
-#include "keel/call.hpp"
-#include "keel/pipeline.hpp"
-#include "keel/policy.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/core/call.hpp"
+#include "keel/core/policy.hpp"
 
 struct counts_passes {
   int passes = 0;

@@ -19,7 +19,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "keel/status.hpp"
+#include "keel/core/status.hpp"
 
 namespace keel::detail {
 

@@ -46,9 +46,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "keel/clock.hpp"
-#include "keel/ownership.hpp"
-#include "keel/status.hpp"
+#include "keel/core/clock.hpp"
+#include "keel/core/status.hpp"
+#include "keel/durable/ownership.hpp"
 
 namespace keel::detail {
 

@@ -35,10 +35,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "keel/clock.hpp"
+#include "keel/core/clock.hpp"
+#include "keel/core/status.hpp"
 #include "keel/detail/client_pool.hpp"
 #include "keel/detail/pg_connection.hpp"
-#include "keel/status.hpp"
 
 namespace keel::detail {
 

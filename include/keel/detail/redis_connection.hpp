@@ -44,10 +44,10 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "keel/clock.hpp"
-#include "keel/outcome.hpp"
-#include "keel/ownership.hpp"
-#include "keel/status.hpp"
+#include "keel/core/clock.hpp"
+#include "keel/core/outcome.hpp"
+#include "keel/core/status.hpp"
+#include "keel/durable/ownership.hpp"
 
 namespace keel::detail {
 

@@ -35,9 +35,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "keel/clock.hpp"
-#include "keel/ownership.hpp"
-#include "keel/status.hpp"
+#include "keel/core/clock.hpp"
+#include "keel/core/status.hpp"
+#include "keel/durable/ownership.hpp"
 
 namespace keel {
 

@@ -50,13 +50,13 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "keel/clock.hpp"
-#include "keel/digest.hpp"
-#include "keel/idempotency.hpp"
-#include "keel/lease.hpp"
-#include "keel/ownership.hpp"
-#include "keel/result_store.hpp"
-#include "keel/status.hpp"
+#include "keel/core/clock.hpp"
+#include "keel/core/status.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/idempotency.hpp"
+#include "keel/durable/lease.hpp"
+#include "keel/durable/ownership.hpp"
+#include "keel/durable/result_store.hpp"
 
 namespace keel {
 

@@ -1,7 +1,7 @@
 // keel/store/postgres_jobs.hpp — the durable batch job queue in PostgreSQL,
 // shared by every replica of a service. Link keel::postgres.
 //
-// keel::postgres_job_store implements keel::job_store (keel/job_queue.hpp
+// keel::postgres_job_store implements keel::job_store (keel/durable/job_store.hpp
 // has the contract), on the connection pool and statement conventions of
 // keel::postgres_store (keel/store/postgres.hpp, keel/detail/pg_connection.hpp):
 //
@@ -65,14 +65,14 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
-#include "keel/clock.hpp"
+#include "keel/core/clock.hpp"
+#include "keel/core/status.hpp"
 #include "keel/detail/client_pool.hpp"
 #include "keel/detail/pg_connection.hpp"
 #include "keel/detail/pg_store.hpp"
-#include "keel/digest.hpp"
-#include "keel/job_queue.hpp"
-#include "keel/ownership.hpp"
-#include "keel/status.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/job_store.hpp"
+#include "keel/durable/ownership.hpp"
 #include "keel/store/postgres.hpp"
 
 namespace keel {

@@ -78,16 +78,16 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "keel/clock.hpp"
+#include "keel/core/clock.hpp"
+#include "keel/core/status.hpp"
 #include "keel/detail/client_pool.hpp"
 #include "keel/detail/redis_connection.hpp"
 #include "keel/detail/redis_scripts.hpp"
-#include "keel/digest.hpp"
-#include "keel/idempotency.hpp"
-#include "keel/lease.hpp"
-#include "keel/ownership.hpp"
-#include "keel/result_store.hpp"
-#include "keel/status.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/idempotency.hpp"
+#include "keel/durable/lease.hpp"
+#include "keel/durable/ownership.hpp"
+#include "keel/durable/result_store.hpp"
 
 namespace keel {
 

@@ -2,7 +2,7 @@
 // every queue in one file, safe for several processes on one host, surviving
 // restarts. The default backend of keel::job_queue. Link keel::sqlite.
 //
-// keel::sqlite_job_store implements keel::job_store (keel/job_queue.hpp has
+// keel::sqlite_job_store implements keel::job_store (keel/durable/job_store.hpp has
 // the contract):
 //
 //   - the same file format, store clock and transactions as
@@ -60,12 +60,12 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "keel/clock.hpp"
+#include "keel/core/clock.hpp"
+#include "keel/core/status.hpp"
 #include "keel/detail/sqlite_db.hpp"
-#include "keel/digest.hpp"
-#include "keel/job_queue.hpp"
-#include "keel/ownership.hpp"
-#include "keel/status.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/job_store.hpp"
+#include "keel/durable/ownership.hpp"
 
 namespace keel {
 

@@ -39,7 +39,7 @@
 #include <stop_token>
 #include <vector>
 
-#include "keel/clock.hpp"
+#include "keel/core/clock.hpp"
 
 namespace keel::testing {
 

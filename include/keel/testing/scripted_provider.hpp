@@ -35,9 +35,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "keel/call.hpp"
-#include "keel/clock.hpp"
-#include "keel/status.hpp"
+#include "keel/core/call.hpp"
+#include "keel/core/clock.hpp"
+#include "keel/core/status.hpp"
 #include "keel/testing/manual_clock.hpp"
 
 namespace keel::testing {

@@ -18,7 +18,7 @@
 #include <random>
 
 #include "absl/random/distributions.h"
-#include "keel/backoff.hpp"
+#include "keel/policy/backoff.hpp"
 
 namespace keel::testing {
 

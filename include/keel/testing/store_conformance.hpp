@@ -78,13 +78,13 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "keel/call.hpp"
-#include "keel/clock.hpp"
-#include "keel/digest.hpp"
-#include "keel/idempotency.hpp"
-#include "keel/lease.hpp"
-#include "keel/ownership.hpp"
-#include "keel/result_store.hpp"
+#include "keel/core/call.hpp"
+#include "keel/core/clock.hpp"
+#include "keel/durable/digest.hpp"
+#include "keel/durable/lease.hpp"
+#include "keel/durable/once.hpp"
+#include "keel/durable/ownership.hpp"
+#include "keel/durable/result_store.hpp"
 
 namespace keel::testing {
 

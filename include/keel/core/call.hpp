@@ -1,0 +1,216 @@
+// keel/core/call.hpp — one logical request: its deadline, its cancellation, its
+// labels, its attempt cap, and a record of what happened to it.
+//
+// A keel::call is created once per request at the edge of the service and
+// passed (by reference) through every pipeline the request uses. It carries:
+//
+//   - the end-to-end deadline and the response reserve kept back for
+//     answering; stages get child deadlines from stage(), never fresh ones;
+//   - the caller's std::stop_token;
+//   - labels (tenant, model, endpoint, region, work class) that scope
+//     breakers, quotas and bulkheads;
+//   - the operation (read or consequential write, idempotent or not);
+//   - the attempt cap shared by every retry layer of the call, so three
+//     attempts inside three attempts cannot become nine provider calls;
+//   - the record: attempts, retries, cost, which path served, degraded,
+//     replayed, missing.
+//
+// A provider sees one keel::attempt: its number, deadline, timeout and stop
+// token, and a way to charge cost to the call.
+//
+// Example:
+//
+//   keel::real_clock clock;
+//   keel::call call(clock.now(), {.timeout = std::chrono::seconds(3),
+//                                 .response_reserve = std::chrono::milliseconds(200),
+//                                 .labels = {.tenant = "acme", .model = "m-large"}});
+//   keel::deadline retrieve = call.stage(clock.now(), std::chrono::milliseconds(200));
+//
+// Labels are string_views: the strings they name must outlive the call.
+//
+// Thread-safety: a call belongs to one request. Its counters (attempts,
+// retries, cost, missing) may be updated from several threads at once (hedges
+// and fan-out workers do); served_by/degraded/replayed are set by the thread
+// that runs the request's pipeline. Reading record() while attempts run gives
+// a consistent-enough snapshot of each counter, not of all together.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <stop_token>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "keel/core/clock.hpp"
+#include "keel/core/deadline.hpp"
+#include "keel/core/outcome.hpp"
+#include "keel/core/status.hpp"
+
+namespace keel {
+
+struct labels {
+  std::string_view tenant{};
+  std::string_view model{};
+  std::string_view endpoint{};
+  std::string_view region{};
+  std::string_view work_class{};
+};
+
+struct call_options {
+  // The end-to-end deadline: `deadline` as received from upstream, or
+  // `timeout` from the moment the call is created, whichever ends first.
+  keel::deadline deadline = keel::deadline::infinite();
+  duration timeout = duration::zero();  // zero: no relative timeout
+  // Kept back from every stage for validating and sending the answer.
+  duration response_reserve = duration::zero();
+  std::stop_token stop{};
+  keel::labels labels{};
+  keel::operation operation{};
+  // Provider invocations allowed for the whole call, across nested retry
+  // layers, hedges and fallbacks.
+  int max_attempts = 3;
+
+  [[nodiscard]] absl::Status validate() const {
+    if (timeout < duration::zero()) return detail::invalid_field("call_options", "timeout", "be >= 0", timeout);
+    if (response_reserve < duration::zero())
+      return detail::invalid_field("call_options", "response_reserve", "be >= 0", response_reserve);
+    if (timeout > duration::zero() && response_reserve >= timeout)
+      return detail::invalid_field("call_options", "response_reserve", "be below timeout",
+                                   detail::describe(response_reserve) + " >= " + detail::describe(timeout));
+    if (max_attempts < 1) return detail::invalid_field("call_options", "max_attempts", "be >= 1", max_attempts);
+    return absl::OkStatus();
+  }
+};
+
+// What happened to a call, read after (or during) it.
+struct call_record {
+  int attempts = 0;        // provider invocations started, failed ones included
+  int retries = 0;         // of which were retries
+  std::int64_t cost = 0;   // caller-defined units charged by attempts (for example tokens)
+  int missing = 0;         // units a fan-out could not produce
+  std::string_view served_by{};  // the path that produced the answer; empty: the primary
+  bool degraded = false;   // the answer came from a fallback or is partial
+  bool replayed = false;   // the answer is a stored decision, not fresh work
+};
+
+class call {
+ public:
+  // Throws keel::invalid_options if `o` is invalid.
+  call(time_point now, const call_options& o)
+      : end_(o.timeout > duration::zero() ? o.deadline.within(now, o.timeout) : o.deadline),
+        reserve_(o.response_reserve),
+        stop_(o.stop),
+        labels_(o.labels),
+        operation_(o.operation),
+        max_attempts_(o.max_attempts) {
+    detail::require_valid(o.validate());
+  }
+  call(const call&) = delete;
+  call& operator=(const call&) = delete;
+
+  // The end-to-end deadline.
+  [[nodiscard]] keel::deadline end() const noexcept { return end_; }
+  // The deadline for work: end() minus the response reserve.
+  [[nodiscard]] keel::deadline work_deadline() const noexcept { return end_.minus(reserve_); }
+  [[nodiscard]] duration response_reserve() const noexcept { return reserve_; }
+  // Work time left at `now`.
+  [[nodiscard]] duration remaining(time_point now) const noexcept { return work_deadline().remaining(now); }
+  // A stage's deadline: at most `at_most` from now, never past work_deadline().
+  [[nodiscard]] keel::deadline stage(time_point now, duration at_most) const noexcept {
+    return work_deadline().within(now, at_most);
+  }
+
+  [[nodiscard]] const std::stop_token& stop_token() const noexcept { return stop_; }
+  [[nodiscard]] const keel::labels& labels() const noexcept { return labels_; }
+  [[nodiscard]] const keel::operation& operation() const noexcept { return operation_; }
+
+  // Attempt cap. begin_attempt() reserves one provider invocation and returns
+  // its 1-based number, or 0 when the cap is reached (nothing is reserved).
+  [[nodiscard]] int begin_attempt() noexcept {
+    int n = attempts_.load(std::memory_order_relaxed);
+    while (n < max_attempts_) {
+      if (attempts_.compare_exchange_weak(n, n + 1, std::memory_order_relaxed)) return n + 1;
+    }
+    return 0;
+  }
+  [[nodiscard]] int max_attempts() const noexcept { return max_attempts_; }
+  [[nodiscard]] bool attempts_exhausted() const noexcept {
+    return attempts_.load(std::memory_order_relaxed) >= max_attempts_;
+  }
+
+  // True the first time this call asks about `budget` (a keel::retry_budget):
+  // the call deposits one request per budget, however many layers share it.
+  // Up to kDepositSlots budgets are remembered; beyond, every ask is true.
+  [[nodiscard]] bool first_deposit(const void* budget) noexcept {
+    for (std::atomic<const void*>& slot : deposited_) {
+      // Slots fill in order and never empty, so a budget sits in one slot.
+      const void* seen = slot.load(std::memory_order_relaxed);
+      if (seen == nullptr && slot.compare_exchange_strong(seen, budget, std::memory_order_relaxed)) return true;
+      if (seen == budget) return false;
+    }
+    return true;
+  }
+
+  // Takes on the budgets `from` has deposited into: a call that stands in
+  // for another (a hedge's race) must not deposit its request again.
+  void inherit_deposits(const call& from) noexcept {
+    for (std::size_t i = 0; i < static_cast<std::size_t>(kDepositSlots); ++i) {
+      const void* b = from.deposited_[i].load(std::memory_order_relaxed);
+      if (b == nullptr) break;
+      (void)first_deposit(b);
+    }
+  }
+
+  // Record keeping, for policies and providers.
+  void charge(std::int64_t units) noexcept { cost_.fetch_add(units, std::memory_order_relaxed); }
+  void note_retry() noexcept { retries_.fetch_add(1, std::memory_order_relaxed); }
+  void note_missing(int units = 1) noexcept { missing_.fetch_add(units, std::memory_order_relaxed); }
+  void set_served_by(std::string_view path) noexcept { served_by_ = path; }
+  void mark_degraded() noexcept { degraded_ = true; }
+  void mark_replayed() noexcept { replayed_ = true; }
+
+  [[nodiscard]] call_record record() const noexcept {
+    return {.attempts = attempts_.load(std::memory_order_relaxed),
+            .retries = retries_.load(std::memory_order_relaxed),
+            .cost = cost_.load(std::memory_order_relaxed),
+            .missing = missing_.load(std::memory_order_relaxed),
+            .served_by = served_by_,
+            .degraded = degraded_,
+            .replayed = replayed_};
+  }
+
+ private:
+  keel::deadline end_;
+  duration reserve_;
+  std::stop_token stop_;
+  keel::labels labels_;
+  keel::operation operation_;
+  int max_attempts_;
+  std::atomic<int> attempts_{0};
+  std::atomic<int> retries_{0};
+  std::atomic<int> missing_{0};
+  std::atomic<std::int64_t> cost_{0};
+  std::string_view served_by_;
+  bool degraded_ = false;
+  bool replayed_ = false;
+  static constexpr int kDepositSlots = 4;
+  std::atomic<const void*> deposited_[kDepositSlots] = {};
+};
+
+// What a provider sees of one attempt.
+struct attempt {
+  int number = 1;             // 1-based, counted across the whole call
+  time_point start{};         // when the attempt began
+  keel::deadline deadline{};  // the attempt must be done by then
+  duration timeout{};         // deadline - start
+  std::stop_token stop{};     // requested when the call is cancelled or this attempt lost a race
+  keel::call* owner = nullptr;
+  int hedge = 0;              // 0: the primary; k: the k-th hedge (keel/compose/hedge.hpp), e.g. to pick an alternate
+
+  [[nodiscard]] const keel::labels& labels() const noexcept { return owner->labels(); }
+  // Charges caller-defined cost (for example tokens) to the call, whether
+  // the attempt then succeeds or fails.
+  void charge(std::int64_t units) const noexcept { owner->charge(units); }
+};
+
+}  // namespace keel
