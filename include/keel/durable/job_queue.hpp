@@ -42,7 +42,8 @@
 //
 // Thread-safety: job stores are safe from any number of threads (and the
 // durable ones from several processes); job_queue's members may be called
-// concurrently from any number of threads, each work() loop on its own.#pragma once
+// concurrently from any number of threads, each work() loop on its own.
+#pragma once
 
 #include <algorithm>
 #include <chrono>
