@@ -134,7 +134,7 @@ int main() {
     step.reset();
     start.arrive_and_wait();  // this second's calls...
     done.arrive_and_wait();   // ...are made
-    const keel::breaker_snapshot b = breakers.breaker_for(domain).snapshot(now);
+    const keel::breaker_figures b = breakers.breaker_for(domain).figures(now);
     std::printf("%5lld  %-8s  %5d  %3d  %6d  %12d  %7d  %13d  %s", secs(now - t0), provider_up ? "up" : "DOWN",
                 step.calls.load(), step.ok.load(), step.failed.load(), step.refused.load(), step.bad_key.load(),
                 step.provider_hits.load(), std::string(keel::to_string(b.state)).c_str());

@@ -127,8 +127,8 @@ TEST_CASE("a request is admitted only if every level admits it; a refusal keeps 
                           .model_defaults = {.max_in_flight = 1}});
   absl::StatusOr<keel::admission_ticket> first = quotas.admit({.tenant = "acme", .model = "m"}, clock.now());
   REQUIRE(first.ok());
-  CHECK(quotas.tenant_usage("acme", clock.now())->in_flight == 1);
-  CHECK(quotas.tenant_usage("acme", clock.now())->rate_available == 9.0);
+  CHECK(quotas.tenant_figures("acme", clock.now())->in_flight == 1);
+  CHECK(quotas.tenant_figures("acme", clock.now())->rate_available == 9.0);
 
   // The model level refuses: the tenant's slot and rate token are given back.
   const absl::StatusOr<keel::admission_ticket> second = quotas.admit({.tenant = "acme", .model = "m"}, clock.now());
@@ -138,17 +138,17 @@ TEST_CASE("a request is admitted only if every level admits it; a refusal keeps 
   CHECK(second.status().message() == "keel: model 'm' is over its in_flight quota");
   CHECK(keel::retry_after(second.status()) == std::optional<keel::duration>(100ms));
   CHECK(keel::not_started(second.status()));
-  CHECK(quotas.tenant_usage("acme", clock.now())->in_flight == 1);
-  CHECK(quotas.tenant_usage("acme", clock.now())->rate_available == 9.0);
+  CHECK(quotas.tenant_figures("acme", clock.now())->in_flight == 1);
+  CHECK(quotas.tenant_figures("acme", clock.now())->rate_available == 9.0);
 
   // Another model is a separate key at the model level.
   absl::StatusOr<keel::admission_ticket> other = quotas.admit({.tenant = "acme", .model = "n"}, clock.now());
   CHECK(other.ok());
-  CHECK(quotas.tenant_usage("acme", clock.now())->in_flight == 2);
+  CHECK(quotas.tenant_figures("acme", clock.now())->in_flight == 2);
   first->cancel();
   *other = keel::admission_ticket();
-  CHECK(quotas.tenant_usage("acme", clock.now())->in_flight == 0);
-  CHECK(quotas.model_usage("m", clock.now())->in_flight == 0);
+  CHECK(quotas.tenant_figures("acme", clock.now())->in_flight == 0);
+  CHECK(quotas.model_figures("m", clock.now())->in_flight == 0);
 }
 
 TEST_CASE("the rate level refuses with when to come back", "[admission]") {
@@ -174,13 +174,13 @@ TEST_CASE("compute is reserved up front and reconciled with the actual cost", "[
   CHECK(keel::retry_after(over) == std::optional<keel::duration>(12s));  // 200 units at 1000 per minute
 
   a->reconcile(300, clock.now());  // the call used half its estimate: 300 come back
-  CHECK(quotas.tenant_usage("acme", clock.now())->compute_available == 700.0);
+  CHECK(quotas.tenant_figures("acme", clock.now())->compute_available == 700.0);
   absl::StatusOr<keel::admission_ticket> b = quotas.admit({.tenant = "acme", .estimate = 600}, clock.now());
   REQUIRE(b.ok());
   b->reconcile(900, clock.now());  // and this one more than estimated: charged
-  CHECK(quotas.tenant_usage("acme", clock.now())->compute_available == -200.0);
+  CHECK(quotas.tenant_figures("acme", clock.now())->compute_available == -200.0);
   a->reconcile(0, clock.now());  // settled once; later calls change nothing
-  CHECK(quotas.tenant_usage("acme", clock.now())->compute_available == -200.0);
+  CHECK(quotas.tenant_figures("acme", clock.now())->compute_available == -200.0);
 
   // An estimate above the whole budget can never pass: refused as permanent.
   const absl::Status never = quotas.admit({.tenant = "t2", .estimate = 5000}, clock.now()).status();
@@ -197,11 +197,11 @@ TEST_CASE("a compute refusal at the model level gives back the tenant's reservat
   REQUIRE(big.ok());
   const absl::Status s = quotas.admit({.tenant = "b", .model = "m", .estimate = 500}, clock.now()).status();
   CHECK(refused_by(s) == "model:m:compute");
-  const keel::quota_usage b = *quotas.tenant_usage("b", clock.now());
+  const keel::quota_figures b = *quotas.tenant_figures("b", clock.now());
   CHECK(b.compute_available == 10'000.0);
   CHECK(b.in_flight == 0);
   CHECK(b.rate_available == 10.0);
-  CHECK(quotas.model_usage("m", clock.now())->in_flight == 1);
+  CHECK(quotas.model_figures("m", clock.now())->in_flight == 1);
 }
 
 TEST_CASE("a replay counts toward the tenant's rate but spends no model capacity", "[admission][replay]") {
@@ -221,8 +221,8 @@ TEST_CASE("a replay counts toward the tenant's rate but spends no model capacity
   const absl::Status s =
       quotas.admit({.tenant = "acme", .model = "m", .kind = keel::request_kind::replay}, clock.now()).status();
   CHECK(refused_by(s) == "tenant:acme:rate");
-  CHECK(quotas.model_usage("m", clock.now())->rate_available == 0.0);
-  CHECK(quotas.tenant_usage("acme", clock.now())->compute_available == 0.0);
+  CHECK(quotas.model_figures("m", clock.now())->rate_available == 0.0);
+  CHECK(quotas.tenant_figures("acme", clock.now())->compute_available == 0.0);
 }
 
 TEST_CASE("queued work holds a queued slot until it starts", "[admission][queued]") {
@@ -234,29 +234,29 @@ TEST_CASE("queued work holds a queued slot until it starts", "[admission][queued
   CHECK(refused_by(quotas.admit({.tenant = "t", .queued = true}, clock.now()).status()) == "tenant:t:queued");
   CHECK(a->start().ok());
   CHECK(!a->queued());
-  CHECK(quotas.tenant_usage("t", clock.now())->queued == 0);
-  CHECK(quotas.tenant_usage("t", clock.now())->in_flight == 1);
+  CHECK(quotas.tenant_figures("t", clock.now())->queued == 0);
+  CHECK(quotas.tenant_figures("t", clock.now())->in_flight == 1);
 
   absl::StatusOr<keel::admission_ticket> c = quotas.admit({.tenant = "t", .estimate = 400, .queued = true}, clock.now());
   REQUIRE(c.ok());
   const absl::Status busy = c->start();  // in flight is full: stays queued
   CHECK(refused_by(busy) == "tenant:t:in_flight");
   CHECK(c->queued());
-  CHECK(quotas.tenant_usage("t", clock.now())->queued == 1);
+  CHECK(quotas.tenant_figures("t", clock.now())->queued == 1);
   *a = keel::admission_ticket();  // the running one finishes
   CHECK(c->start().ok());
-  CHECK(quotas.tenant_usage("t", clock.now())->in_flight == 1);
-  CHECK(quotas.tenant_usage("t", clock.now())->compute_available == 600.0);
+  CHECK(quotas.tenant_figures("t", clock.now())->in_flight == 1);
+  CHECK(quotas.tenant_figures("t", clock.now())->compute_available == 600.0);
 
   // A queued ticket dropped before it started gives its estimate back.
   {
     absl::StatusOr<keel::admission_ticket> d =
         quotas.admit({.tenant = "t", .estimate = 300, .queued = true}, clock.now());
     REQUIRE(d.ok());
-    CHECK(quotas.tenant_usage("t", clock.now())->compute_available == 300.0);
+    CHECK(quotas.tenant_figures("t", clock.now())->compute_available == 300.0);
   }
-  CHECK(quotas.tenant_usage("t", clock.now())->compute_available == 600.0);
-  CHECK(quotas.tenant_usage("t", clock.now())->queued == 0);
+  CHECK(quotas.tenant_figures("t", clock.now())->compute_available == 600.0);
+  CHECK(quotas.tenant_figures("t", clock.now())->queued == 0);
 }
 
 TEST_CASE("10,000 made-up tenants fill the table; a real tenant still gets its own full quota, never a shared one",
@@ -283,7 +283,7 @@ TEST_CASE("10,000 made-up tenants fill the table; a real tenant still gets its o
   // A second newcomer is refused on its own account too: nobody shares a bucket.
   CHECK(refused_by(quotas.admit({.tenant = "globex"}, clock.now()).status()) == "tenant:globex:table_full");
   CHECK(quotas.table_full_refusals() == 2);
-  CHECK(!quotas.tenant_usage("acme", clock.now()).has_value());
+  CHECK(!quotas.tenant_figures("acme", clock.now()).has_value());
 
   // Once the made-up keys are idle they are reclaimed, and acme gets
   // exactly a new tenant's quota: 4 in flight, 20 at once, 1000 units.
@@ -296,14 +296,14 @@ TEST_CASE("10,000 made-up tenants fill the table; a real tenant still gets its o
   }
   CHECK(quotas.keys_reclaimed() == 10'000);
   CHECK(refused_by(quotas.admit({.tenant = "acme"}, clock.now()).status()) == "tenant:acme:in_flight");
-  const keel::quota_usage acme = *quotas.tenant_usage("acme", clock.now());
+  const keel::quota_figures acme = *quotas.tenant_figures("acme", clock.now());
   CHECK(acme.in_flight == 4);
   CHECK(acme.rate_available == 16.0);
   CHECK(acme.compute_available == 0.0);
   // ...and globex, arriving now, has its own, untouched by acme's.
   absl::StatusOr<keel::admission_ticket> g = quotas.admit({.tenant = "globex", .estimate = 1000}, clock.now());
   REQUIRE(g.ok());
-  CHECK(quotas.tenant_usage("globex", clock.now())->in_flight == 1);
+  CHECK(quotas.tenant_figures("globex", clock.now())->in_flight == 1);
   CHECK(quotas.tenant_keys() == 2);
 }
 
@@ -329,20 +329,20 @@ TEST_CASE("idle keys are reclaimed when the table is full; keys in use never are
   absl::StatusOr<keel::admission_ticket> d = quotas.admit({.tenant = "d"}, clock.now());
   REQUIRE(d.ok());
   CHECK(quotas.keys_reclaimed() == 2);
-  CHECK(!quotas.tenant_usage("b", clock.now()).has_value());
-  CHECK(quotas.tenant_usage("a", clock.now())->in_flight == 1);  // kept, with its slot
+  CHECK(!quotas.tenant_figures("b", clock.now()).has_value());
+  CHECK(quotas.tenant_figures("a", clock.now())->in_flight == 1);  // kept, with its slot
   CHECK(refused_by(quotas.admit({.tenant = "a"}, clock.now()).status()) == "tenant:a:in_flight");
 
   // A returning key starts as a new one would: its state was a new one's.
   REQUIRE(quotas.admit({.tenant = "b"}, clock.now()).ok());
-  CHECK(quotas.tenant_usage("b", clock.now())->rate_available == 0.0);
+  CHECK(quotas.tenant_figures("b", clock.now())->rate_available == 0.0);
 
   // Released, a is reclaimable like any other once idle.
   *a = keel::admission_ticket();
   clock.advance(1s);
   REQUIRE(quotas.admit({.tenant = "e"}, clock.now()).ok());
   CHECK(quotas.tenant_keys() <= 3);
-  CHECK(!quotas.tenant_usage("a", clock.now()).has_value());
+  CHECK(!quotas.tenant_figures("a", clock.now()).has_value());
 }
 
 TEST_CASE("threads churning a small table: lookups race reclaiming, no key ever has two quotas, all comes back",
@@ -383,7 +383,7 @@ TEST_CASE("threads churning a small table: lookups race reclaiming, no key ever 
   CHECK(quotas.keys_reclaimed() > 0);
   CHECK(quotas.tenant_keys() <= 8);
   for (int k = 0; k < names; ++k) {
-    if (auto u = quotas.tenant_usage("tenant-" + std::to_string(k), now)) CHECK(u->in_flight == 0);
+    if (auto u = quotas.tenant_figures("tenant-" + std::to_string(k), now)) CHECK(u->in_flight == 0);
   }
   INFO("admitted " << admitted.load() << ", table_full " << full.load() << ", reclaimed " << quotas.keys_reclaimed());
   CHECK(quotas.table_full_refusals() == full.load());
@@ -398,8 +398,8 @@ TEST_CASE("configured overrides are never reclaimed; a level without default lim
                           .max_keys = 1});
   for (int i = 0; i < 5; ++i) REQUIRE(quotas.admit({.tenant = "t" + std::to_string(i), .model = "m" + std::to_string(i)},
                                                    clock.now()).ok());
-  CHECK(quotas.tenant_usage("vip", clock.now()).has_value());
-  CHECK(quotas.model_usage("m-large", clock.now()).has_value());
+  CHECK(quotas.tenant_figures("vip", clock.now()).has_value());
+  CHECK(quotas.model_figures("m-large", clock.now()).has_value());
   CHECK(quotas.model_keys() == 0);  // models other than m-large have no limit: nothing to keep
   CHECK(quotas.tenant_keys() == 1);
   CHECK(quotas.keys_reclaimed() == 4);
@@ -452,7 +452,7 @@ TEST_CASE("as a policy: refusal before the work, compute reconciled with what at
     keel::call c(clock.now(), {.labels = acme});
     CHECK(pipe.run(c, provider).ok());
   }
-  CHECK(quotas.tenant_usage("acme", clock.now())->compute_available == 9000.0);  // 2 x 500, not 2 x 2000
+  CHECK(quotas.tenant_figures("acme", clock.now())->compute_available == 9000.0);  // 2 x 500, not 2 x 2000
   keel::call third(clock.now(), {.labels = acme});
   const absl::StatusOr<int> r = pipe.run(third, provider);
   CHECK(refused_by(r.status()) == "tenant:acme:rate");
@@ -477,8 +477,8 @@ TEST_CASE("a level further in that refuses before any work rolls admission back,
   keel::admission quotas({.tenant_defaults = {.rate = 2, .burst = 2, .max_in_flight = 4, .compute_budget = 1000},
                           .model_defaults = {.rate = 5, .burst = 5, .max_in_flight = 4}});
   const keel::labels acme{.tenant = "acme", .model = "m"};
-  auto tenant = [&] { return *quotas.tenant_usage("acme", clock.now()); };
-  auto model = [&] { return *quotas.model_usage("m", clock.now()); };
+  auto tenant = [&] { return *quotas.tenant_figures("acme", clock.now()); };
+  auto model = [&] { return *quotas.model_figures("m", clock.now()); };
   int ran = 0;
   auto provider = [&](const keel::attempt& a) -> absl::Status {
     ++ran;

@@ -74,11 +74,11 @@ TEST_CASE("a count window judges only the last window_calls calls", "[breaker]")
   keel::circuit_breaker b({.window_calls = 4, .minimum_calls = 4, .failure_rate_threshold = 0.75});
   feed(b, t, outcome_kind::transient, 2);
   feed(b, t, outcome_kind::success, 3);  // window: F S S S
-  CHECK(b.snapshot(t).failures == 1);
-  CHECK(b.snapshot(t).calls == 4);
+  CHECK(b.figures(t).failures == 1);
+  CHECK(b.figures(t).calls == 4);
   feed(b, t, outcome_kind::transient, 2);  // S S F F: 0.5
   CHECK(b.state() == breaker_state::closed);
-  CHECK(b.snapshot(t).failure_rate == 0.5);
+  CHECK(b.figures(t).failure_rate == 0.5);
   feed(b, t, outcome_kind::transient);  // S F F F: 0.75
   CHECK(b.state() == breaker_state::open);
 }
@@ -95,13 +95,13 @@ TEST_CASE("a time window forgets calls older than its length, bucket by bucket",
   feed(b, clock.now(), outcome_kind::transient);
   clock.advance(1s);
   feed(b, clock.now(), outcome_kind::success);
-  CHECK(b.snapshot(clock.now()).calls == 3);
+  CHECK(b.figures(clock.now()).calls == 3);
   CHECK(b.state() == breaker_state::closed);  // judged on failures; the success only diluted
 
   clock.advance(8s);  // the first failure's bucket has left the window
-  CHECK(b.snapshot(clock.now()).calls == 2);
+  CHECK(b.figures(clock.now()).calls == 2);
   clock.advance(2s);  // all gone
-  CHECK(b.snapshot(clock.now()).calls == 0);
+  CHECK(b.figures(clock.now()).calls == 0);
   feed(b, clock.now(), outcome_kind::transient, 2);
   CHECK(b.state() == breaker_state::closed);  // 2 calls: too few
   feed(b, clock.now(), outcome_kind::transient);
@@ -141,7 +141,7 @@ TEST_CASE("an open breaker fails fast with the time left open as a retry hint", 
   CHECK(keel::refused_by(s) == std::optional<std::string>("breaker:llm-eu"));
   CHECK(keel::not_started(s));
   CHECK(keel::marked_outcome(s) == outcome_kind::refused);  // retried only after its hint
-  CHECK(b.snapshot(clock.now()).open_remaining == 7s);
+  CHECK(b.figures(clock.now()).open_remaining == 7s);
 
   clock.advance(7s - 1ns);
   CHECK(!b.try_acquire(clock.now()));
@@ -174,11 +174,11 @@ TEST_CASE("half-open lets exactly half_open_probes through; all succeeding close
   p1.record(outcome_kind::success, clock.now());
   p2.record(outcome_kind::success, clock.now());
   CHECK(b.state() == breaker_state::half_open);
-  CHECK(b.snapshot(clock.now()).probes_succeeded == 2);
+  CHECK(b.figures(clock.now()).probes_succeeded == 2);
   p3.record(outcome_kind::success, clock.now());
   CHECK(b.state() == breaker_state::closed);
-  CHECK(b.snapshot(clock.now()).calls == 0);  // a fresh window after closing
-  CHECK(b.snapshot(clock.now()).trips == 0);
+  CHECK(b.figures(clock.now()).calls == 0);  // a fresh window after closing
+  CHECK(b.figures(clock.now()).trips == 0);
   CHECK(log == std::vector<std::string>{"closed->open", "open->half-open", "half-open->closed"});
 }
 
@@ -189,24 +189,24 @@ TEST_CASE("one failed probe reopens the breaker; open durations may grow with tr
                            .open_duration_for = [](int trips) { return keel::duration(1s) * (1 << (trips - 1)); },
                            .half_open_probes = 2});
   feed(b, clock.now(), outcome_kind::transient, 2);
-  CHECK(b.snapshot(clock.now()).open_remaining == 1s);
+  CHECK(b.figures(clock.now()).open_remaining == 1s);
   for (keel::duration expected : {2s, 4s, 8s}) {
-    clock.advance(b.snapshot(clock.now()).open_remaining);
+    clock.advance(b.figures(clock.now()).open_remaining);
     keel::breaker_permit ok = b.try_acquire(clock.now());
     keel::breaker_permit bad = b.try_acquire(clock.now());
     REQUIRE((ok && bad));
     ok.record(outcome_kind::success, clock.now());
     bad.record(outcome_kind::transient, clock.now());
     CHECK(b.state() == breaker_state::open);
-    CHECK(b.snapshot(clock.now()).open_remaining == expected);
+    CHECK(b.figures(clock.now()).open_remaining == expected);
   }
-  CHECK(b.snapshot(clock.now()).trips == 4);
+  CHECK(b.figures(clock.now()).trips == 4);
   // Closing resets the count: the next trip opens for 1 s again.
   clock.advance(8s);
   feed(b, clock.now(), outcome_kind::success, 2);
   CHECK(b.state() == breaker_state::closed);
   feed(b, clock.now(), outcome_kind::transient, 2);
-  CHECK(b.snapshot(clock.now()).open_remaining == 1s);
+  CHECK(b.figures(clock.now()).open_remaining == 1s);
 }
 
 TEST_CASE("with a half-open failure rate, probes decide by their share of failures", "[breaker]") {
@@ -256,7 +256,7 @@ TEST_CASE("a probe that never reports is reclaimed after probe_timeout: half-ope
   clock.advance(1s);
   CHECK(!b.try_acquire(clock.now()));  // reclaimed as failures: reopened
   CHECK(b.state() == breaker_state::open);
-  CHECK(b.snapshot(clock.now()).open_remaining == 10s);
+  CHECK(b.figures(clock.now()).open_remaining == 10s);
 
   // The lost probes' late answers belong to a finished period: ignored.
   lost1.record(outcome_kind::success, clock.now());
@@ -313,8 +313,8 @@ TEST_CASE("ignored probe outcomes keep their slots: one half-open period never p
   CHECK(reached == 2);
   // Nothing was proved either way: open again for the same time, no new trip.
   CHECK(b.state() == breaker_state::open);
-  CHECK(b.snapshot(clock.now()).open_remaining == 5s);
-  CHECK(b.snapshot(clock.now()).trips == 1);
+  CHECK(b.figures(clock.now()).open_remaining == 5s);
+  CHECK(b.figures(clock.now()).trips == 1);
 
   // Next period: one ignored and one success close it (the counted probe decides).
   clock.advance(5s);
@@ -323,7 +323,7 @@ TEST_CASE("ignored probe outcomes keep their slots: one half-open period never p
   REQUIRE((p1 && p2));
   CHECK(!b.try_acquire(clock.now()));
   p1.record(outcome_kind::permanent, clock.now());
-  CHECK(b.snapshot(clock.now()).probes_ignored == 1);
+  CHECK(b.figures(clock.now()).probes_ignored == 1);
   CHECK(!b.try_acquire(clock.now()));  // the ignored probe's slot is not handed out again
   p2.record(outcome_kind::success, clock.now());
   CHECK(b.state() == breaker_state::closed);
@@ -394,7 +394,7 @@ TEST_CASE("operators force open, force closed and hand back to automatic via pro
   CHECK(b.state() == breaker_state::forced_closed);  // disabled: nothing counted
   b.automatic(clock.now());
   CHECK(b.state() == breaker_state::closed);
-  CHECK(b.snapshot(clock.now()).calls == 0);
+  CHECK(b.figures(clock.now()).calls == 0);
   b.automatic(clock.now());  // already automatic: nothing happens
   CHECK(log == std::vector<std::string>{"closed->forced-open", "forced-open->half-open", "half-open->closed",
                                         "closed->forced-closed", "forced-closed->closed"});
@@ -429,7 +429,7 @@ TEST_CASE("operator controls act from every state, and late results from before 
   b.automatic(clock.now());
   during.record(outcome_kind::transient, clock.now());
   CHECK(b.state() == breaker_state::half_open);
-  CHECK(b.snapshot(clock.now()).probes_failed == 0);
+  CHECK(b.figures(clock.now()).probes_failed == 0);
 }
 
 TEST_CASE("what counts follows the classification: client errors never trip a provider breaker", "[breaker]") {
@@ -438,7 +438,7 @@ TEST_CASE("what counts follows the classification: client errors never trip a pr
   feed(provider, t, outcome_kind::permanent, 20);  // bad keys, unsupported models
   feed(provider, t, outcome_kind::throttled, 20);  // rate limited: configurable, ignored by default
   CHECK(provider.state() == breaker_state::closed);
-  CHECK(provider.snapshot(t).calls == 0);
+  CHECK(provider.figures(t).calls == 0);
   feed(provider, t, outcome_kind::ambiguous, 2);  // a write's timeout is a failure of the dependency
   CHECK(provider.state() == breaker_state::open);
 
@@ -450,7 +450,7 @@ TEST_CASE("what counts follows the classification: client errors never trip a pr
       {.window_calls = 10, .minimum_calls = 2, .transient = keel::breaker_verdict::success});
   feed(lenient, t, outcome_kind::transient, 5);
   CHECK(lenient.state() == breaker_state::closed);
-  CHECK(lenient.snapshot(t).calls == 5);
+  CHECK(lenient.figures(t).calls == 5);
 }
 
 TEST_CASE("inside retry the breaker counts attempts; outside it counts calls", "[breaker][pipeline]") {
@@ -462,14 +462,14 @@ TEST_CASE("inside retry the breaker counts attempts; outside it counts calls", "
   keel::circuit_breaker per_attempt({.window_calls = 100, .minimum_calls = 100});
   keel::call c1(clock.now(), {.timeout = 10s});
   CHECK(!keel::pipeline(retry3, per_attempt).on(clock).run(c1, failing).ok());
-  CHECK(per_attempt.snapshot(clock.now()).calls == 3);
-  CHECK(per_attempt.snapshot(clock.now()).failures == 3);
+  CHECK(per_attempt.figures(clock.now()).calls == 3);
+  CHECK(per_attempt.figures(clock.now()).failures == 3);
 
   keel::circuit_breaker per_call({.window_calls = 100, .minimum_calls = 100});
   keel::call c2(clock.now(), {.timeout = 10s});
   CHECK(!keel::pipeline(per_call, retry3).on(clock).run(c2, failing).ok());
-  CHECK(per_call.snapshot(clock.now()).calls == 1);
-  CHECK(per_call.snapshot(clock.now()).failures == 1);
+  CHECK(per_call.figures(clock.now()).calls == 1);
+  CHECK(per_call.figures(clock.now()).failures == 1);
 
   // A call that fails twice and then succeeds is one success for the
   // per-call breaker.
@@ -479,8 +479,8 @@ TEST_CASE("inside retry the breaker counts attempts; outside it counts calls", "
   };
   keel::call c3(clock.now(), {.timeout = 10s});
   CHECK(keel::pipeline(per_call, retry3).on(clock).run(c3, flaky).ok());
-  CHECK(per_call.snapshot(clock.now()).calls == 2);
-  CHECK(per_call.snapshot(clock.now()).failures == 1);
+  CHECK(per_call.figures(clock.now()).calls == 2);
+  CHECK(per_call.figures(clock.now()).failures == 1);
 }
 
 TEST_CASE("a breaker that opens inside retry stops the remaining attempts", "[breaker][pipeline]") {
@@ -531,7 +531,7 @@ TEST_CASE("statuses marked not-started never count", "[breaker][pipeline]") {
   // must not read that as the dependency failing.
   const absl::StatusOr<int> r = pipe.run(expired, [](const keel::attempt&) -> absl::StatusOr<int> { return 1; });
   CHECK(keel::not_started(r.status()));
-  CHECK(b.snapshot(clock.now()).calls == 0);
+  CHECK(b.figures(clock.now()).calls == 0);
   CHECK(b.state() == breaker_state::closed);
 }
 
@@ -631,7 +631,7 @@ TEST_CASE("one tenant's bad key trips that tenant's breaker, not the provider's"
   CHECK(tenants.breaker_for(bad).state() == breaker_state::open);
   CHECK(tenants.breaker_for(good).state() == breaker_state::closed);
   CHECK(providers.breaker_for(good).state() == breaker_state::closed);
-  CHECK(providers.breaker_for(good).snapshot(clock.now()).calls == 1);  // the bad key's 3 calls were ignored
+  CHECK(providers.breaker_for(good).figures(clock.now()).calls == 1);  // the bad key's 3 calls were ignored
   CHECK(&providers.breaker_for(good) == &providers.breaker_for(bad));   // same endpoint/model/region
   CHECK(tenants.breaker_for(bad).name() == "tenant=revoked");
 }
@@ -831,12 +831,12 @@ TEST_CASE("concurrent closed-state records keep exact window totals", "[breaker]
     }
   };
   hammer(true);
-  const keel::breaker_snapshot mixed = b.snapshot(t);
+  const keel::breaker_figures mixed = b.figures(t);
   CHECK(mixed.calls == 64);
   CHECK(mixed.failures > 0);
   CHECK(mixed.failures < 64);
   hammer(false);
-  const keel::breaker_snapshot clean = b.snapshot(t);
+  const keel::breaker_figures clean = b.figures(t);
   CHECK(clean.calls == 64);
   CHECK(clean.failures == 0);  // no drift: every failure replaced exactly once
 }
@@ -876,7 +876,7 @@ TEST_CASE("refusals and cancellations are never counted, whatever the options sa
     }
   }
   CHECK(b.state() == keel::breaker_state::closed);
-  CHECK(b.snapshot(clock.now()).failure_rate == 0.0);
+  CHECK(b.figures(clock.now()).failure_rate == 0.0);
   // The control: two real failures open it.
   for (int i = 0; i < 2; ++i) {
     keel::call c(clock.now(), {.timeout = 1s});
@@ -895,7 +895,7 @@ TEST_CASE("a probe refused further in never reached the dependency: its half-ope
   CHECK(!b.try_acquire(clock.now()));  // the one probe is out
   first.record(outcome_kind::refused, clock.now());  // a quota further in declined it
   CHECK(b.state() == breaker_state::half_open);
-  CHECK(b.snapshot(clock.now()).probes_ignored == 0);
+  CHECK(b.figures(clock.now()).probes_ignored == 0);
   keel::breaker_permit second = b.try_acquire(clock.now());
   REQUIRE(second);  // the slot came back: the dependency has still seen no probe
   second.record(outcome_kind::success, clock.now());

@@ -381,7 +381,7 @@ TEST_CASE("the retry budget stops hedges", "[hedge][budget]") {
   CHECK(backup.calls() == 1);
   CHECK(primary.calls() == 2);
   CHECK(hedger.figures().hedges_started == 1);
-  CHECK(budget.read(clock.now()).requests == 2);  // the hedge deposits each call
+  CHECK(budget.figures(clock.now()).requests == 2);  // the hedge deposits each call
   CHECK(events.snapshot() == std::vector<std::string>{"started 1", "winner 1, outstanding 1", "skipped budget"});
 }
 
@@ -428,7 +428,7 @@ TEST_CASE("retries and hedges spend one retry budget: retries that drained it st
       return f.hedges_started + f.skipped_budget + f.skipped_executor + f.skipped_other == 1;
     }));
     CHECK(hedger.figures().skipped_budget == 1);
-    CHECK(shared.read(clock.now()).retries == 2);  // both spent by the retries; none by the hedge
+    CHECK(shared.figures(clock.now()).retries == 2);  // both spent by the retries; none by the hedge
     clock.advance(220ms);
     CHECK(run.get().value() == 1);  // the slow primary's answer, at 320 ms
     CHECK(clock.now() - t0 == ms(320));
@@ -448,8 +448,8 @@ TEST_CASE("retries and hedges spend one retry budget: retries that drained it st
     clock.await_sleepers(2);  // the primary's third try and the hedge
     clock.advance(10ms);
     CHECK(run.get().value() == 2);  // the hedge's answer, at 110 ms
-    CHECK(elsewhere.read(clock.now()).retries == 2);
-    CHECK(shared.read(clock.now()).retries == 1);  // the hedge's
+    CHECK(elsewhere.figures(clock.now()).retries == 2);
+    CHECK(shared.figures(clock.now()).retries == 1);  // the hedge's
     CHECK(hedger.figures().hedges_started == 1);
     CHECK(hedger.figures().skipped_budget == 0);
     CHECK(events.snapshot() == std::vector<std::string>{"started 1", "winner 1, outstanding 1"});

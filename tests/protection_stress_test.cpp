@@ -348,9 +348,9 @@ TEST_CASE("1,000,000 randomized acquire/cancel/timeout/throw operations leak not
           for (int t = 0; t < kTenants; ++t) {
             if (tenant_running[t].now.load() > tenant_in_flight[t]) violated("tenant in flight over its limit");
             if (tenant_waiting[t].now.load() > tenant_queued[t]) violated("tenant queued over its limit");
-            const std::optional<keel::quota_usage> seen = quotas.tenant_usage(tenant_names[t], frozen);
+            const std::optional<keel::quota_figures> seen = quotas.tenant_figures(tenant_names[t], frozen);
             if (!seen) continue;  // no request for this tenant yet
-            const keel::quota_usage& u = *seen;
+            const keel::quota_figures& u = *seen;
             if (u.in_flight > tenant_in_flight[t] || u.queued > tenant_queued[t] || u.in_flight < 0 || u.queued < 0)
               violated("tenant usage out of bounds");
             // Read after the usage: it can only have grown since.
@@ -396,14 +396,14 @@ TEST_CASE("1,000,000 randomized acquire/cancel/timeout/throw operations leak not
     CHECK(f.admitted == f.completed);
   }
   CHECK(pools.on_loan(0, 1) == 0);
-  for (int t = 0; t < kTenants; ++t) REQUIRE(quotas.tenant_usage(tenant_names[t], frozen).has_value());
-  for (int m = 0; m < kModels; ++m) REQUIRE(quotas.model_usage(model_names[m], frozen).has_value());
+  for (int t = 0; t < kTenants; ++t) REQUIRE(quotas.tenant_figures(tenant_names[t], frozen).has_value());
+  for (int m = 0; m < kModels; ++m) REQUIRE(quotas.model_figures(model_names[m], frozen).has_value());
   // Compute: each tenant's bucket holds exactly its budget minus what it
   // kept (actual costs reconciled, excess charges included, plus the
   // estimates of work that blew up before reconciling); everything else
   // came back. The tight tenant ends in debt: it was charged more than it had.
   for (int t = 0; t < kTenants; ++t) {
-    const keel::quota_usage u = *quotas.tenant_usage(tenant_names[t], frozen);
+    const keel::quota_figures u = *quotas.tenant_figures(tenant_names[t], frozen);
     INFO("tenant " << tenant_names[t]);
     CHECK(u.in_flight == 0);
     CHECK(u.queued == 0);
@@ -412,15 +412,15 @@ TEST_CASE("1,000,000 randomized acquire/cancel/timeout/throw operations leak not
     CHECK(u.compute_available >= -static_cast<double>(debt_allowed[t].load()));
   }
   CHECK(debt_allowed[2].load() > 0);
-  CHECK(quotas.tenant_usage("tight", frozen)->compute_available < 0);
+  CHECK(quotas.tenant_figures("tight", frozen)->compute_available < 0);
   for (int m = 0; m < kModels; ++m) {
     CHECK(model_running[m].peak.load() <= 2);
-    CHECK(quotas.model_usage(model_names[m], frozen)->in_flight == 0);
+    CHECK(quotas.model_figures(model_names[m], frozen)->in_flight == 0);
   }
   // Tokens: exactly one per request admitted whose work ran (or that was
   // admitted directly), none kept by refused ones.
   double tokens_left = 0;
-  for (int t = 0; t < kTenants; ++t) tokens_left += kBurst - quotas.tenant_usage(tenant_names[t], frozen)->rate_available;
+  for (int t = 0; t < kTenants; ++t) tokens_left += kBurst - quotas.tenant_figures(tenant_names[t], frozen)->rate_available;
   CHECK(static_cast<std::int64_t>(tokens_left) == rate_spent.load());
 }
 
@@ -449,6 +449,6 @@ TEST_CASE("the full protection pipeline allocates nothing per call", "[protectio
     if (!r.ok()) FAIL("pipeline failed: " << r.status());
   }
   CHECK(allocations.count() == 0);
-  CHECK(breaker.snapshot(keel::real_clock{}.now()).calls == 100);  // the window is full of successes
+  CHECK(breaker.figures(keel::real_clock{}.now()).calls == 100);  // the window is full of successes
   CHECK(pools.figures(0).completed == 1001);
 }

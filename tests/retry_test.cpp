@@ -294,7 +294,7 @@ TEST_CASE("a spent retry budget stops retries and says so", "[retry][budget]") {
   CHECK(contains(r.status().message(), "retry budget exhausted"));
   CHECK(keel::refused_by(r.status()) == "retry_budget");
   CHECK(provider.calls() == 1);
-  CHECK(budget.read(clock.now()).requests == 1);
+  CHECK(budget.figures(clock.now()).requests == 1);
 }
 
 TEST_CASE("the retry budget allows ratio x requests plus the floor, over its window", "[budget]") {
@@ -304,13 +304,13 @@ TEST_CASE("the retry budget allows ratio x requests plus the floor, over its win
   int granted = 0;
   while (budget.try_acquire_retry(clock.now())) ++granted;
   CHECK(granted == 5 + 1);
-  CHECK(budget.read(clock.now()).retries == 6);
-  CHECK(budget.read(clock.now()).allowed == 6);
+  CHECK(budget.figures(clock.now()).retries == 6);
+  CHECK(budget.figures(clock.now()).allowed == 6);
 
   // A window later the old requests and retries have aged out: only the floor remains.
   clock.advance(11s);
-  CHECK(budget.read(clock.now()).requests == 0);
-  CHECK(budget.read(clock.now()).allowed == 1);
+  CHECK(budget.figures(clock.now()).requests == 0);
+  CHECK(budget.figures(clock.now()).allowed == 1);
   granted = 0;
   while (budget.try_acquire_retry(clock.now())) ++granted;
   CHECK(granted == 1);
@@ -325,7 +325,7 @@ TEST_CASE("the retry budget's floor accrues as a rate: min_per_second, not min x
     return n;
   };
   // A quiet service holds one second's worth (5), not the window's (50).
-  CHECK(budget.read(clock.now()).allowed == 5);
+  CHECK(budget.figures(clock.now()).allowed == 5);
   CHECK(drain() == 5);
   // Then it earns one every 200 ms.
   clock.advance(199ms);
@@ -369,14 +369,14 @@ TEST_CASE("a call deposits one request into a budget, however many retry layers 
     keel::call call(clock.now(), {.timeout = 1min, .max_attempts = 4});
     CHECK_FALSE(pipe.run(call, provider).ok());
     CHECK(provider.calls() == 2);  // ratio 1, one request: the one retry the deposit bought
-    CHECK(budget.read(clock.now()).requests == 1);
+    CHECK(budget.figures(clock.now()).requests == 1);
   }
   SECTION("an application pipeline around an SDK pipeline, one call") {
     auto sdk = keel::pipeline(two).on(clock);
     auto application = keel::pipeline(two).on(clock);
     keel::call call(clock.now(), {.timeout = 1min, .max_attempts = 4});
     CHECK_FALSE(application.run(call, [&](const keel::attempt&) { return sdk.run(call, provider); }).ok());
-    CHECK(budget.read(clock.now()).requests == 1);
+    CHECK(budget.figures(clock.now()).requests == 1);
   }
   SECTION("each call deposits once; another budget gets its own deposit") {
     keel::retry_budget other({.ratio = 1.0, .min_per_second = 0.0});
@@ -385,14 +385,14 @@ TEST_CASE("a call deposits one request into a budget, however many retry layers 
       keel::call call(clock.now(), {.timeout = 1min, .max_attempts = 4});
       (void)pipe.run(call, provider);
     }
-    CHECK(budget.read(clock.now()).requests == 3);
-    CHECK(other.read(clock.now()).requests == 3);
+    CHECK(budget.figures(clock.now()).requests == 3);
+    CHECK(other.figures(clock.now()).requests == 3);
   }
   SECTION("record_request(call, now) says whether it deposited") {
     keel::call call(clock.now(), {.timeout = 1min});
     CHECK(budget.record_request(call, clock.now()));
     CHECK_FALSE(budget.record_request(call, clock.now()));
-    CHECK(budget.read(clock.now()).requests == 1);
+    CHECK(budget.figures(clock.now()).requests == 1);
   }
 }
 
@@ -410,7 +410,7 @@ TEST_CASE("a hedge and a retry sharing a budget deposit once per call, deposit_r
     keel::call b(keel::real_clock{}.now(), {.timeout = 1min});
     REQUIRE(retry_outside.run(b, answer).value() == 7);
   }
-  CHECK(budget.read(keel::real_clock{}.now()).requests == 6);
+  CHECK(budget.figures(keel::real_clock{}.now()).requests == 6);
 }
 
 TEST_CASE("the retry budget never over-admits under contention", "[budget][concurrency]") {
@@ -430,7 +430,7 @@ TEST_CASE("the retry budget never over-admits under contention", "[budget][concu
   for (int g : granted) total += g;
   CHECK(total <= 100);
   CHECK(total >= 100 - kThreads);  // at most a last retry or two lost to a race, never more granted
-  CHECK(budget.read(now).retries == total);
+  CHECK(budget.figures(now).retries == total);
 }
 
 TEST_CASE("cancellation while waiting to retry ends the call at once", "[retry][concurrency]") {

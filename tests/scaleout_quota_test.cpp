@@ -209,7 +209,7 @@ TEST_CASE("as a pipeline level after admission: refusal before the work, replays
   CHECK(keel::not_started(r.status()));
   CHECK(ran == 1);  // refused before the work
   CHECK(refusals == std::vector<std::string>{"provider:m"});
-  CHECK(quotas.tenant_usage("acme", clock.now())->in_flight == 0);  // admission's slot went back
+  CHECK(quotas.tenant_figures("acme", clock.now())->in_flight == 0);  // admission's slot went back
   keel::call replayed(clock.now(), {.labels = acme});
   replayed.mark_replayed();
   CHECK(pipe.run(replayed, work).ok());  // a replay spends no provider capacity
@@ -231,7 +231,7 @@ TEST_CASE("all-or-nothing across the shared level: its refusal leaves the tenant
   const keel::labels acme{.tenant = "acme", .model = "m"};
   keel::call first(clock.now(), {.labels = acme});
   REQUIRE(pipe.run(first, work).ok());  // the fleet's one unit, and one of the tenant's two tokens
-  REQUIRE(quotas.tenant_usage("acme", clock.now())->rate_available == 1.0);
+  REQUIRE(quotas.tenant_figures("acme", clock.now())->rate_available == 1.0);
 
   // The shared quota is exhausted: every further call is refused by it, never
   // by the tenant's rate, because a refused call gives the tenant's token back.
@@ -244,7 +244,7 @@ TEST_CASE("all-or-nothing across the shared level: its refusal leaves the tenant
     CHECK(keel::not_started(r.status()));
   }
   CHECK(ran == 1);
-  CHECK(quotas.tenant_usage("acme", clock.now())->rate_available == 1.0);
+  CHECK(quotas.tenant_figures("acme", clock.now())->rate_available == 1.0);
   CHECK(provider.fallback_decisions() == 0);
 }
 
@@ -271,7 +271,7 @@ TEST_CASE("all-or-nothing across the shared level: a refusal further in gives th
     CHECK(keel::refused_by(r.status()) == std::optional<std::string>("breaker:llm"));
   }
   CHECK(ran == 0);
-  CHECK(quotas.tenant_usage("acme", clock.now())->rate_available == 2.0);
+  CHECK(quotas.tenant_figures("acme", clock.now())->rate_available == 2.0);
   // The fleet's bucket still holds both units.
   const keel::time_point now = clock.now();
   CHECK(provider.try_acquire(now).granted);

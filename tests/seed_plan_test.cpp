@@ -209,9 +209,9 @@ TEST_CASE("seed plan, happy path: the primary answers; hedge and fallback armed,
   CHECK(small_model.calls() == 0);
   CHECK(parts.hedger.figures().calls == 1);
   CHECK(parts.hedger.figures().hedges_started == 0);
-  CHECK(parts.breakers.breaker_for(learner).snapshot(clock.now()).calls == 1);
+  CHECK(parts.breakers.breaker_for(learner).figures(clock.now()).calls == 1);
   // Admission and the bulkhead gave everything back.
-  CHECK(parts.quotas.tenant_usage("learner-7", clock.now())->in_flight == 0);
+  CHECK(parts.quotas.tenant_figures("learner-7", clock.now())->in_flight == 0);
 }
 
 TEST_CASE("seed plan, the seed's timeline: a stalled model, one deadline spent once, a degraded answer",
@@ -307,7 +307,7 @@ TEST_CASE("seed plan, breaker open: refused before any work, the fallback serves
   CHECK(fb.timeout == ms(2500));  // all the work time left: nothing was spent
   CHECK(parts.hedger.figures().hedges_started == 0);
   // The refused pass did no work, so admission rolled it back.
-  CHECK(parts.quotas.tenant_usage("learner-7", clock.now())->in_flight == 0);
+  CHECK(parts.quotas.tenant_figures("learner-7", clock.now())->in_flight == 0);
 }
 
 TEST_CASE("seed plan, admission refusal: the primary provider is never called", "[seed_plan][seed]") {

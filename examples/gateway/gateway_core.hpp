@@ -1125,7 +1125,7 @@ class gateway_core {
     }
     keel::metric_family_snapshot budget =
         gauge("gateway_retry_budget", "The service-wide retry budget over its window.", {"figure"});
-    const keel::retry_budget::snapshot b = budget_.read(now);
+    const keel::retry_budget_figures b = budget_.figures(now);
     budget.series.push_back({.labels = {"requests"}, .value = static_cast<double>(b.requests)});
     budget.series.push_back({.labels = {"retries"}, .value = static_cast<double>(b.retries)});
     budget.series.push_back({.labels = {"allowed"}, .value = static_cast<double>(b.allowed)});

@@ -221,7 +221,7 @@ struct admission_refused {
 }  // namespace events
 
 // One key's usage at a moment.
-struct quota_usage {
+struct quota_figures {
   int in_flight = 0;
   int queued = 0;
   double rate_available = 0.0;     // requests the bucket holds (0 without a rate limit)
@@ -537,10 +537,10 @@ class admission {
   }
 
   // Usage of one tenant / model, if it is in the table (overrides always are).
-  [[nodiscard]] std::optional<quota_usage> tenant_usage(std::string_view key, time_point now) const {
+  [[nodiscard]] std::optional<quota_figures> tenant_figures(std::string_view key, time_point now) const {
     return tenants_.usage(key, now);
   }
-  [[nodiscard]] std::optional<quota_usage> model_usage(std::string_view key, time_point now) const {
+  [[nodiscard]] std::optional<quota_figures> model_figures(std::string_view key, time_point now) const {
     return models_.usage(key, now);
   }
   // Keys each level holds besides its overrides (at most max_keys).
@@ -631,7 +631,7 @@ class admission {
       return insert(key, h, now, full);
     }
 
-    [[nodiscard]] std::optional<quota_usage> usage(std::string_view key, time_point now) const {
+    [[nodiscard]] std::optional<quota_figures> usage(std::string_view key, time_point now) const {
       const std::size_t h = detail::key_hash(key, seed);
       if (const detail::quota* q = override_of(key, h)) return usage_of(*q, now);
       if (!limited) return std::nullopt;
@@ -698,8 +698,8 @@ class admission {
       return nullptr;
     }
 
-    static quota_usage usage_of(const detail::quota& q, time_point now) noexcept {
-      quota_usage u;
+    static quota_figures usage_of(const detail::quota& q, time_point now) noexcept {
+      quota_figures u;
       u.in_flight = q.in_flight.load(std::memory_order_acquire);
       u.queued = q.queued.load(std::memory_order_acquire);
       if (q.rate) u.rate_available = q.rate->available(now);

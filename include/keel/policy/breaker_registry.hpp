@@ -130,7 +130,7 @@ struct breaker_registry_options {
 // One row of breaker_registry::list().
 struct breaker_entry {
   std::string domain;
-  breaker_snapshot state;
+  breaker_figures state;
 };
 
 class breaker_registry {
@@ -178,11 +178,11 @@ class breaker_registry {
   // when it has been used.
   [[nodiscard]] std::vector<breaker_entry> list(time_point now) const {
     std::vector<breaker_entry> out;
-    auto add = [&](const key&, const circuit_breaker& b) { out.push_back({std::string(b.name()), b.snapshot(now)}); };
+    auto add = [&](const key&, const circuit_breaker& b) { out.push_back({std::string(b.name()), b.figures(now)}); };
     table_.for_each(add);
     operated_.for_each(add);
     std::sort(out.begin(), out.end(), [](const breaker_entry& a, const breaker_entry& b) { return a.domain < b.domain; });
-    if (overflowed() > 0) out.push_back({std::string(overflow_.name()), overflow_.snapshot(now)});
+    if (overflowed() > 0) out.push_back({std::string(overflow_.name()), overflow_.figures(now)});
     return out;
   }
 

@@ -249,7 +249,7 @@ struct circuit_breaker_options {
 };
 
 // What a breaker looks like at one moment.
-struct breaker_snapshot {
+struct breaker_figures {
   breaker_state state = breaker_state::closed;
   int calls = 0;              // in the window (closed state)
   int failures = 0;
@@ -546,9 +546,9 @@ class circuit_breaker {
     }
   }
 
-  [[nodiscard]] breaker_snapshot snapshot(time_point now) const noexcept {
+  [[nodiscard]] breaker_figures figures(time_point now) const noexcept {
     const std::uint64_t w = word_.load(std::memory_order_acquire);
-    breaker_snapshot s;
+    breaker_figures s;
     s.state = state_of(w);
     const detail::count_window::totals t = totals(now);
     s.calls = t.calls;

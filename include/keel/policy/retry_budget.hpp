@@ -49,6 +49,16 @@
 
 namespace keel {
 
+// What a retry budget holds over its window (retry_budget::figures).
+struct retry_budget_figures {
+  std::int64_t requests = 0;  // in the window
+  std::int64_t retries = 0;   // in the window, from the ratio and the floor
+  // Retries the window allows in all: what the ratio allows, plus what the
+  // floor granted in the window and holds now. allowed - retries may be
+  // spent at once.
+  std::int64_t allowed = 0;
+};
+
 struct retry_budget_options {
   // Retries allowed per request seen in the window, in [0, 1].
   double ratio = 0.1;
@@ -122,15 +132,8 @@ class retry_budget {
     return false;
   }
 
-  struct snapshot {
-    std::int64_t requests = 0;  // in the window
-    std::int64_t retries = 0;   // in the window, from the ratio and the floor
-    // Retries the window allows in all: what the ratio allows, plus what the
-    // floor granted in the window and holds now. allowed - retries may be
-    // spent at once.
-    std::int64_t allowed = 0;
-  };
-  [[nodiscard]] snapshot read(time_point now) const noexcept {
+  // A consistent view of the numbers at `now`.
+  [[nodiscard]] retry_budget_figures figures(time_point now) const noexcept {
     const std::uint32_t e = epoch(now);
     const std::int64_t from_floor = sum(floor_retries_, e);
     return {sum(requests_, e), sum(retries_, e) + from_floor, ratio_allows(e) + from_floor + floor_holds(now)};
