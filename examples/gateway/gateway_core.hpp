@@ -154,7 +154,10 @@ using json = nlohmann::json;
   const std::optional<std::string> by = keel::refused_by(s);
   // A quota table full of other tenants' keys is not the tenant's own quota.
   const bool own_quota = by && by->starts_with("tenant:") && !by->ends_with(":table_full");
-  if (by && keel::not_started(s) && s.code() != absl::StatusCode::kInvalidArgument) {
+  // keel refused because the request's own time ran out (no time left for
+  // a stage or an attempt): to the client that is a timeout, not a limit.
+  const bool out_of_time = by && (*by == "deadline" || *by == "time_limit" || *by == "adaptive_timeout");
+  if (by && !out_of_time && keel::not_started(s) && s.code() != absl::StatusCode::kInvalidArgument) {
     // Refused before any work by a named limit: the tenant's own quota, or
     // the service's (a bulkhead queue that timed out included).
     return own_quota ? 429 : 503;
