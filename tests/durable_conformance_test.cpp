@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "durable_support.hpp"
+#include "support/durable.hpp"
 #include "keel/store/memory.hpp"
 #include "keel/store/sqlite.hpp"
 #include "keel/testing/manual_clock.hpp"

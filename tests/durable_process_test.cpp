@@ -23,7 +23,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "durable_support.hpp"
+#include "support/durable.hpp"
 #include "keel/core/call.hpp"
 #include "keel/durable/digest.hpp"
 #include "keel/durable/lease.hpp"

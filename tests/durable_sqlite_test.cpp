@@ -16,7 +16,7 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
-#include "durable_support.hpp"
+#include "support/durable.hpp"
 #include "keel/core/call.hpp"
 #include "keel/core/outcome.hpp"
 #include "keel/durable/digest.hpp"

@@ -14,11 +14,11 @@
 
 #include <libpq-fe.h>
 
-#include "jobs_suite.hpp"
-#include "jobs_support.hpp"
+#include "support/jobs_suite.hpp"
+#include "support/jobs.hpp"
 #include "keel/durable/job_queue.hpp"
 #include "keel/store/postgres_jobs.hpp"
-#include "scaleout_support.hpp"
+#include "support/scaleout.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;

@@ -18,8 +18,8 @@
 
 #include <sqlite3.h>
 
-#include "jobs_suite.hpp"
-#include "jobs_support.hpp"
+#include "support/jobs_suite.hpp"
+#include "support/jobs.hpp"
 #include "keel/durable/job_queue.hpp"
 #include "keel/store/sqlite.hpp"
 #include "keel/store/sqlite_jobs.hpp"

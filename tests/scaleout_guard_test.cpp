@@ -17,7 +17,7 @@
 #include "keel/store/postgres.hpp"
 #include "keel/store/redis.hpp"
 #include "keel/testing/manual_clock.hpp"
-#include "scaleout_support.hpp"
+#include "support/scaleout.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;

@@ -18,7 +18,7 @@
 #include <libpq-fe.h>
 
 #include "keel/testing/store_conformance.hpp"
-#include "scaleout_support.hpp"
+#include "support/scaleout.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;

@@ -5,7 +5,7 @@
 // writes refused).
 //
 // Children are this test binary re-executed, running only the hidden test
-// case "scaleout child process" (see scaleout_support.hpp).
+// case "scaleout child process" (see support/scaleout.hpp).
 #include <signal.h>
 #include <unistd.h>
 
@@ -27,8 +27,8 @@
 #include "keel/durable/lease.hpp"
 #include "keel/durable/once.hpp"
 #include "keel/store/shared_quota.hpp"
-#include "scaleout_backends.hpp"
-#include "scaleout_support.hpp"
+#include "support/scaleout_backends.hpp"
+#include "support/scaleout.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;

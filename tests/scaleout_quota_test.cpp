@@ -21,7 +21,7 @@
 #include "keel/policy/admission.hpp"
 #include "keel/policy/circuit_breaker.hpp"
 #include "keel/testing/manual_clock.hpp"
-#include "scaleout_support.hpp"
+#include "support/scaleout.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;

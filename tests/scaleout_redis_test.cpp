@@ -20,7 +20,7 @@
 #include <hiredis/hiredis.h>
 
 #include "keel/testing/store_conformance.hpp"
-#include "scaleout_support.hpp"
+#include "support/scaleout.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;

@@ -15,8 +15,8 @@
 #include "keel/core/call.hpp"
 #include "keel/durable/digest.hpp"
 #include "keel/durable/once.hpp"
-#include "scaleout_backends.hpp"
-#include "scaleout_support.hpp"
+#include "support/scaleout_backends.hpp"
+#include "support/scaleout.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;

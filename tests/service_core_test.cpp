@@ -15,7 +15,7 @@
 #include "gateway_core.hpp"
 #include "keel/store/sqlite_jobs.hpp"
 #include "keel/testing/manual_clock.hpp"
-#include "service_support.hpp"
+#include "support/service.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;

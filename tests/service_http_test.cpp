@@ -23,7 +23,7 @@
 
 #include "gateway_service.hpp"
 #include "load_generator.hpp"
-#include "service_support.hpp"
+#include "support/service.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;

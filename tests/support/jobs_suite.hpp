@@ -1,6 +1,6 @@
 // The job queue behaviour suite, written once and run against every backend:
 // KEEL_JOBS_SUITE(fixture, "name", "[tags]") defines one Catch2 test case per
-// behaviour for that backend's fixture (see jobs_support.hpp for the fixture
+// behaviour for that backend's fixture (see support/jobs.hpp for the fixture
 // shape: open(), advance(d), clock, slack).
 //
 // Time: the SQLite fixture's store reads the manual clock; the PostgreSQL
@@ -22,7 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include "jobs_support.hpp"
+#include "support/jobs.hpp"
 #include "keel/durable/job_queue.hpp"
 #include "support/catch.hpp"
 

@@ -17,7 +17,7 @@
 
 #include "keel/store/postgres.hpp"
 #include "keel/store/redis.hpp"
-#include "scaleout_support.hpp"
+#include "support/scaleout.hpp"
 
 namespace keel_scaleout {
 

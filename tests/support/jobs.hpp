@@ -1,5 +1,5 @@
 // Helpers for the job queue tests: backend fixtures the shared behaviour
-// suite (jobs_suite.hpp) runs against, and a durable execution log that
+// suite (support/jobs_suite.hpp) runs against, and a durable execution log that
 // workers in threads or processes append to.
 #pragma once
 
@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "durable_support.hpp"
+#include "support/durable.hpp"
 #include "keel/durable/job_queue.hpp"
 #include "keel/store/sqlite_jobs.hpp"
 #include "keel/testing/manual_clock.hpp"
