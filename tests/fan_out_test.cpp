@@ -28,6 +28,7 @@
 #include "keel/store/memory.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_provider.hpp"
+#include "support/async.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;
@@ -39,6 +40,9 @@ using panel_t = keel::fan_out<std::string, store_t, keel::bounded_pool, manual_c
 constexpr auto sleep_mode = text_provider::mode::sleep;
 
 namespace {
+
+using keel_test::async_call;
+using keel_test::eventually;
 
 keel::digest unit_key(std::string_view facts, std::string_view model, std::string_view rubric) {
   return keel::digest_builder().field("facts", facts).field("model", model).field("rubric", rubric).finish();
@@ -60,36 +64,6 @@ absl::Status has_score(const std::string& r) {
     return absl::InvalidArgumentError(absl::StrCat("invalid result \"", r, "\": no score"));
   return absl::OkStatus();
 }
-
-template <class Pred>
-bool eventually(Pred pred) {
-  const auto give_up = std::chrono::steady_clock::now() + 20s;
-  while (!pred()) {
-    if (std::chrono::steady_clock::now() > give_up) return false;
-    std::this_thread::yield();
-  }
-  return true;
-}
-
-template <class R>
-class async_call {
- public:
-  template <class F>
-  explicit async_call(F f) : thread_([this, f = std::move(f)]() mutable { result_.emplace(f()); }) {}
-  async_call(const async_call&) = delete;
-  async_call& operator=(const async_call&) = delete;
-  ~async_call() {
-    if (thread_.joinable()) thread_.join();
-  }
-  R get() {
-    thread_.join();
-    return std::move(*result_);
-  }
-
- private:
-  std::optional<R> result_;
-  std::thread thread_;
-};
 
 // Scripted providers by unit name, each behind its own pipeline and call.
 struct providers {

@@ -25,6 +25,7 @@
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_provider.hpp"
 #include "support/alloc_counter.hpp"
+#include "support/async.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;
@@ -35,45 +36,10 @@ constexpr auto sleep_mode = provider_t::mode::sleep;
 
 namespace {
 
+using keel_test::async_call;
+using keel_test::eventually;
+
 keel::duration ms(long long n) { return std::chrono::duration_cast<keel::duration>(std::chrono::milliseconds(n)); }
-
-// Runs `f` on its own thread (the caller of a hedged pipeline, whose primary
-// attempt sleeps on the manual clock); get() joins.
-template <class R>
-class async_call {
- public:
-  template <class F>
-  explicit async_call(F f) : thread_([this, f = std::move(f)]() mutable {
-      result_.emplace(f());
-      done_ = true;
-    }) {}
-  async_call(const async_call&) = delete;
-  async_call& operator=(const async_call&) = delete;
-  ~async_call() {
-    if (thread_.joinable()) thread_.join();
-  }
-  [[nodiscard]] bool done() const { return done_.load(); }
-  R get() {
-    thread_.join();
-    return std::move(*result_);
-  }
-
- private:
-  std::optional<R> result_;
-  std::atomic<bool> done_{false};
-  std::thread thread_;
-};
-
-// Waits (in real time, bounded) for a state another thread will reach.
-template <class Pred>
-bool eventually(Pred pred) {
-  const auto give_up = std::chrono::steady_clock::now() + 20s;
-  while (!pred()) {
-    if (std::chrono::steady_clock::now() > give_up) return false;
-    std::this_thread::yield();
-  }
-  return true;
-}
 
 // Waits until every loser of `h`'s races has returned: a call returns with
 // its answer while cancelled losers may still run on the executor.

@@ -33,6 +33,7 @@
 #include "keel/policy/time_limit.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_provider.hpp"
+#include "support/async.hpp"
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;
@@ -43,39 +44,10 @@ constexpr auto sleep_mode = text_provider::mode::sleep;
 
 namespace {
 
+using keel_test::async_call;
+using keel_test::eventually;
+
 keel::duration ms(long long n) { return std::chrono::duration_cast<keel::duration>(std::chrono::milliseconds(n)); }
-
-template <class Pred>
-bool eventually(Pred pred) {
-  const auto give_up = std::chrono::steady_clock::now() + 20s;
-  while (!pred()) {
-    if (std::chrono::steady_clock::now() > give_up) return false;
-    std::this_thread::yield();
-  }
-  return true;
-}
-
-// Runs `f` on its own thread (the request's thread, whose attempts sleep on
-// the manual clock while the test moves it); get() joins.
-template <class R>
-class async_call {
- public:
-  template <class F>
-  explicit async_call(F f) : thread_([this, f = std::move(f)]() mutable { result_.emplace(f()); }) {}
-  async_call(const async_call&) = delete;
-  async_call& operator=(const async_call&) = delete;
-  ~async_call() {
-    if (thread_.joinable()) thread_.join();
-  }
-  R get() {
-    thread_.join();
-    return std::move(*result_);
-  }
-
- private:
-  std::optional<R> result_;
-  std::thread thread_;
-};
 
 // A manual clock that counts the reads made through this handle. The hedge's
 // timer thread gets a handle that counts nothing: only the call's own reads
