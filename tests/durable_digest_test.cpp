@@ -31,7 +31,11 @@ TEST_CASE("digest hex round-trips and rejects malformed text", "[digest]") {
   for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   CHECK(keel::digest::from_hex(upper) == d);
   CHECK_FALSE(keel::digest::from_hex(d.hex().substr(1)).has_value());
-  CHECK_FALSE(keel::digest::from_hex(std::string(63, '0') + "g").has_value());
+  // Built in place: g++ 12 at -O2 warns (-Warray-bounds, a false positive)
+  // on std::string(n, c) + "g".
+  std::string bad_digit(63, '0');
+  bad_digit.push_back('g');
+  CHECK_FALSE(keel::digest::from_hex(bad_digit).has_value());
 }
 
 TEST_CASE("the builder frames fields: moving bytes between fields changes the digest", "[digest]") {
@@ -114,7 +118,9 @@ TEST_CASE("owner ids are random, 128-bit, and round-trip as bytes and hex", "[ow
   }
   CHECK(seen.size() == 1000);
   CHECK_FALSE(keel::owner_id::from_hex("xyz").has_value());
-  CHECK_FALSE(keel::owner_id::from_hex(std::string(31, 'a') + "g").has_value());
+  std::string bad_owner(31, 'a');
+  bad_owner.push_back('g');  // see above: not std::string(n, c) + "g"
+  CHECK_FALSE(keel::owner_id::from_hex(bad_owner).has_value());
 }
 
 TEST_CASE("a forked child never repeats its parent's owner ids", "[ownership]") {
