@@ -43,7 +43,7 @@
 //       retention is gone: lost_ownership too.
 //   A store error during commit: keel::unknown_outcome_error (ambiguous),
 //   unless the store knows nothing was applied (keel::store_unavailable_error).
-////
+//
 // Example (what a backend implements; keel::memory_store is the smallest):
 //
 //   static_assert(keel::idempotency_store<keel::memory_store<>>);
