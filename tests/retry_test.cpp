@@ -122,11 +122,23 @@ TEST_CASE("a hint longer than max_retry_after ends the retries", "[retry]") {
   CHECK(provider.calls() == 1);
 }
 
-TEST_CASE("a keel refusal is retried only after its own hint, and never without one", "[retry]") {
+TEST_CASE("a keel refusal ends the retries by default; waited out, only after its own hint", "[retry]") {
   manual_clock clock;
   clock.auto_advance(true);
-  // A full bulkhead further in said when a slot is expected: waited exactly,
-  // even with provider hints turned off.
+  // By default a refusal from inside (an open breaker) is not retried: the
+  // caller hears its retry-after, and a fallback outside serves at once.
+  int breaker_calls = 0;
+  auto open_breaker = [&]() -> absl::Status {
+    ++breaker_calls;
+    return keel::refusal(absl::UnavailableError("keel: circuit breaker 'llm' is open"), "breaker:llm", 300ms);
+  };
+  keel::call first(clock.now(), {.timeout = 10s});
+  const absl::Status refused = keel::pipeline(keel::retry({.max_attempts = 3})).on(clock).run(first, open_breaker);
+  CHECK(keel::retry_after(refused) == ms(300));
+  CHECK(breaker_calls == 1);
+
+  // wait_out_refusals: a full bulkhead further in said when a slot is
+  // expected: waited exactly, even with provider hints turned off.
   int calls = 0;
   std::vector<keel::time_point> starts;
   auto hinted = [&](const keel::attempt& a) -> absl::StatusOr<int> {
@@ -135,7 +147,8 @@ TEST_CASE("a keel refusal is retried only after its own hint, and never without 
       return keel::refusal(absl::ResourceExhaustedError("bulkhead full"), "bulkhead:batch", 300ms);
     return 7;
   };
-  auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .honour_retry_after = false})).on(clock);
+  auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .honour_retry_after = false, .wait_out_refusals = true}))
+                  .on(clock);
   keel::call call(clock.now(), {.timeout = 10s});
   REQUIRE(pipe.run(call, hinted).value() == 7);
   REQUIRE(starts.size() == 2);

@@ -15,8 +15,9 @@
 //   refused     keel itself declined before any work: a breaker open, a
 //               bulkhead or quota full, the retry budget or the attempt cap
 //               spent, no time left. It carries who refused (refused_by) and,
-//               when known, when to come back (retry_after). Retried only by
-//               that hint; never counted by a breaker, never stored as an
+//               when known, when to come back (retry_after). Retried, if at
+//               all, only after that hint (keel::retry's wait_out_refusals);
+//               never counted by a breaker, never stored as an
 //               idempotency decision, reported as missing (not failed) by
 //               fan-out, and exactly when an allowed fallback should serve.
 //   cancelled   the caller went away (its stop token, absl::CancelledError).

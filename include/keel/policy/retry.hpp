@@ -2,8 +2,8 @@
 //
 // keel::retry tries again only what may be tried again (keel/core/outcome.hpp:
 // transient and throttled results, ambiguous ones only for repeatable
-// operations, and keel's own refusals only when they say when to come back,
-// after that wait), and bounds repetition three ways:
+// operations, and, with wait_out_refusals, keel's own refusals that say when
+// to come back, after that wait), and bounds repetition three ways:
 //
 //   - attempts per layer (retry_options::max_attempts);
 //   - the call's attempt cap, shared by every nested layer (keel::call), so
@@ -85,6 +85,12 @@ struct retry_options {
   keel::retry_budget* budget = nullptr;
   // Wait what a throttled provider asks for instead of the drawn delay.
   bool honour_retry_after = true;
+  // A keel refusal from a stage inside this layer (an open breaker, the
+  // shared quota) ends the retries at once by default: the caller hears its
+  // retry-after and a fallback outside serves now, instead of every waiting
+  // call spending its deadline on the breaker's cooldown. Set this to wait
+  // out a refusal's hint, when it fits the deadline, and try again.
+  bool wait_out_refusals = false;
   // A provider asking for a longer wait ends the retries; >= 0.
   duration max_retry_after = std::chrono::seconds(30);
   // Do not start an attempt with less time left than this; >= 0.
@@ -129,6 +135,8 @@ class retry {
       if (s.ok()) return r;
       const outcome_kind kind = ctx.classify(s);
       if (kind == outcome_kind::cancelled) return stopped(stop::cancelled, std::move(r));
+      if (kind == outcome_kind::refused && !options_.wait_out_refusals)
+        return stopped(stop::not_retryable, std::move(r));
       if (!retryable(s, kind, ctx.call.operation())) return stopped(stop::not_retryable, std::move(r));
       if (k + 1 >= options_.max_attempts) return stopped(stop::layer_attempts, std::move(r));
       if (ctx.call.attempts_exhausted()) return stopped(stop::call_attempts, std::move(r));
