@@ -13,21 +13,16 @@
 #include "keel/policy/retry_budget.hpp"
 #include "keel/policy/time_limit.hpp"
 #include "support/alloc_counter.hpp"
+#include "support/baselines.hpp"
 
 using namespace std::chrono_literals;
 
 namespace {
 
-// The trivial provider every pipeline benchmark wraps.
-struct provider {
-  absl::StatusOr<int> operator()(const keel::attempt& a) const { return a.number; }
-};
+using provider = keel_bench::trivial_provider;
+using keel_bench::BM_Baseline_SteadyClockNow;
+using keel_bench::BM_Baseline_TimedCall;
 
-// What reading the clock costs here: the unit the pipeline spends twice per call.
-void BM_Baseline_SteadyClockNow(benchmark::State& state) {
-  keel_bench::count_allocations allocs(state);
-  for (auto _ : state) benchmark::DoNotOptimize(keel::real_clock{}.now());
-}
 BENCHMARK(BM_Baseline_SteadyClockNow);
 
 void BM_DirectCall(benchmark::State& state) {
@@ -43,25 +38,6 @@ void BM_DirectCall(benchmark::State& state) {
 }
 BENCHMARK(BM_DirectCall);
 
-// The yardstick for pipeline figures: the same provider called directly
-// between two clock reads, as a hand-written timed call would be. A pipeline
-// reads the clock at least as often (start, attempt end), so its cost over
-// this is what keel adds.
-void BM_Baseline_TimedCall(benchmark::State& state) {
-  keel_bench::count_allocations allocs(state);
-  keel::call call(keel::real_clock{}.now(), {.timeout = 3s});
-  const keel::attempt a{.owner = &call};
-  provider p;
-  for (auto _ : state) {
-    const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
-    benchmark::DoNotOptimize(start);
-    benchmark::DoNotOptimize(a);
-    absl::StatusOr<int> r = p(a);
-    benchmark::DoNotOptimize(r);
-    const std::chrono::steady_clock::time_point end = std::chrono::steady_clock::now();
-    benchmark::DoNotOptimize(end);
-  }
-}
 BENCHMARK(BM_Baseline_TimedCall);
 
 // A new call per request, then deadline + retry + adaptive timeout: one

@@ -22,41 +22,18 @@
 #include "keel/policy/retry_budget.hpp"
 #include "keel/policy/time_limit.hpp"
 #include "support/alloc_counter.hpp"
+#include "support/baselines.hpp"
 
 using namespace std::chrono_literals;
 
 namespace {
 
-struct provider {
-  absl::StatusOr<int> operator()(const keel::attempt& a) const { return a.number; }
-};
+using provider = keel_bench::trivial_provider;
+using keel_bench::BM_Baseline_SteadyClockNow;
+using keel_bench::BM_Baseline_TimedCall;
 
-// The unit a pipeline pays per clock read.
-void BM_Baseline_SteadyClockNow(benchmark::State& state) {
-  keel_bench::count_allocations allocs(state);
-  for (auto _ : state) benchmark::DoNotOptimize(keel::real_clock{}.now());
-}
 BENCHMARK(BM_Baseline_SteadyClockNow);
 
-// The yardstick for the pipeline figures: the same trivial provider called
-// directly between two clock reads (what a hand-timed call costs). Compare
-// BM_Pipeline_Full_Success and BM_Pipeline_SeedPlan_Success with it, in the
-// same run.
-void BM_Baseline_TimedCall(benchmark::State& state) {
-  keel_bench::count_allocations allocs(state);
-  keel::call call(keel::real_clock{}.now(), {.timeout = 3s});
-  const keel::attempt a{.owner = &call};
-  provider p;
-  for (auto _ : state) {
-    const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
-    benchmark::DoNotOptimize(start);
-    benchmark::DoNotOptimize(a);
-    absl::StatusOr<int> r = p(a);
-    benchmark::DoNotOptimize(r);
-    const std::chrono::steady_clock::time_point end = std::chrono::steady_clock::now();
-    benchmark::DoNotOptimize(end);
-  }
-}
 BENCHMARK(BM_Baseline_TimedCall);
 
 // A closed breaker: admit, then record a success (count window, 100 calls).
