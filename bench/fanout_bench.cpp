@@ -36,6 +36,7 @@
 #include "keel/policy/retry_budget.hpp"
 #include "keel/store/memory.hpp"
 #include "support/alloc_counter.hpp"
+#include "support/baselines.hpp"
 
 using namespace std::chrono_literals;
 
@@ -144,16 +145,17 @@ void BM_Baseline_Store_8Saves(benchmark::State& state) {
 }
 BENCHMARK(BM_Baseline_Store_8Saves);
 
-struct provider {
-  absl::StatusOr<int> operator()(const keel::attempt& a) const { return a.number; }
-};
+using provider = keel_bench::trivial_provider;
 
-// A new call per request, then the hedge's race: the primary handed to the
-// pool and waited for, the timer armed and disarmed, no hedge (the delay is 1 s).
-void BM_Hedge_PrimaryWins(benchmark::State& state) {
+// A new call per request, then the hedge's race, the timer armed and
+// disarmed, no hedge (the delay is 1 s). By default the primary is handed to
+// the pool and waited for; _OnCallerThread runs it on the calling thread.
+template <bool PrimaryOnCaller>
+void hedge_primary_wins(benchmark::State& state) {
   static keel::bounded_pool pool({.threads = 2, .queue_capacity = 64});
   static keel::retry_budget budget({.ratio = 0.1});
-  static keel::hedge hedger({.delay = 1s, .max_hedges = 1, .budget = &budget}, pool);
+  static keel::hedge hedger(
+      {.delay = 1s, .max_hedges = 1, .budget = &budget, .primary_on_caller_thread = PrimaryOnCaller}, pool);
   auto pipe = keel::pipeline(hedger);
   keel_bench::count_allocations allocs(state);
   for (auto _ : state) {
@@ -162,22 +164,9 @@ void BM_Hedge_PrimaryWins(benchmark::State& state) {
     benchmark::DoNotOptimize(r);
   }
 }
+void BM_Hedge_PrimaryWins(benchmark::State& state) { hedge_primary_wins<false>(state); }
+void BM_Hedge_PrimaryWins_OnCallerThread(benchmark::State& state) { hedge_primary_wins<true>(state); }
 BENCHMARK(BM_Hedge_PrimaryWins)->Threads(1)->Threads(2);
-
-// The same race with the primary on the calling thread: no hand-off.
-void BM_Hedge_PrimaryWins_OnCallerThread(benchmark::State& state) {
-  static keel::bounded_pool pool({.threads = 2, .queue_capacity = 64});
-  static keel::retry_budget budget({.ratio = 0.1});
-  static keel::hedge hedger({.delay = 1s, .max_hedges = 1, .budget = &budget, .primary_on_caller_thread = true},
-                            pool);
-  auto pipe = keel::pipeline(hedger);
-  keel_bench::count_allocations allocs(state);
-  for (auto _ : state) {
-    keel::call call(keel::real_clock{}.now(), {.timeout = 3s});
-    absl::StatusOr<int> r = pipe.run(call, provider{});
-    benchmark::DoNotOptimize(r);
-  }
-}
 BENCHMARK(BM_Hedge_PrimaryWins_OnCallerThread)->Threads(1)->Threads(2);
 
 void BM_Hedge_Baseline_NoHedge(benchmark::State& state) {
