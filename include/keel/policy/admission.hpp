@@ -83,13 +83,12 @@
 #pragma once
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <bit>
 #include <chrono>
-#include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <initializer_list>
 #include <memory>
 #include <mutex>
@@ -660,7 +659,7 @@ class admission {
     // reclaimed and a vacant one never read. Every change to the chains is
     // under `mu`; a lookup that races one may miss and goes to insert(),
     // which looks again under `mu`.
-    static constexpr std::int64_t vacant = INT64_MIN / 2;
+    static constexpr std::int64_t vacant = std::numeric_limits<std::int64_t>::min() / 2;
     struct entry {
       std::atomic<std::int64_t> pins{vacant};
       std::atomic<std::size_t> hash{0};

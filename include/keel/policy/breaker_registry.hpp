@@ -32,6 +32,9 @@
 //   auto pipe = keel::pipeline(tenants, providers, keel::retry({.max_attempts = 3}));
 //   for (const keel::breaker_entry& e : providers.list(keel::real_clock{}.now()))
 //     std::printf("%s %s\n", e.domain.c_str(), std::string(keel::to_string(e.state.state)).c_str());
+//   // An operator contains an outage of one domain; a full reserve says so.
+//   absl::Status forced = providers.force_open({.endpoint = "api.provider", .model = "m-large"},
+//                                              keel::real_clock{}.now());
 //
 // As a policy the registry looks the domain up (lock-free, no allocation
 // once the breaker exists) and behaves as that breaker would

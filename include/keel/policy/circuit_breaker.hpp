@@ -23,8 +23,9 @@
 //               the others decide, and a period whose probes were all ignored
 //               proves nothing, so the breaker opens again for the same
 //               duration (not counted as a trip) instead of probing more. Only
-//               a probe that never reached the dependency (not started, or a
-//               permit given back with ignore()) returns its slot. A probe
+//               a probe that never reached the dependency (not started, a
+//               keel refusal from further in, or a permit given back with
+//               ignore()) returns its slot. A probe
 //               whose result never comes back is reclaimed `probe_timeout`
 //               after the last probe was let through and counts as failed, so
 //               the breaker can never stay stuck in half-open.
@@ -727,7 +728,8 @@ class circuit_breaker {
       case outcome_kind::throttled: return options_.throttled;
       case outcome_kind::permanent: return options_.permanent;
       case outcome_kind::ambiguous: return options_.ambiguous;
-      // Not the dependency's doing: keel declined, or the caller left.
+      // Not the dependency's doing: the caller left (a refusal never gets
+      // here: finish() hands its probe slot back first).
       case outcome_kind::refused:
       case outcome_kind::cancelled: return breaker_verdict::ignore;
     }

@@ -23,6 +23,7 @@
 //
 //   keel::retry_budget budget({.ratio = 0.1, .min_per_second = 5, .window = std::chrono::seconds(10)});
 //   keel::time_point now = keel::real_clock{}.now();
+//   keel::call call(now, {.timeout = std::chrono::seconds(3)});
 //   budget.record_request(call, now);             // each call once, however often asked
 //   if (budget.try_acquire_retry(now)) { /* retry */ }
 //
@@ -132,7 +133,8 @@ class retry_budget {
     return false;
   }
 
-  // A consistent view of the numbers at `now`.
+  // The numbers at `now`: each read on its own (relaxed), so under
+  // concurrent use they are close to, not exactly, one instant's.
   [[nodiscard]] retry_budget_figures figures(time_point now) const noexcept {
     const std::uint32_t e = epoch(now);
     const std::int64_t from_floor = sum(floor_retries_, e);
@@ -208,11 +210,11 @@ class retry_budget {
   floor_kind floor_ = floor_kind::none;
   std::int64_t interval_ = 0;  // ns between floor retries
   std::int64_t burst_ = 0;     // ns the floor may run ahead of now
-  std::int64_t capacity_ = 0;  // floor retries held at most, for read()
+  std::int64_t capacity_ = 0;  // floor retries held at most, for figures()
   alignas(64) std::atomic<std::int64_t> tat_{std::numeric_limits<std::int64_t>::min() / 2};
   buckets requests_{};
   buckets retries_{};        // drawn from the ratio
-  buckets floor_retries_{};  // drawn from the floor, for read()
+  buckets floor_retries_{};  // drawn from the floor, for figures()
 };
 
 }  // namespace keel
