@@ -892,3 +892,26 @@ TEST_CASE("invalid hedge options are refused naming the field", "[hedge][options
   keel::bounded_pool pool({.threads = 1});
   CHECK_THROWS_AS(keel::hedge(keel::hedge_options{.max_hedges = -1}, pool), keel::invalid_options);
 }
+
+TEST_CASE("a hedged pipeline run inside a provider on the same call takes over that provider's attempt",
+          "[hedge][attempts]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  keel::hedge<keel::bounded_pool, manual_clock> hedger({.delay = 1s, .max_hedges = 1}, pool, clock);
+  const auto sdk = keel::pipeline(hedger).on(clock);   // the SDK's own layer
+  const auto app = keel::pipeline().on(clock);          // the application's layer around it
+  // One downstream call allowed: three layers must not make it two.
+  keel::call call(clock.now(), {.timeout = 10s, .max_attempts = 1});
+  std::atomic<int> downstream{0};
+  const absl::StatusOr<int> r = app.run(call, [&](const keel::attempt&) -> absl::StatusOr<int> {
+    return sdk.run(call, [&downstream](const keel::attempt& a) -> absl::StatusOr<int> {
+      downstream.fetch_add(1);
+      return a.number;
+    });
+  });
+  REQUIRE(r.ok());  // before: refused, "attempt cap of 1 reached for this call"
+  CHECK(*r == 1);   // the application's attempt number, taken over
+  CHECK(downstream.load() == 1);
+  CHECK(call.record().attempts == 1);
+  REQUIRE(losers_returned(hedger));
+}

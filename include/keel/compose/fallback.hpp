@@ -245,9 +245,9 @@ class fallback {
     if (plan.stop.stop_requested()) return false;
     const outcome_kind kind = ctx.classify(failure);
     if (kind == outcome_kind::ambiguous && !ctx.call.operation().repeatable()) return false;
-    // A refusal (breaker open, quota or bulkhead full, no attempt left) is
-    // exactly when the allowed alternate path should serve; a caller that
-    // went away has nobody to serve.
+    // A caller that went away has nobody to serve. A refusal (breaker open,
+    // quota or bulkhead full, no attempt left) falls through: it is exactly
+    // when the allowed alternate path should serve, on_permanent or not.
     if (kind == outcome_kind::cancelled) return false;
     if (kind == outcome_kind::permanent && !options_.on_permanent) return false;
     return true;

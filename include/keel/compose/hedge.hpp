@@ -84,8 +84,10 @@
 //     Put keel::fallback outside the hedge, not below it (it records the
 //     serving path on the call).
 //   - the hedge's destructor waits for every attempt still running.
-// Events are reported on the caller's call while it waits for the answer,
-// never after.
+// The hedge's own events are reported while the caller waits for the
+// answer, never after. Policies below the hedge report to the race's copy of
+// the listener, also from losers after run() has returned: a listener must
+// be copyable and safe to call then (keel::metrics_listener is).
 //
 // The hedge owns one timer thread that starts hedges when they are due; the
 // executor runs them and must use other threads than the timer's (see
@@ -505,6 +507,14 @@ class hedge {
       base = from.record();
       for (int k = 0; k < base.attempts; ++k) (void)own_call->begin_attempt();  // numbers go on from the call's
       own_call->inherit_deposits(from);  // a retry below must not deposit the call's request again
+      // Run from inside a provider on the same call: the primary takes over
+      // that provider's attempt, as a pipeline's first attempt would.
+      handed = 0;
+      if (detail::invocation* outer = detail::current_invocation;
+          outer != nullptr && outer->owner == &c.call && outer->credit) {
+        outer->credit = false;
+        handed = outer->number;
+      }
       ctx.emplace(Ctx{*own_call, *clock, *classifier, *listener});
       next.emplace(std::move(n));
 
@@ -567,7 +577,12 @@ class hedge {
       }
       if (i > 0 || owns_ref) p.now = clock->now();  // it may have waited for a thread
       time_point end{};
-      R r = invoke(p, end);
+      R r = [&] {
+        if (i != 0 || handed == 0) return invoke(p, end);
+        detail::invocation taken{&*own_call, handed, true};
+        const detail::invocation_scope scope(&taken, detail::current_invocation);
+        return invoke(p, end);
+      }();
       finish(i, std::move(r), owns_ref, end);
     }
 
@@ -776,6 +791,7 @@ class hedge {
     int returned = 0;  // attempts that have returned
     int hedges = 0;    // hedges reserved
     int winner = -1;
+    int handed = 0;  // the attempt number the primary takes over (0: none)
     int refs = 0;      // the caller while it waits, and each attempt handed to the executor
     bool decided = false;
     bool no_more = false;  // a hedge was refused: start no other

@@ -6,7 +6,8 @@
 // policies, written outer to inner: in `keel::pipeline(a, b, c)` policy `a`
 // sees the whole call and `c` sits next to the provider. Composition is a
 // tuple and inlined calls: no type erasure, no heap allocation on the success
-// path.
+// path. Below a keel::hedge the provider is copied (its losing attempts may
+// outlive run()): pass std::ref(provider) for one that outlives them.
 //
 // Policies passed as lvalues are held by reference (shared state such as a
 // breaker or an adaptive timeout lives once and is used by many pipelines);
@@ -20,7 +21,8 @@
 //   keel::call call(keel::real_clock{}.now(), {.timeout = std::chrono::seconds(3)});
 //   absl::StatusOr<int> r = pipe.run(call, [](const keel::attempt&) -> absl::StatusOr<int> { return 42; });
 //
-// Writing a policy: a type with a const member
+// Writing a policy: a type with a member (const when the pipeline holds it
+// by value; the keel::policy concept in keel/core/policy.hpp)
 //
 //   template <class Ctx, class Next>
 //   auto execute(Ctx& ctx, keel::attempt_plan plan, Next& next) const
@@ -63,22 +65,6 @@
 namespace keel {
 
 namespace detail {
-
-// The provider invocation running on this thread, if any.
-struct invocation {
-  keel::call* owner;
-  int number;
-  bool credit;  // not yet handed to a nested pipeline's first attempt
-};
-inline thread_local invocation* current_invocation = nullptr;
-
-struct invocation_scope {
-  invocation_scope(invocation* self, invocation* outer) noexcept : outer_(outer) { current_invocation = self; }
-  ~invocation_scope() { current_invocation = outer_; }
-  invocation_scope(const invocation_scope&) = delete;
-  invocation_scope& operator=(const invocation_scope&) = delete;
-  invocation* outer_;
-};
 
 template <class R, class Ctx, class Provider>
 R invoke_provider(Ctx& ctx, const attempt_plan& plan, Provider& provider) {
@@ -149,18 +135,14 @@ R run_from(const Tuple& policies, Ctx& ctx, attempt_plan plan, Last& last) {
                   "keel: keel::hedge must sit in the outermost pipeline (the one run() is called on): its losing "
                   "attempts may outlive the pass, and a nested pipeline's next stage belongs to the outer pass");
     using P = std::decay_t<typename Last::provider_type>;  // a function: a pointer to it
-    if constexpr (!std::is_copy_constructible_v<P>) {
-      static_assert(std::is_copy_constructible_v<P>,
-                    "keel: a hedged pipeline copies its provider, because a losing attempt may still run after "
-                    "run() returns; make the provider copyable (hold shared state by shared_ptr), or pass "
-                    "std::ref(provider) for one that outlives every attempt");
-      return R(absl::InternalError("unreachable"));
-    } else {
-      auto next = [&policies, owned = provider_stage<R, P>{P(last.provider)}](Ctx& c, attempt_plan p) mutable -> R {
-        return run_from<I + 1, R>(policies, c, std::move(p), owned);
-      };
-      return std::get<I>(policies).execute(ctx, std::move(plan), next);
-    }
+    static_assert(std::is_copy_constructible_v<P>,
+                  "keel: a hedged pipeline copies its provider, because a losing attempt may still run after "
+                  "run() returns; make the provider copyable (hold shared state by shared_ptr), or pass "
+                  "std::ref(provider) for one that outlives every attempt");
+    auto next = [&policies, owned = provider_stage<R, P>{P(last.provider)}](Ctx& c, attempt_plan p) mutable -> R {
+      return run_from<I + 1, R>(policies, c, std::move(p), owned);
+    };
+    return std::get<I>(policies).execute(ctx, std::move(plan), next);
   } else {
     auto next = [&policies, &last](Ctx& c, attempt_plan p) -> R {
       return run_from<I + 1, R>(policies, c, std::move(p), last);

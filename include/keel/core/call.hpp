@@ -36,6 +36,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <stop_token>
 #include <string_view>

@@ -26,7 +26,8 @@
 // (call.record() takes the snapshot).
 #pragma once
 
-#include <chrono>
+#include <concepts>
+#include <iterator>
 #include <string>
 #include <string_view>
 #include <type_traits>

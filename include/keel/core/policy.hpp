@@ -129,7 +129,8 @@ concept concurrent_policy = requires {
 // attempt has returned, shared by every policy that wants it (the adaptive
 // timeout, the breaker, the hedge, the retry's wait). A run context belongs
 // to one thread: a policy that runs attempts on other threads (keel::hedge)
-// gives each its own copy.
+// gives each its own copy, and reads the clock once more when an attempt
+// starts on another thread (it may have waited there).
 template <keel::clock Clock, keel::classifier Classifier, class Listener = null_listener>
 struct run_context {
   keel::call& call;
@@ -161,6 +162,26 @@ struct run_context {
 };
 
 namespace detail {
+
+// The provider invocation running on this thread, if any: a pipeline run
+// from inside a provider on the same call (an SDK layer inside an
+// application layer) takes over that invocation's attempt for its first
+// one, so the call's attempt cap counts downstream calls, not layers.
+struct invocation {
+  keel::call* owner;
+  int number;
+  bool credit;  // not yet handed to a nested pipeline's first attempt
+};
+inline thread_local invocation* current_invocation = nullptr;
+
+struct invocation_scope {
+  invocation_scope(invocation* self, invocation* outer) noexcept : outer_(outer) { current_invocation = self; }
+  ~invocation_scope() { current_invocation = outer_; }
+  invocation_scope(const invocation_scope&) = delete;
+  invocation_scope& operator=(const invocation_scope&) = delete;
+  invocation* outer_;
+};
+
 // What a policy is checked against: the default run context and a next
 // stage returning absl::Status. Only execute()'s declaration is looked at.
 using probe_context = run_context<real_clock, default_classifier, null_listener>;

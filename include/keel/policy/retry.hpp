@@ -34,7 +34,6 @@
 
 #include <chrono>
 #include <optional>
-#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
