@@ -301,11 +301,7 @@ class fallback {
                     .timeout = plan.deadline.remaining(plan.now),
                     .stop = plan.stop,
                     .owner = &ctx.call};
-    if constexpr (std::is_invocable_v<Provider&, const attempt&>) {
-      return detail::call_user<R>("fallback", provider, a);
-    } else {
-      return detail::call_user<R>("fallback", provider);
-    }
+    return detail::call_provider<R>("fallback", provider, a);
   }
 
   fallback_options options_;

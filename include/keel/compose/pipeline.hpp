@@ -100,11 +100,7 @@ R invoke_provider(Ctx& ctx, const attempt_plan& plan, Provider& provider) {
                   .stop = plan.stop,
                   .owner = &ctx.call,
                   .hedge = plan.hedge};
-  if constexpr (std::is_invocable_v<Provider&, const attempt&>) {
-    return call_user<R>("provider", provider, a);
-  } else {
-    return call_user<R>("provider", provider);
-  }
+  return call_provider<R>("provider", provider, a);
 }
 
 // The last stage of a pipeline run: the provider, held by reference, or by
