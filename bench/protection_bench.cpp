@@ -124,7 +124,20 @@ BENCHMARK(BM_Pipeline_Protection_Success)->Threads(1)->Threads(2);
 // provider; a new call per request, as in a service. Compare with
 // BM_Pipeline_RetryTimeout_Success (keel_bench_core), the same without the
 // three protection policies.
-void BM_Pipeline_Full_Success(benchmark::State& state) {
+//
+// The model and the work class are resolved once, where the pipeline is
+// built (a call site serves one model and one class); the tenant is looked
+// up by the call's label. _ByLabel looks up all three per call.
+// What a service's request might carry: its tenant resolved once per
+// client session (admission::tenant_key), read by the admission stage.
+struct session_request {
+  const keel::admission_key* tenant = nullptr;
+};
+
+enum class resolved { by_label, at_call_site, with_session };
+
+template <resolved How>
+void run_full_pipeline(benchmark::State& state) {
   keel_bench::count_allocations allocs(state);
   static keel::admission quotas({.tenant_defaults = {.rate = 1e9, .burst = 1e12, .max_in_flight = 1000},
                                  .model_defaults = {.max_in_flight = 1000}});
@@ -132,19 +145,42 @@ void BM_Pipeline_Full_Success(benchmark::State& state) {
   static keel::circuit_breaker breaker({.name = "llm"});
   static keel::retry_budget budget({.ratio = 0.1});
   static keel::adaptive_timeout timeouts;
-  auto pipe = keel::pipeline(keel::time_limit({.at_most = 2s}), quotas, pools, breaker,
-                             keel::retry({.max_attempts = 3, .budget = &budget}), timeouts);
-  const keel::labels labels{.tenant = "acme", .model = "m-large", .work_class = "interactive"};
-  for (auto _ : state) {
-    // One read for the call and its pass, as a service does (run(call, now, ...)),
-    // and one when the attempt ends: the two reads of BM_Baseline_TimedCall.
-    const keel::time_point now = keel::real_clock{}.now();
-    keel::call call(now, {.timeout = 3s, .response_reserve = 200ms, .labels = labels});
-    absl::StatusOr<int> r = pipe.run(call, now, provider{});
-    benchmark::DoNotOptimize(r);
+  static const keel::admission_key model = *quotas.model_key("m-large", keel::real_clock{}.now());
+  static const keel::admission_key tenant = *quotas.tenant_key("acme", keel::real_clock{}.now());
+  const session_request session{.tenant = &tenant};
+  auto body = [&](const auto& pipe) {
+    const keel::labels labels{.tenant = "acme", .model = "m-large", .work_class = "interactive"};
+    for (auto _ : state) {
+      // One read for the call and its pass, as a service does (run(call, now, ...)),
+      // and one when the attempt ends: the two reads of BM_Baseline_TimedCall.
+      const keel::time_point now = keel::real_clock{}.now();
+      keel::call call(now, {.timeout = 3s, .response_reserve = 200ms, .labels = labels}, session);
+      absl::StatusOr<int> r = pipe.run(call, now, provider{});
+      benchmark::DoNotOptimize(r);
+    }
+  };
+  if constexpr (How == resolved::with_session) {
+    auto tenant_of = keel::from_request<session_request>([](const session_request& r) { return r.tenant; },
+                                                         static_cast<const keel::admission_key*>(nullptr));
+    body(keel::pipeline(keel::time_limit({.at_most = 2s}), quotas.for_model(model).with_tenant_key(tenant_of),
+                        pools.for_class("interactive"), breaker, keel::retry({.max_attempts = 3, .budget = &budget}),
+                        timeouts));
+  } else if constexpr (How == resolved::at_call_site) {
+    body(keel::pipeline(keel::time_limit({.at_most = 2s}), quotas.for_model(model), pools.for_class("interactive"),
+                        breaker, keel::retry({.max_attempts = 3, .budget = &budget}), timeouts));
+  } else {
+    body(keel::pipeline(keel::time_limit({.at_most = 2s}), quotas, pools, breaker,
+                        keel::retry({.max_attempts = 3, .budget = &budget}), timeouts));
   }
 }
+void BM_Pipeline_Full_Success(benchmark::State& state) { run_full_pipeline<resolved::at_call_site>(state); }
 BENCHMARK(BM_Pipeline_Full_Success)->Threads(1)->Threads(2);
+void BM_Pipeline_Full_Success_ByLabel(benchmark::State& state) { run_full_pipeline<resolved::by_label>(state); }
+BENCHMARK(BM_Pipeline_Full_Success_ByLabel)->Threads(1)->Threads(2);
+void BM_Pipeline_Full_Success_SessionTenant(benchmark::State& state) {
+  run_full_pipeline<resolved::with_session>(state);
+}
+BENCHMARK(BM_Pipeline_Full_Success_SessionTenant)->Threads(1)->Threads(2);
 
 // The seed's whole plan, built once, outer to inner: fallback (a small model
 // behind a residency gate, then cached feedback) + admission + bulkhead +

@@ -471,6 +471,98 @@ TEST_CASE("as a policy: refusal before the work, compute reconciled with what at
   CHECK(replay_pipe.run(replayed, provider).ok());
 }
 
+TEST_CASE("keys resolved ahead: no lookup or pin per request, never reclaimed while held, same limits",
+          "[admission][keys]") {
+  manual_clock clock;
+  keel::admission quotas(
+      {.tenant_defaults = {.rate = 1, .max_in_flight = 1}, .model_defaults = {.max_in_flight = 2}, .max_keys = 2});
+  absl::StatusOr<keel::admission_key> acme = quotas.tenant_key("acme", clock.now());
+  absl::StatusOr<keel::admission_key> m = quotas.model_key("m", clock.now());
+  REQUIRE(acme.ok());
+  REQUIRE(m.ok());
+  CHECK(!acme->unlimited());
+
+  // The handle's quota is the key's quota: the names are not looked at.
+  keel::admission::refusal_reason why;
+  keel::admission_ticket t =
+      quotas.try_admit({.tenant = "ignored", .tenant_key = &*acme, .model_key = &*m}, clock.now(), why);
+  REQUIRE(t);
+  CHECK(quotas.tenant_figures("acme", clock.now())->in_flight == 1);
+  CHECK(quotas.model_figures("m", clock.now())->in_flight == 1);
+  CHECK(!quotas.tenant_figures("ignored", clock.now()).has_value());
+  // Refusals through a handle name the handle's key.
+  CHECK(refused_by(quotas.admit({.tenant_key = &*acme}, clock.now()).status()) == "tenant:acme:in_flight");
+  t = keel::admission_ticket();
+  CHECK(quotas.model_figures("m", clock.now())->in_flight == 0);
+
+  // Held by its handle, the key is never reclaimed, however idle: the
+  // table's other slot is all new tenants get.
+  clock.advance(10s);
+  REQUIRE(quotas.admit({.tenant = "b"}, clock.now()).ok());
+  clock.advance(10s);
+  REQUIRE(quotas.admit({.tenant = "c"}, clock.now()).ok());  // b reclaimed, not acme
+  CHECK(quotas.tenant_figures("acme", clock.now()).has_value());
+  CHECK(!quotas.tenant_figures("b", clock.now()).has_value());
+  // Dropped, it is reclaimable like any other.
+  *acme = keel::admission_key();
+  clock.advance(10s);
+  REQUIRE(quotas.admit({.tenant = "d"}, clock.now()).ok());
+  REQUIRE(quotas.admit({.tenant = "e"}, clock.now()).ok());
+  CHECK(!quotas.tenant_figures("acme", clock.now()).has_value());
+
+  // A key of the other level (or another admission) is not used: the name is.
+  keel::admission_ticket by_name = quotas.try_admit({.tenant = "e", .tenant_key = &*m}, clock.now(), why);
+  CHECK(!by_name);
+  CHECK(refused_by(keel::admission::refusal(why)) == "tenant:e:rate");
+
+  // A table full of keys in use refuses a new handle, saying when to come back.
+  keel::admission tight({.tenant_defaults = {.max_in_flight = 1}, .max_keys = 1});
+  absl::StatusOr<keel::admission_key> first = tight.tenant_key("first", clock.now());
+  REQUIRE(first.ok());
+  const absl::StatusOr<keel::admission_key> second = tight.tenant_key("second", clock.now());
+  CHECK(refused_by(second.status()) == "tenant:second:table_full");
+  CHECK(keel::retry_after(second.status()).has_value());
+}
+
+TEST_CASE("a call site's model and a session's tenant, resolved ahead, through the pipeline", "[admission][pipeline]") {
+  manual_clock clock;
+  keel::admission quotas({.tenant_defaults = {.rate = 100, .max_in_flight = 1, .compute_budget = 10'000},
+                          .model_defaults = {.max_in_flight = 4}});
+  struct session {
+    const keel::admission_key* tenant;
+    std::int64_t tokens;
+  };
+  const keel::admission_key model = *quotas.model_key("m-large", clock.now());
+  const keel::admission_key acme = *quotas.tenant_key("acme", clock.now());
+  auto pipe =
+      keel::pipeline(quotas.for_model(model)
+                         .with_tenant_key(keel::from_request<session>([](const session& s) { return s.tenant; },
+                                                                      static_cast<const keel::admission_key*>(nullptr)))
+                         .with_estimate(keel::from_request<session>([](const session& s) { return s.tokens; },
+                                                                    std::int64_t{0})))
+          .on(clock);
+  const session rq{.tenant = &acme, .tokens = 3000};
+  keel::call c(clock.now(), {.labels = {.tenant = "someone-else", .model = "other"}}, rq);
+  int inside = 0;
+  auto provider = [&](const keel::attempt& a) -> absl::StatusOr<int> {
+    // While the attempt runs, the handles' quotas hold its slots and estimate.
+    inside = quotas.tenant_figures("acme", clock.now())->in_flight + quotas.model_figures("m-large", clock.now())->in_flight;
+    CHECK(quotas.tenant_figures("acme", clock.now())->compute_available == 7000.0);
+    a.charge(1000);
+    return 1;
+  };
+  REQUIRE(pipe.run(c, provider).ok());
+  CHECK(inside == 2);
+  CHECK(quotas.tenant_figures("acme", clock.now())->compute_available == 9000.0);  // settled to what was charged
+  CHECK(!quotas.tenant_figures("someone-else", clock.now()).has_value());
+  CHECK(!quotas.model_figures("other", clock.now()).has_value());
+
+  // A call without the request type falls back to the tenant label.
+  keel::call plain(clock.now(), {.labels = {.tenant = "beta"}});
+  REQUIRE(pipe.run(plain, provider).ok());
+  CHECK(quotas.tenant_figures("beta", clock.now()).has_value());
+}
+
 TEST_CASE("a level further in that refuses before any work rolls admission back, rate tokens included",
           "[admission][pipeline]") {
   manual_clock clock;

@@ -150,6 +150,48 @@ TEST_CASE("gates are honoured: a refused alternative is skipped, never called", 
   }
 }
 
+TEST_CASE("a gate reads the caller's request; a failure that passes through is never replaced", "[fallback][gates]") {
+  manual_clock clock;
+  clock.auto_advance(true);
+  struct feedback_request {
+    bool accepts_degraded;
+  };
+  // Built once, for every request: the gate reads each call's own request.
+  const keel::gate consent("consent", keel::from_request<feedback_request>(
+                                          [](const feedback_request& r, const keel::path&) { return r.accepts_degraded; },
+                                          false));
+  text_provider cached(clock, {kt::answer(std::string("cached")), kt::answer(std::string("cached"))});
+  auto pipe = keel::pipeline(keel::fallback({consent}, keel::alternate("cached", cached, {.provider_call = false})))
+                  .on(clock);
+
+  const feedback_request yes{.accepts_degraded = true};
+  const feedback_request no{.accepts_degraded = false};
+  text_provider failing(clock, {kt::unavailable(10ms), kt::unavailable(10ms), kt::unavailable(10ms)});
+  keel::call a(clock.now(), {.timeout = 2s}, yes);
+  CHECK(pipe.run(a, failing).value_or("") == "cached");
+  keel::call b(clock.now(), {.timeout = 2s}, no);
+  CHECK(pipe.run(b, failing).status().code() == absl::StatusCode::kUnavailable);
+  keel::call c(clock.now(), {.timeout = 2s});  // no request of that type: the gate's default
+  CHECK(pipe.run(c, failing).status().code() == absl::StatusCode::kUnavailable);
+  CHECK(cached.calls() == 1);
+
+  // A tenant over its own quota hears its refusal, not a degraded answer;
+  // other refusals still fall back.
+  auto own_quota = [](const absl::Status& s) { return keel::refused_by(s).value_or("").starts_with("tenant:"); };
+  auto strict = keel::pipeline(keel::fallback({.passes_through = own_quota}, {},
+                                              keel::alternate("cached", cached, {.provider_call = false})))
+                    .on(clock);
+  auto refused = [](std::string who) {
+    return [who](const keel::attempt&) -> absl::StatusOr<std::string> {
+      return keel::refusal(absl::ResourceExhaustedError("over quota"), who, 1s);
+    };
+  };
+  keel::call d(clock.now(), {.timeout = 2s});
+  CHECK(keel::refused_by(strict.run(d, refused("tenant:acme:rate")).status()) == "tenant:acme:rate");
+  keel::call e(clock.now(), {.timeout = 2s});
+  CHECK(strict.run(e, refused("model:m:in_flight")).value_or("") == "cached");
+}
+
 TEST_CASE("alternatives are tried in order until one answers", "[fallback]") {
   manual_clock clock;
   clock.auto_advance(true);

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "keel/core/call.hpp"
@@ -285,4 +286,52 @@ TEST_CASE("policies report events to the pipeline's listener", "[pipeline][telem
       .observe(only_stops{&stops})
       .run(again, [] { return absl::UnauthenticatedError("bad key"); });
   CHECK(stops == 1);
+}
+
+TEST_CASE("a call carries the caller's own request type; from_request reads it or gives the default",
+          "[pipeline][request]") {
+  struct chat_request {
+    std::string tenant;
+    std::int64_t tokens;
+  };
+  struct other_request {
+    int x;
+  };
+  const chat_request rq{.tenant = "acme", .tokens = 1200};
+  keel::call with(keel::real_clock{}.now(), {.timeout = 1s}, rq);
+  keel::call without(keel::real_clock{}.now(), {.timeout = 1s});
+  REQUIRE(with.request<chat_request>() == &rq);
+  CHECK(with.request<const chat_request>() == &rq);
+  CHECK(with.request<other_request>() == nullptr);  // another type: not handed out
+  CHECK(without.request<chat_request>() == nullptr);
+
+  auto tokens = keel::from_request<chat_request>([](const chat_request& r) { return r.tokens; }, std::int64_t{-1});
+  CHECK(tokens(with) == 1200);
+  CHECK(tokens(without) == -1);
+  auto heavier = keel::from_request<chat_request>(
+      [](const chat_request& r, std::int64_t than) { return r.tokens > than; }, false);
+  CHECK(heavier(with, 1000));
+  CHECK(!heavier(with, 2000));
+  CHECK(!heavier(without, 0));
+  // Binding a temporary would dangle: it does not compile.
+  STATIC_REQUIRE(!std::is_constructible_v<keel::call, keel::time_point, keel::call_options, chat_request&&>);
+}
+
+TEST_CASE("a call built from valid options skips nothing: invalid ones still throw naming the field",
+          "[pipeline][options]") {
+  const keel::time_point now = keel::real_clock{}.now();
+  auto refusal = [&](const keel::call_options& o) -> std::string {
+    try {
+      keel::call c(now, o);
+    } catch (const keel::invalid_options& e) {
+      return std::string(e.status().message());
+    }
+    return "(accepted)";
+  };
+  CHECK(refusal({.timeout = 1s, .response_reserve = 2s}).find("call_options.response_reserve must be below timeout") !=
+        std::string::npos);
+  CHECK(refusal({.max_attempts = 0}).find("call_options.max_attempts must be >= 1") != std::string::npos);
+  CHECK(refusal({.timeout = -1s}).find("call_options.timeout must be >= 0") != std::string::npos);
+  CHECK(refusal({.response_reserve = -1s}).find("call_options.response_reserve must be >= 0") != std::string::npos);
+  CHECK(refusal({.timeout = 1s, .response_reserve = 999ms, .max_attempts = 1}) == "(accepted)");
 }

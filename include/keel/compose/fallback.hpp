@@ -119,30 +119,44 @@ struct path {
 // A named requirement every alternative must meet before it is used.
 class gate {
  public:
-  // `check(const keel::labels& call, const keel::path& alternative)` returns
-  // bool (false: refused) or absl::Status (not OK: refused, with the reason).
+  // `check` returns bool (false: refused) or absl::Status (not OK: refused,
+  // with the reason), and takes either the call's labels or the whole call
+  // (to read the request it carries: keel::from_request), then the
+  // alternative:
+  //   check(const keel::labels& call, const keel::path& alternative)
+  //   check(const keel::call& call, const keel::path& alternative)
   template <class F>
-    requires std::invocable<const F&, const labels&, const path&>
+    requires std::invocable<const F&, const labels&, const path&> || std::invocable<const F&, const call&, const path&>
   gate(std::string name, F check) : name_(std::move(name)) {
-    using verdict = std::remove_cvref_t<std::invoke_result_t<const F&, const labels&, const path&>>;
-    if constexpr (std::same_as<verdict, absl::Status>) {
-      check_ = std::move(check);
-    } else {
-      static_assert(std::convertible_to<verdict, bool>, "a keel::gate returns bool or absl::Status");
-      check_ = [f = std::move(check)](const labels& c, const path& p) {
-        return f(c, p) ? absl::OkStatus() : absl::PermissionDeniedError("refused");
-      };
-    }
+    constexpr bool whole_call = std::invocable<const F&, const call&, const path&>;
+    using arg = std::conditional_t<whole_call, const call&, const labels&>;
+    using verdict = std::remove_cvref_t<std::invoke_result_t<const F&, arg, const path&>>;
+    static_assert(std::same_as<verdict, absl::Status> || std::convertible_to<verdict, bool>,
+                  "a keel::gate returns bool or absl::Status");
+    check_ = [f = std::move(check)](const call& c, const path& p) -> absl::Status {
+      auto v = [&] {
+        if constexpr (whole_call) {
+          return f(c, p);
+        } else {
+          return f(c.labels(), p);
+        }
+      }();
+      if constexpr (std::same_as<verdict, absl::Status>) {
+        return v;
+      } else {
+        return v ? absl::OkStatus() : absl::PermissionDeniedError("refused");
+      }
+    };
   }
 
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
-  [[nodiscard]] absl::Status check(const labels& call, const path& alternative) const {
+  [[nodiscard]] absl::Status check(const call& call, const path& alternative) const {
     return check_(call, alternative);
   }
 
  private:
   std::string name_;
-  std::function<absl::Status(const labels&, const path&)> check_;
+  std::function<absl::Status(const call&, const path&)> check_;
 };
 
 struct alternative_options {
@@ -184,6 +198,10 @@ struct fallback_options {
   // an unsupported model). Off: only transient, throttled and (for
   // repeatable operations) ambiguous failures fall back.
   bool on_permanent = true;
+  // Failures the caller must hear as they are, never replaced by a degraded
+  // answer: for example a tenant over its own quota (keel refused it, and a
+  // refusal otherwise falls back), an idempotency conflict. Null: none.
+  bool (*passes_through)(const absl::Status& failure) = nullptr;
 };
 
 namespace events {
@@ -250,7 +268,7 @@ class fallback {
     // when the allowed alternate path should serve, on_permanent or not.
     if (kind == outcome_kind::cancelled) return false;
     if (kind == outcome_kind::permanent && !options_.on_permanent) return false;
-    return true;
+    return options_.passes_through == nullptr || !options_.passes_through(failure);
   }
 
   // Tries one alternative; true when it served (the chain stops).
@@ -268,7 +286,7 @@ class fallback {
     if (plan.stop.stop_requested()) return skipped(skip::cancelled, {}, absl::CancelledError("call cancelled"));
     const path p{alt.name, alt.options.labels};
     for (const gate& g : gates_) {
-      absl::Status verdict = g.check(ctx.call.labels(), p);
+      absl::Status verdict = g.check(ctx.call, p);
       if (!verdict.ok()) return skipped(skip::gate, g.name(), verdict);
     }
     const time_point now = ctx.clock.now();

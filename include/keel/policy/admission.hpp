@@ -96,6 +96,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -148,9 +149,15 @@ enum class request_kind : std::uint8_t {
   replay,  // served from a cache or idempotency record: only the tenant's rate applies
 };
 
+class admission_key;
+
 struct admission_request {
   std::string_view tenant{};
   std::string_view model{};
+  // Keys resolved ahead (admission::tenant_key / model_key): used instead of
+  // the names above, with no lookup and no pin per request.
+  const admission_key* tenant_key = nullptr;
+  const admission_key* model_key = nullptr;
   // Compute units reserved up front (settled by reconcile()); >= 0.
   std::int64_t estimate = 0;
   request_kind kind = request_kind::fresh;
@@ -301,6 +308,46 @@ class quota {
 
 class admission;
 
+// A tenant or model resolved once, per call site or per client session:
+// requests through it skip the level's lookup (a hash and a chain walk) and
+// the pin each request would otherwise take on the key. It holds the key
+// pinned, so it is never reclaimed while the handle lives. Move-only; it
+// must not outlive its admission.
+class admission_key {
+ public:
+  admission_key() noexcept = default;
+  admission_key(admission_key&& o) noexcept
+      : owner_(std::exchange(o.owner_, nullptr)), quota_(std::exchange(o.quota_, nullptr)), model_(o.model_) {}
+  admission_key& operator=(admission_key&& o) noexcept {
+    if (this != &o) {
+      reset();
+      owner_ = std::exchange(o.owner_, nullptr);
+      quota_ = std::exchange(o.quota_, nullptr);
+      model_ = o.model_;
+    }
+    return *this;
+  }
+  admission_key(const admission_key&) = delete;
+  admission_key& operator=(const admission_key&) = delete;
+  ~admission_key() { reset(); }
+
+  // False for a moved-from or default key.
+  [[nodiscard]] explicit operator bool() const noexcept { return owner_ != nullptr; }
+  // The level limits nothing for this key (no quota is kept for it).
+  [[nodiscard]] bool unlimited() const noexcept { return quota_ == nullptr; }
+
+ private:
+  friend class admission;
+  void reset() noexcept {
+    if (quota_ != nullptr) quota_->unpin();
+    quota_ = nullptr;
+    owner_ = nullptr;
+  }
+  const admission* owner_ = nullptr;
+  detail::quota* quota_ = nullptr;  // null: the level does not apply to the key
+  bool model_ = false;              // which level it belongs to
+};
+
 // What one admitted request holds. Move-only. Destroying it releases its
 // in-flight or queued slots; a ticket still queued (never started) also
 // refunds its compute estimate, a started one keeps it unless reconciled.
@@ -380,9 +427,10 @@ class admission_ticket {
     }
     if (tenant_ != nullptr && holds_slot_) tenant_->give(queued_);
     if (model_ != nullptr && holds_slot_) model_->give(queued_);
-    // Last: after this the key may be reclaimed.
-    if (tenant_ != nullptr) tenant_->unpin();
-    if (model_ != nullptr) model_->unpin();
+    // Last: after this the key may be reclaimed. A key resolved ahead is
+    // pinned by its admission_key, not by the ticket.
+    if (tenant_ != nullptr && pinned_tenant_) tenant_->unpin();
+    if (model_ != nullptr && pinned_model_) model_->unpin();
   }
 
   void take(admission_ticket& o) noexcept {
@@ -393,6 +441,8 @@ class admission_ticket {
     queued_ = o.queued_;
     holds_slot_ = o.holds_slot_;
     settled_ = o.settled_;
+    pinned_tenant_ = o.pinned_tenant_;
+    pinned_model_ = o.pinned_model_;
     owner_ = o.owner_;
   }
 
@@ -404,9 +454,21 @@ class admission_ticket {
   bool queued_ = false;
   bool holds_slot_ = false;          // fresh requests hold in-flight/queued slots
   bool settled_ = false;
+  bool pinned_tenant_ = true;        // the ticket pinned its tenant's key itself
+  bool pinned_model_ = true;
 };
 
-template <class Estimator>
+// No compute reservation: admission_policy's default estimator.
+struct no_estimate {
+  constexpr std::int64_t operator()(const call&) const noexcept { return 0; }
+};
+
+// No key resolved ahead: the tenant comes from the call's label.
+struct no_tenant_key {
+  constexpr const admission_key* operator()(const call&) const noexcept { return nullptr; }
+};
+
+template <class Estimator, class TenantKey = no_tenant_key>
 class admission_policy;
 
 class admission {
@@ -446,20 +508,33 @@ class admission {
     const std::int64_t estimate = fresh ? std::max<std::int64_t>(0, r.estimate) : 0;
     detail::quota* t = nullptr;
     detail::quota* m = nullptr;
+    const bool t_ahead = resolved(r.tenant_key, false);
+    const bool m_ahead = resolved(r.model_key, true);
 
     // Each step either takes its reservation or undoes all earlier ones.
     auto refuse = [&](const level& lv, quota_limit limit, std::optional<duration> after, bool never = false) {
-      why = {lv.name, &lv == &tenants_ ? r.tenant : r.model, limit, after, never};
-      if (t != nullptr) t->unpin();
-      if (m != nullptr) m->unpin();
+      const bool is_tenant = &lv == &tenants_;
+      // A handle's key stays pinned (its name with it); a looked-up one may
+      // be reclaimed once unpinned below, so name it by the request's view.
+      const detail::quota* ahead = is_tenant ? (t_ahead ? t : nullptr) : (m_ahead ? m : nullptr);
+      why = {lv.name, ahead != nullptr ? std::string_view(ahead->key) : is_tenant ? r.tenant : r.model, limit, after,
+             never};
+      if (t != nullptr && !t_ahead) t->unpin();
+      if (m != nullptr && !m_ahead) m->unpin();
       return admission_ticket();
     };
-    if (tenants_.active) {
+    if (t_ahead) {
+      t = r.tenant_key->quota_;
+    } else if (tenants_.active) {
       duration full{};
       t = tenants_.acquire(r.tenant, now, full);
       if (full > duration::zero()) return refuse(tenants_, quota_limit::table_full, full);
     }
-    if (fresh && models_.active) {
+    if (!fresh) {
+      // A replay spends no model capacity.
+    } else if (m_ahead) {
+      m = r.model_key->quota_;
+    } else if (models_.active) {
       duration full{};
       m = models_.acquire(r.model, now, full);
       if (full > duration::zero()) return refuse(models_, quota_limit::table_full, full);
@@ -517,7 +592,20 @@ class admission {
     ticket.live_ = true;
     ticket.queued_ = queued;
     ticket.holds_slot_ = fresh;
+    ticket.pinned_tenant_ = !t_ahead;
+    ticket.pinned_model_ = !m_ahead;
     return ticket;
+  }
+
+  // Resolves a tenant (or model) once, for requests that pass the handle in
+  // admission_request::tenant_key (model_key) or through for_model(). The
+  // key is pinned while the handle lives. Refused (table_full) only when
+  // the level's table is full of keys in use.
+  [[nodiscard]] absl::StatusOr<admission_key> tenant_key(std::string_view tenant, time_point now) {
+    return resolve(tenants_, tenant, now, false);
+  }
+  [[nodiscard]] absl::StatusOr<admission_key> model_key(std::string_view model, time_point now) {
+    return resolve(models_, model, now, true);
   }
 
   // The status for a refusal (allocates: refusal paths only).
@@ -558,6 +646,10 @@ class admission {
   template <class Estimator>
   [[nodiscard]] admission_policy<Estimator> with_estimate(Estimator estimator);
 
+  // A policy for one call site's model, resolved ahead (model_key()): the
+  // tenant still comes from the call's label. `model` must outlive it.
+  [[nodiscard]] admission_policy<no_estimate> for_model(const admission_key& model);
+
   // The policy: admit the pass (estimate 0), run it, release.
   template <class Ctx, class Next>
   auto execute(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
@@ -565,13 +657,16 @@ class admission {
   }
 
   template <class Ctx, class Next>
-  auto run(Ctx& ctx, attempt_plan plan, Next& next, std::int64_t estimate) -> decltype(next(ctx, plan)) {
+  auto run(Ctx& ctx, attempt_plan plan, Next& next, std::int64_t estimate, const admission_key* model = nullptr,
+           const admission_key* tenant = nullptr) -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     const labels& l = ctx.call.labels();
     const call_record before = ctx.call.record();
     refusal_reason why;
     admission_ticket ticket = try_admit({.tenant = l.tenant,
                                          .model = l.model,
+                                         .tenant_key = tenant,
+                                         .model_key = model,
                                          .estimate = estimate,
                                          .kind = before.replayed ? request_kind::replay : request_kind::fresh},
                                         plan.now, why);
@@ -595,6 +690,25 @@ class admission {
 
  private:
   friend class admission_ticket;
+  struct level;
+
+  // A key handle of this admission and of the expected level; any other is
+  // ignored (the request's name is looked up instead).
+  [[nodiscard]] bool resolved(const admission_key* k, bool model) const noexcept {
+    return k != nullptr && k->owner_ == this && k->model_ == model;
+  }
+
+  absl::StatusOr<admission_key> resolve(level& lv, std::string_view name, time_point now, bool model) {
+    admission_key k;
+    if (lv.active) {
+      duration full{};
+      k.quota_ = lv.acquire(name, now, full);
+      if (full > duration::zero()) return refusal({lv.name, name, quota_limit::table_full, full});
+    }
+    k.owner_ = this;
+    k.model_ = model;
+    return k;
+  }
 
   struct level {
     level(std::string_view n, const quota_limits& d, const std::vector<std::pair<std::string, quota_limits>>& overrides,
@@ -828,25 +942,53 @@ inline absl::Status admission_ticket::start() {
   return absl::OkStatus();
 }
 
-// See admission::with_estimate.
-template <class Estimator>
+// See admission::with_estimate and admission::for_model.
+template <class Estimator, class TenantKey>
 class admission_policy {
  public:
-  admission_policy(admission& a, Estimator e) : admission_(&a), estimate_(std::move(e)) {}
+  admission_policy(admission& a, Estimator e, const admission_key* model = nullptr, TenantKey tenant = {})
+      : admission_(&a), estimate_(std::move(e)), tenant_(std::move(tenant)), model_(model) {}
+
+  // The same site reserving estimator(call) compute units per call.
+  template <class E>
+  [[nodiscard]] admission_policy<E, TenantKey> with_estimate(E estimator) const {
+    return admission_policy<E, TenantKey>(*admission_, std::move(estimator), model_, tenant_);
+  }
+
+  // The same site taking each call's tenant from tenant_key(call), a
+  // `const admission_key*` resolved ahead (per client session, say, and
+  // carried in the call's request: keel::from_request); null falls back to
+  // the tenant label.
+  template <class K>
+  [[nodiscard]] admission_policy<Estimator, K> with_tenant_key(K tenant_key) const {
+    return admission_policy<Estimator, K>(*admission_, estimate_, model_, std::move(tenant_key));
+  }
 
   template <class Ctx, class Next>
   auto execute(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
-    return admission_->run(ctx, std::move(plan), next, static_cast<std::int64_t>(estimate_(std::as_const(ctx.call))));
+    std::int64_t estimate = 0;
+    if constexpr (!std::is_same_v<Estimator, no_estimate>) {
+      estimate = static_cast<std::int64_t>(estimate_(std::as_const(ctx.call)));
+    }
+    const admission_key* tenant = nullptr;
+    if constexpr (!std::is_same_v<TenantKey, no_tenant_key>) tenant = tenant_(std::as_const(ctx.call));
+    return admission_->run(ctx, std::move(plan), next, estimate, model_, tenant);
   }
 
  private:
   admission* admission_;
-  Estimator estimate_;
+  [[no_unique_address]] Estimator estimate_;
+  [[no_unique_address]] TenantKey tenant_;
+  const admission_key* model_;
 };
 
 template <class Estimator>
 admission_policy<Estimator> admission::with_estimate(Estimator estimator) {
   return admission_policy<Estimator>(*this, std::move(estimator));
+}
+
+inline admission_policy<no_estimate> admission::for_model(const admission_key& model) {
+  return admission_policy<no_estimate>(*this, no_estimate{}, &model);
 }
 
 }  // namespace keel
