@@ -13,7 +13,10 @@
 //   - the attempt cap shared by every retry layer of the call, so three
 //     attempts inside three attempts cannot become nine provider calls;
 //   - the record: attempts, retries, cost, which path served, degraded,
-//     replayed, missing.
+//     replayed, missing;
+//   - optionally, the service's own request (any type: tenant, payload size,
+//     residency, estimated tokens), for gates, estimates and routing built
+//     once at startup to read per call: call.request<T>(), keel::from_request.
 //
 // A provider sees one keel::attempt: its number, deadline, timeout and stop
 // token, and a way to charge cost to the call.
