@@ -17,7 +17,8 @@
 //
 //   keel::retry_budget budget({.ratio = 0.1, .min_per_second = 5});
 //   keel::adaptive_timeout timeouts;
-//   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .budget = &budget}), timeouts);
+//   const auto env = keel::environment<>{};   // the service's clock, classifier and listener, built once
+//   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .budget = &budget}), timeouts).in(env);
 //   keel::call call(keel::real_clock{}.now(), {.timeout = std::chrono::seconds(3)});
 //   absl::StatusOr<int> r = pipe.run(call, [](const keel::attempt&) -> absl::StatusOr<int> { return 42; });
 //
