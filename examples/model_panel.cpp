@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -31,6 +32,7 @@
 #include "keel/compose/executor.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/core/call.hpp"
+#include "keel/core/environment.hpp"
 #include "keel/durable/digest.hpp"
 #include "keel/durable/fan_out.hpp"
 #include "keel/policy/time_limit.hpp"
@@ -87,23 +89,32 @@ std::unique_ptr<keel::sqlite_store<>> open_or_die(const std::string& path) {
   return std::move(*store);
 }
 
+// Prints each unit's state changes as the fan-out reports them (events on
+// the environment's listener, one at a time, in order).
+struct progress_printer {
+  keel::time_point t0;
+  void line(std::string_view unit, std::string_view what, const absl::Status& why) const {
+    std::printf("  [%4lld ms] %.*s %.*s", ms(keel::real_clock{}.now() - t0), static_cast<int>(unit.size()),
+                unit.data(), static_cast<int>(what.size()), what.data());
+    if (!why.ok()) std::printf(": %s", std::string(why.message()).c_str());
+    std::printf("\n");
+  }
+  void operator()(const keel::events::fan_out_unit_started& e) const { line(e.unit, "running", absl::OkStatus()); }
+  void operator()(const keel::events::fan_out_unit_cached& e) const { line(e.unit, "cached", absl::OkStatus()); }
+  void operator()(const keel::events::fan_out_unit_finished& e) const {
+    line(e.unit, keel::to_string(e.state), e.status);
+  }
+  void operator()(const keel::events::fan_out_unit_missing& e) const { line(e.unit, "missing", e.why); }
+};
+
 void run_panel(const char* title, const std::string& path, std::map<std::string, std::unique_ptr<simulated_model>>& models,
                const std::vector<keel::unit>& units) {
   std::printf("\n%s\n", title);
   std::unique_ptr<keel::sqlite_store<>> store = open_or_die(path);  // a fresh handle each run
   keel::bounded_pool pool({.threads = 3, .queue_capacity = 16});
   const keel::time_point t0 = keel::real_clock{}.now();
-  keel::fan_out<std::string, keel::sqlite_store<>, keel::bounded_pool> panel(
-      {.width = 3,
-       .validator = valid_rating,
-       .on_progress =
-           [&](const keel::unit_progress& p) {
-             std::printf("  [%4lld ms] %s %s", ms(keel::real_clock{}.now() - t0), p.unit.name.c_str(),
-                         std::string(keel::to_string(p.state)).c_str());
-             if (!p.status.ok()) std::printf(": %s", std::string(p.status.message()).c_str());
-             std::printf("\n");
-           }},
-      *store, pool);
+  keel::fan_out panel(keel::fan_out_options<std::string>{.width = 3, .validator = valid_rating}, *store, pool,
+                      keel::environment<>{}.with_listener(progress_printer{t0}));
 
   // The call's deadline covers the whole panel; each unit gets what is left
   // of it, and its own pipeline limits each attempt to 250 ms.

@@ -66,8 +66,8 @@ TEST_CASE("lease keeper options are validated", "[lease][keeper]") {
   CHECK(keel::leased_work_options{.ttl = 10s, .result_retention = -1s}.validate().message() ==
         "leased_work_options.result_retention must be >= 0 (got -1s)");
   manual_clock clock;
-  CHECK_THROWS_AS(keel::lease_keeper<manual_clock>("k", [](keel::duration) { return absl::OkStatus(); },
-                                                   std::stop_source(), clock.now(), {.ttl = 0s}, clock),
+  CHECK_THROWS_AS(keel::lease_keeper<keel::environment<manual_clock>>("k", [](keel::duration) { return absl::OkStatus(); },
+                                                   std::stop_source(), clock.now(), {.ttl = 0s}, keel::environment{clock}),
                   keel::invalid_options);
 }
 
@@ -82,8 +82,8 @@ TEST_CASE("the keeper renews every ttl/3 and keeps a second claimant out", "[lea
   std::atomic<int> renewals{0};
   std::stop_source work;
   {
-    keel::lease_keeper<manual_clock> keeper("nightly", gated_renew{&store, "nightly", c->ownership, &gate, &renewals},
-                                            work, sent, {.ttl = 9s}, clock);
+    keel::lease_keeper keeper("nightly", gated_renew{&store, "nightly", c->ownership, &gate, &renewals},
+                                            work, sent, {.ttl = 9s}, keel::environment{clock});
     for (int i = 1; i <= 5; ++i) {  // 15 s, well past the first 9 s lease
       clock.await_sleepers(1);
       clock.advance(3s);
@@ -115,9 +115,9 @@ TEST_CASE("a lease taken over while the holder was paused: the keeper stops the 
   std::atomic<int> lost_events{0};
   std::atomic<bool> right_key{false};
   std::stop_source work;
-  keel::lease_keeper<manual_clock, lost_counter> keeper(
-      "nightly", gated_renew{&store, "nightly", c->ownership, &gate, &attempts}, work, sent, {.ttl = 9s}, clock,
-      lost_counter{&lost_events, &right_key});
+  keel::lease_keeper keeper(
+      "nightly", gated_renew{&store, "nightly", c->ownership, &gate, &attempts}, work, sent, {.ttl = 9s},
+      keel::environment{clock}.with_listener(lost_counter{&lost_events, &right_key}));
   clock.await_sleepers(1);
   {
     std::unique_lock pause(gate);  // the holder is paused before its renewal reaches the store
@@ -142,14 +142,14 @@ TEST_CASE("renewals failing until the lease would run out: the keeper gives up i
   std::atomic<int> attempts{0};
   std::stop_source work;
   const keel::time_point start = clock.now();
-  keel::lease_keeper<manual_clock> keeper(
+  keel::lease_keeper keeper(
       "nightly",
       [&](keel::duration) {
         attempts.fetch_add(1);
         attempts.notify_all();
         return keel::store_unavailable_error("database is locked");
       },
-      work, start, {.ttl = 10s, .renew_every = 3s, .margin = 1s}, clock);
+      work, start, {.ttl = 10s, .renew_every = 3s, .margin = 1s}, keel::environment{clock});
   // Attempts at 3 s, then every 750 ms (renew_every / 4); gives up once less
   // than the 1 s margin is left of the lease confirmed at 0 s: at 9 s.
   auto expected_attempts = [&](keel::duration elapsed) {
@@ -177,7 +177,7 @@ TEST_CASE("run_leased: work runs once, its result is saved, the lease released",
     CHECK(lease.fence == 1);
     return std::string("report-v1");
   };
-  auto r = keel::run_leased(store, store, "nightly", "nightly-result", {.ttl = 30s}, work, clock);
+  auto r = keel::run_leased(store, store, "nightly", "nightly-result", {.ttl = 30s}, work, keel::environment{clock});
   REQUIRE(r.ok());
   CHECK(r->value == "report-v1");
   CHECK_FALSE(r->cached);
@@ -189,7 +189,7 @@ TEST_CASE("run_leased: work runs once, its result is saved, the lease released",
   CHECK_FALSE(next->took_over);
   REQUIRE(store.release("nightly", next->ownership).ok());
   // A second run finds the result and does not run the work.
-  auto again = keel::run_leased(store, store, "nightly", "nightly-result", {.ttl = 30s}, work, clock);
+  auto again = keel::run_leased(store, store, "nightly", "nightly-result", {.ttl = 30s}, work, keel::environment{clock});
   REQUIRE(again.ok());
   CHECK(again->cached);
   CHECK(runs == 1);
@@ -207,7 +207,7 @@ TEST_CASE("run_leased: a lease held by someone else is in flight; nothing runs",
                               ++runs;
                               return std::string("x");
                             },
-                            clock);
+                            keel::environment{clock});
   CHECK(keel::is_in_flight(r.status()));
   CHECK(keel::retry_after(r.status()) == 20s);
   CHECK(runs == 0);
@@ -228,7 +228,7 @@ TEST_CASE("run_leased after an expired lease: the result store is checked before
     REQUIRE(dead->acquired);
     REQUIRE(*store.save_result("nightly-result", "finished-before-dying", 0s));
     clock.advance(31s);  // it never released
-    auto r = keel::run_leased(store, store, "nightly", "nightly-result", {.ttl = 30s}, work, clock);
+    auto r = keel::run_leased(store, store, "nightly", "nightly-result", {.ttl = 30s}, work, keel::environment{clock});
     REQUIRE(r.ok());
     CHECK(r->cached);
     CHECK(r->took_over);
@@ -239,7 +239,7 @@ TEST_CASE("run_leased after an expired lease: the result store is checked before
     auto dead = store.claim("nightly", keel::owner_id::random(), 30s);
     REQUIRE(dead->acquired);
     clock.advance(31s);
-    auto r = keel::run_leased(store, store, "nightly", "nightly-result", {.ttl = 30s}, work, clock);
+    auto r = keel::run_leased(store, store, "nightly", "nightly-result", {.ttl = 30s}, work, keel::environment{clock});
     REQUIRE(r.ok());
     CHECK_FALSE(r->cached);
     CHECK(r->took_over);
@@ -280,7 +280,7 @@ TEST_CASE("run_leased: a lease lost mid-work stops the work and saves nothing", 
                            saw_stop = true;
                            return std::string("half-done");
                          },
-                         clock);
+                         keel::environment{clock});
   });
   started.wait();
   clock.await_sleepers(1);  // the keeper
@@ -303,7 +303,7 @@ TEST_CASE("run_leased: a failed work releases the lease and returns the failure"
                             [](std::stop_token, const keel::ownership&) -> absl::StatusOr<std::string> {
                               return absl::UnavailableError("warehouse down");
                             },
-                            clock);
+                            keel::environment{clock});
   CHECK(r.status().code() == absl::StatusCode::kUnavailable);
   auto next = store.claim("nightly", keel::owner_id::random(), 30s);
   CHECK(next->acquired);

@@ -12,7 +12,9 @@
 #include <thread>
 #include <vector>
 
+#include "keel/compose/pipeline.hpp"
 #include "keel/core/call.hpp"
+#include "keel/core/environment.hpp"
 #include "keel/durable/digest.hpp"
 #include "keel/durable/once.hpp"
 #include "keel/store/memory.hpp"
@@ -56,6 +58,35 @@ struct gated_provider {
 
 bool contains(absl::string_view s, absl::string_view part) { return s.find(part) != absl::string_view::npos; }
 
+// A service's classifier: its provider reports a revoked key as Unavailable,
+// which is permanent for this service.
+struct revoked_rule {
+  keel::outcome_kind operator()(const absl::Status& s, const keel::operation& op) const {
+    if (s.message() == "key revoked") return keel::outcome_kind::permanent;
+    return keel::default_classifier{}(s, op);
+  }
+};
+
+struct begin_recorder {
+  std::vector<keel::begin_state>* seen;
+  void operator()(const keel::events::idempotency_begin& e) const { seen->push_back(e.state); }
+};
+
+// A pipeline stage that decides receipt-A at most once, on the pass's run
+// context; the rest of the pipeline runs only when this pass owns the record.
+struct decide_once_stage {
+  const keel::once<store_t>* decide;  // built with the default environment
+  template <class Ctx, class Next>
+  auto execute(Ctx& ctx, keel::attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
+    absl::StatusOr<keel::once_result> r =
+        decide->run(ctx, receipt_key, receipt("receipt-A"), [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
+          if (absl::Status s = next(ctx, plan); !s.ok()) return s;
+          return keel::decision{.model_digest = "m-large@1", .result = "approve"};
+        });
+    return r.status();
+  }
+};
+
 }  // namespace
 
 TEST_CASE("idempotency options are validated with the field and the rule named", "[once]") {
@@ -85,7 +116,7 @@ TEST_CASE("idempotency options are validated with the field and the rule named",
 TEST_CASE("a new request is decided once; the same key is replayed with the same decision id", "[once][seed]") {
   manual_clock clock;
   store_t store(clock);
-  keel::once decide(store, opts(), clock);
+  keel::once decide(store, opts(), keel::environment{clock});
   std::atomic<int> calls{0};
   std::string context_id;
   auto provider = [&](const keel::claim_context& c) -> absl::StatusOr<keel::decision> {
@@ -120,7 +151,7 @@ TEST_CASE("a new request is decided once; the same key is replayed with the same
 TEST_CASE("changed contents under the same key are a conflict, in flight and after commit", "[once][seed]") {
   manual_clock clock;
   store_t store(clock);
-  keel::once decide(store, opts(), clock);
+  keel::once decide(store, opts(), keel::environment{clock});
   std::atomic<int> calls{0};
   std::latch entered(1), release(1);
   absl::StatusOr<keel::once_result> first = absl::UnknownError("not run");
@@ -153,7 +184,7 @@ TEST_CASE("a duplicate waits for the first request and replays its decision: one
     std::lock_guard lock(seen_mu);
     seen.push_back(e.state);
   };
-  keel::once decide(store, opts(), clock, listener);
+  keel::once decide(store, opts(), keel::environment{clock}.with_listener(listener));
   std::atomic<int> calls{0};
   std::latch entered(1), release(1);
   absl::StatusOr<keel::once_result> first = absl::UnknownError("not run"), second = absl::UnknownError("not run");
@@ -186,7 +217,7 @@ TEST_CASE("retry_later answers a duplicate at once with the holder's remaining l
   store_t store(clock);
   auto o = opts();
   o.on_duplicate = keel::on_duplicate::retry_later;
-  keel::once decide(store, o, clock);
+  keel::once decide(store, o, keel::environment{clock});
   std::atomic<int> calls{0};
   std::latch entered(1), release(1);
   std::jthread holder([&] {
@@ -209,7 +240,7 @@ TEST_CASE("retry_later answers a duplicate at once with the holder's remaining l
 TEST_CASE("a duplicate whose deadline runs out while waiting gets retry-later, never a second call", "[once]") {
   manual_clock clock;
   store_t store(clock);
-  keel::once decide(store, opts(), clock);
+  keel::once decide(store, opts(), keel::environment{clock});
   std::atomic<int> calls{0};
   std::latch entered(1), release(1);
   std::jthread holder([&] {
@@ -235,7 +266,7 @@ TEST_CASE("a duplicate whose deadline runs out while waiting gets retry-later, n
 TEST_CASE("a duplicate cancelled while waiting returns Cancelled, not started", "[once]") {
   manual_clock clock;
   store_t store(clock);
-  keel::once decide(store, opts(), clock);
+  keel::once decide(store, opts(), keel::environment{clock});
   std::atomic<int> calls{0};
   std::latch entered(1), release(1);
   std::jthread holder([&] {
@@ -264,7 +295,7 @@ TEST_CASE("handler failure, forget: the record is removed and a retry decides af
   store_t store(clock);
   auto o = opts();
   o.remember_failures = {.permanent = false};
-  keel::once decide(store, o, clock);
+  keel::once decide(store, o, keel::environment{clock});
   int calls = 0;
   auto flaky = [&](const keel::claim_context& c) -> absl::StatusOr<keel::decision> {
     ++calls;
@@ -288,7 +319,7 @@ TEST_CASE("handler failure, remember: the failure is stored and replayed without
   store_t store(clock);
   auto o = opts();
   o.remember_failures = {.permanent = true, .transient = true, .throttled = true, .ambiguous = true};
-  keel::once decide(store, o, clock);
+  keel::once decide(store, o, keel::environment{clock});
   int calls = 0;
   auto failing = [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
     ++calls;
@@ -308,7 +339,7 @@ TEST_CASE("handler failure, remember: the failure is stored and replayed without
 TEST_CASE("handler failure, by default: permanent failures stored, transient ones forgotten", "[once]") {
   manual_clock clock;
   store_t store(clock);
-  keel::once decide(store, opts(), clock);  // permanent failures only, by default
+  keel::once decide(store, opts(), keel::environment{clock});  // permanent failures only, by default
   REQUIRE(decide.options().remember_failures.permanent);
   REQUIRE_FALSE(decide.options().remember_failures.transient);
   int calls = 0;
@@ -338,7 +369,7 @@ TEST_CASE("handler failure, by default: permanent failures stored, transient one
 TEST_CASE("a provider that throws leaves no record in flight", "[once]") {
   manual_clock clock;
   store_t store(clock);
-  keel::once decide(store, opts(), clock);
+  keel::once decide(store, opts(), keel::environment{clock});
   int calls = 0;
   keel::call first(clock.now(), {.timeout = 3s});
   auto a = decide.run(first, receipt_key, receipt("receipt-A"), [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
@@ -361,13 +392,13 @@ TEST_CASE("a newer policy revision meets a stored decision: replay, conflict or 
   manual_clock clock;
   store_t store(clock);
   std::atomic<int> calls{0};
-  keel::once v1(store, opts("rev-1"), clock);
+  keel::once v1(store, opts("rev-1"), keel::environment{clock});
   keel::call c0(clock.now(), {.timeout = 3s});
   auto first = v1.run(c0, receipt_key, receipt("receipt-A"), counting_provider{&calls, "approve"});
   REQUIRE(first.ok());
 
   auto replaying = opts("rev-2");
-  keel::once replay(store, replaying, clock);
+  keel::once replay(store, replaying, keel::environment{clock});
   keel::call c1(clock.now(), {.timeout = 3s});
   auto r = replay.run(c1, receipt_key, receipt("receipt-A"), counting_provider{&calls});
   REQUIRE(r.ok());
@@ -376,7 +407,7 @@ TEST_CASE("a newer policy revision meets a stored decision: replay, conflict or 
 
   auto conflicting = opts("rev-2");
   conflicting.on_policy_change = keel::on_policy_change::conflict;
-  keel::once conflict(store, conflicting, clock);
+  keel::once conflict(store, conflicting, keel::environment{clock});
   keel::call c2(clock.now(), {.timeout = 3s});
   auto x = conflict.run(c2, receipt_key, receipt("receipt-A"), counting_provider{&calls});
   CHECK(keel::is_conflict(x.status()));
@@ -385,7 +416,7 @@ TEST_CASE("a newer policy revision meets a stored decision: replay, conflict or 
 
   auto again = opts("rev-2");
   again.on_policy_change = keel::on_policy_change::decide_again;
-  keel::once decide_again(store, again, clock);
+  keel::once decide_again(store, again, keel::environment{clock});
   keel::call c3(clock.now(), {.timeout = 3s});
   auto d = decide_again.run(c3, receipt_key, receipt("receipt-A"), counting_provider{&calls, "decline"});
   REQUIRE(d.ok());
@@ -406,7 +437,7 @@ TEST_CASE("a newer policy revision meets a stored decision: replay, conflict or 
 TEST_CASE("without keep_alive the provider's deadline ends at the lease", "[once]") {
   manual_clock clock;
   store_t store(clock);
-  keel::once decide(store, opts(), clock);  // lease 30 s
+  keel::once decide(store, opts(), keel::environment{clock});  // lease 30 s
   keel::deadline seen;
   auto provider = [&](const keel::claim_context& c) -> absl::StatusOr<keel::decision> {
     seen = c.deadline;
@@ -443,7 +474,7 @@ TEST_CASE("keep_alive renews the record while a long provider runs", "[once][kee
   auto o = opts();
   o.lease = 9s;
   o.keep_alive = true;
-  keel::once decide(store, o, clock);
+  keel::once decide(store, o, keel::environment{clock});
   std::atomic<int> calls{0};
   std::latch entered(1), release(1);
   absl::StatusOr<keel::once_result> first = absl::UnknownError("not run");
@@ -471,7 +502,7 @@ TEST_CASE("keep_alive renews the record while a long provider runs", "[once][kee
 TEST_CASE("a provider that outlives its lease: the takeover decides, the late commit is refused", "[once]") {
   manual_clock clock;
   store_t store(clock);
-  keel::once decide(store, opts(), clock);
+  keel::once decide(store, opts(), keel::environment{clock});
   std::atomic<int> calls{0};
   std::latch entered(1), release(1);
   absl::StatusOr<keel::once_result> slow = absl::UnknownError("not run");
@@ -505,7 +536,7 @@ TEST_CASE("a provider that outlives its lease: the takeover decides, the late co
 TEST_CASE("an invalid identity is refused before the store is touched", "[once]") {
   manual_clock clock;
   store_t store(clock);
-  keel::once decide(store, opts(), clock);
+  keel::once decide(store, opts(), keel::environment{clock});
   std::atomic<int> calls{0};
   keel::call call(clock.now(), {.timeout = 3s});
   const keel::request_identity bad{.tenant = "merchant-82", .endpoint = "receipts", .key = "key\n47"};
@@ -523,7 +554,7 @@ TEST_CASE("refusals and cancellations are never stored as the key's decision", "
   // were "permanent" and replayed to every retry for 24 h.
   auto o = opts();
   o.remember_failures = {.permanent = true, .transient = true, .throttled = true, .ambiguous = true};
-  keel::once decide(store, o, clock);
+  keel::once decide(store, o, keel::environment{clock});
   const absl::Status refusals[] = {
       keel::refusal(absl::UnavailableError("keel: circuit breaker 'llm' is open"), "breaker:llm", 5s),
       keel::refusal(absl::DeadlineExceededError("keel: attempt not started: 10 ms left"), "adaptive_timeout"),
@@ -567,7 +598,7 @@ TEST_CASE("once takes the pipeline's classifier to choose what it stores", "[onc
       return keel::default_classifier{}(s, op);
     }
   };
-  keel::once<store_t, manual_clock, keel::null_listener, revoked_is_permanent> decide(store, opts(), clock, {}, {});
+  keel::once decide(store, opts(), keel::environment{clock, revoked_is_permanent{}});
   int calls = 0;
   auto revoked = [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
     ++calls;
@@ -582,10 +613,34 @@ TEST_CASE("once takes the pipeline's classifier to choose what it stores", "[onc
   CHECK(calls == 1);
 }
 
+TEST_CASE("once run in a pipeline stage takes the pipeline's environment: its classifier and listener",
+          "[once][outcome][environment]") {
+  manual_clock clock;
+  store_t store(clock);
+  const keel::once<store_t> decide(store, opts());  // real clock, default classifier, no listener
+  std::vector<keel::begin_state> seen;
+  const auto env = keel::environment{clock, revoked_rule{}, begin_recorder{&seen}};
+  int calls = 0;
+  auto revoked = [&](const keel::attempt&) -> absl::Status {
+    ++calls;
+    return absl::UnavailableError("key revoked");
+  };
+  auto pipe = keel::pipeline(decide_once_stage{&decide}).in(env);
+  keel::call first(clock.now(), {.timeout = 3s});
+  CHECK(pipe.run(first, revoked).code() == absl::StatusCode::kUnavailable);
+  // Stored as permanent by the pipeline's classifier (the default one would
+  // have forgotten it as transient): the retry replays it, no second call.
+  keel::call retry(clock.now(), {.timeout = 3s});
+  CHECK(pipe.run(retry, revoked).message() == "key revoked");
+  CHECK(retry.record().replayed);
+  CHECK(calls == 1);
+  CHECK(seen == std::vector<keel::begin_state>{keel::begin_state::claimed, keel::begin_state::replay});
+}
+
 TEST_CASE("an ambiguous write stays unresolved until settled: never charged twice", "[once][outcome][seed]") {
   manual_clock clock;
   store_t store(clock);
-  keel::once decide(store, opts(), clock);
+  keel::once decide(store, opts(), keel::environment{clock});
   constexpr keel::operation charge{.effect = keel::effect::write};  // not idempotent downstream
   int charges = 0;
   auto charge_card = [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
@@ -650,7 +705,7 @@ TEST_CASE("an ambiguous write stays unresolved until settled: never charged twic
 TEST_CASE("resolve finds nothing to settle for a decided or absent key, and leaves no record", "[once]") {
   manual_clock clock;
   store_t store(clock);
-  keel::once decide(store, opts(), clock);
+  keel::once decide(store, opts(), keel::environment{clock});
   const keel::request_identity absent{.tenant = "merchant-82", .endpoint = "receipts", .key = "never-seen"};
   CHECK(decide.resolve(absent, receipt("receipt-A"), keel::settlement::not_applied).code() ==
         absl::StatusCode::kFailedPrecondition);

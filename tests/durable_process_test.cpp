@@ -101,7 +101,8 @@ int child_once() {
 int child_hold_record() {
   auto store = keel::sqlite_store<shared_clock>::open(env("DB"), {}, shared_clock(env("CLOCK"), false));
   if (!store.ok()) return 2;
-  keel::once decide(**store, {.lease = 30s, .retention = 2h, .retry_window = 1h}, shared_clock(env("CLOCK"), false));
+  keel::once decide(**store, {.lease = 30s, .retention = 2h, .retry_window = 1h},
+                    keel::environment{shared_clock(env("CLOCK"), false)});
   keel::call call(keel::real_clock{}.now(), {.timeout = 10min});
   (void)decide.run(call, receipt_key, receipt_a(), [&](const keel::claim_context& c) -> absl::StatusOr<keel::decision> {
     append_line(env("OUT"), c.ownership.owner.hex() + " " + std::to_string(c.ownership.fence));
@@ -209,7 +210,8 @@ TEST_CASE("a child SIGKILLed mid-work: in flight until expiry, then exactly one 
   CHECK(early->state == keel::begin_state::in_flight);
   CHECK(early->lease_remaining == 10s);
   keel::once polite(*store, {.lease = 30s, .retention = 2h, .retry_window = 1h,
-                             .on_duplicate = keel::on_duplicate::retry_later}, clock);
+                             .on_duplicate = keel::on_duplicate::retry_later},
+                    keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 5s});
   int calls = 0;
   auto refused = polite.run(call, receipt_key, receipt_a(), [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
@@ -284,11 +286,11 @@ TEST_CASE("a lease holder SIGKILLed: after expiry the claimant checks the result
     return std::string("recomputed");
   };
   clock.advance(29s);
-  auto early = keel::run_leased(*store, *store, "nightly", "nightly-result", {.ttl = 30s}, work, clock);
+  auto early = keel::run_leased(*store, *store, "nightly", "nightly-result", {.ttl = 30s}, work, keel::environment{clock});
   CHECK(keel::is_in_flight(early.status()));
   CHECK(keel::retry_after(early.status()) == 1s);
   clock.advance(2s);
-  auto r = keel::run_leased(*store, *store, "nightly", "nightly-result", {.ttl = 30s}, work, clock);
+  auto r = keel::run_leased(*store, *store, "nightly", "nightly-result", {.ttl = 30s}, work, keel::environment{clock});
   REQUIRE(r.ok());
   CHECK(r->took_over);
   CHECK(r->ownership.fence == 2);

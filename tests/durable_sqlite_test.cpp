@@ -151,7 +151,7 @@ TEST_CASE("decisions, leases and results survive closing and reopening the file"
   std::string decided;
   {
     auto store = keel_durable::open_sqlite(db, clock);
-    keel::once decide(*store, {.lease = 30s, .retention = 2h, .retry_window = 1h}, clock);
+    keel::once decide(*store, {.lease = 30s, .retention = 2h, .retry_window = 1h}, keel::environment{clock});
     keel::call call(clock.now(), {.timeout = 3s});
     auto r = decide.run(call, receipt_key, receipt("A"), [](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
       return keel::decision{.result = "approve"};
@@ -475,7 +475,7 @@ TEST_CASE("an I/O error at COMMIT is an unknown outcome; repeating the commit se
   CHECK(r->decision.id == "dec-1");
 
   // Through keel::once the unknown outcome reaches the caller as such.
-  keel::once decide(*store, {.lease = 30s, .retention = 2h, .retry_window = 1h}, clock);
+  keel::once decide(*store, {.lease = 30s, .retention = 2h, .retry_window = 1h}, keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 3s});
   const keel::request_identity other{.tenant = "merchant-82", .endpoint = "receipts", .key = "key-48"};
   auto once_r = decide.run(call, other, receipt("B"), [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {

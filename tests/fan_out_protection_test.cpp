@@ -43,8 +43,8 @@ TEST_CASE("fan-out workers run pipelines with admission and a breaker per provid
                      .key = keel::digest_builder().field("facts", "f").field("model", m).finish(),
                      .labels = {.tenant = "shop-7", .model = m}});
   }
-  keel::fan_out<std::string, keel::memory_store<manual_clock>, keel::bounded_pool, manual_clock> panel(
-      {.width = 3}, store, pool, clock);
+  keel::fan_out<std::string, keel::memory_store<manual_clock>, keel::bounded_pool, keel::environment<manual_clock>> panel(
+      {.width = 3}, store, pool, keel::environment{clock});
   // The worker: admission outermost, then the provider's breaker, then retries.
   auto worker = [&](const keel::unit_context& u) -> absl::StatusOr<std::string> {
     keel::call c(clock.now(), u.call_options());
@@ -109,8 +109,8 @@ TEST_CASE("a panel refused by an open breaker says retry later, not do-not-retry
   breaker.force_open(clock.now());
   const std::vector<keel::unit> units{
       {.name = "B", .key = keel::digest_builder().field("model", "B").finish(), .labels = {.model = "B"}}};
-  keel::fan_out<std::string, keel::memory_store<manual_clock>, keel::bounded_pool, manual_clock> panel(
-      {.width = 1}, store, pool, clock);
+  keel::fan_out<std::string, keel::memory_store<manual_clock>, keel::bounded_pool, keel::environment<manual_clock>> panel(
+      {.width = 1}, store, pool, keel::environment{clock});
   int calls = 0;
   auto worker = [&](const keel::unit_context& u) -> absl::StatusOr<std::string> {
     keel::call c(clock.now(), u.call_options());

@@ -39,7 +39,7 @@ namespace kt = keel::testing;
 namespace {
 
 using store_t = keel::sqlite_store<>;
-using panel_t = keel::fan_out<std::string, store_t, keel::bounded_pool, manual_clock>;
+using panel_t = keel::fan_out<std::string, store_t, keel::bounded_pool, keel::environment<manual_clock>>;
 using text_provider = kt::scripted_provider<std::string>;
 
 constexpr std::string_view facts = "product 42: stainless, 1.2 l, 2 year warranty";
@@ -74,7 +74,7 @@ std::unique_ptr<store_t> open_store(const std::string& path) {
 keel::fan_out_report<std::string> run_panel(store_t& store, manual_clock clock,
                                             std::map<std::string, std::unique_ptr<text_provider>>& providers) {
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
-  panel_t panel({.width = 1, .validator = about_this_product}, store, pool, clock);
+  panel_t panel({.width = 1, .validator = about_this_product}, store, pool, keel::environment{clock});
   const std::vector<keel::unit> units = seed_units();
   keel::call call(clock.now(), {.timeout = 10s});
   return panel.run(call, units, [&](const keel::unit_context& u) -> absl::StatusOr<std::string> {

@@ -36,7 +36,7 @@ using keel::testing::manual_clock;
 namespace kt = keel::testing;
 using text_provider = kt::scripted_provider<std::string>;
 using store_t = keel::memory_store<manual_clock>;
-using panel_t = keel::fan_out<std::string, store_t, keel::bounded_pool, manual_clock>;
+using panel_t = keel::fan_out<std::string, store_t, keel::bounded_pool, keel::environment<manual_clock>>;
 constexpr auto sleep_mode = text_provider::mode::sleep;
 
 namespace {
@@ -64,6 +64,65 @@ absl::Status has_score(const std::string& r) {
     return absl::InvalidArgumentError(absl::StrCat("invalid result \"", r, "\": no score"));
   return absl::OkStatus();
 }
+
+// Writes a fan-out's events as text ("B running", "C failed", ...), in the
+// order they come; the mutex guards the log against the run's last event,
+// reported from the caller's thread.
+struct event_log {
+  std::mutex* mu;
+  std::vector<std::string>* log;
+  bool only_cancelled = false;
+
+  void add(std::string line) const {
+    std::lock_guard lock(*mu);
+    log->push_back(std::move(line));
+  }
+  void operator()(const keel::events::fan_out_unit_started& e) const {
+    if (!only_cancelled) add(std::string(e.unit) + " running");
+  }
+  void operator()(const keel::events::fan_out_unit_cached& e) const {
+    if (!only_cancelled) add(std::string(e.unit) + " cached");
+  }
+  void operator()(const keel::events::fan_out_unit_finished& e) const {
+    if (only_cancelled && e.state != keel::unit_state::cancelled) return;
+    add(std::string(e.unit) + " " + std::string(keel::to_string(e.state)) +
+        (e.outstanding ? ", outstanding" : "") + (e.saved ? ", saved" : "") +
+        (e.state == keel::unit_state::failed ? ", " + std::string(keel::to_string(e.kind)) : ""));
+  }
+  void operator()(const keel::events::fan_out_unit_missing& e) const {
+    if (!only_cancelled) add(std::string(e.unit) + " missing, " + std::string(keel::to_string(e.kind)));
+  }
+  void operator()(const keel::events::fan_out_finished& e) const {
+    if (only_cancelled) return;
+    add(absl::StrCat("finished: ", e.units, " units, ", e.cached, " cached, ", e.succeeded, " succeeded, ", e.failed,
+                     " failed, ", e.missing, " missing, rule ", e.rule_met ? "met" : "not met"));
+  }
+};
+
+// A service's classifier: a provider over its own quota answers
+// FailedPrecondition "over quota", which this service treats as a refusal.
+struct over_quota_is_refused {
+  keel::outcome_kind operator()(const absl::Status& s, const keel::operation& op) const {
+    if (s.message() == "over quota") return keel::outcome_kind::refused;
+    return keel::default_classifier{}(s, op);
+  }
+};
+
+// A pipeline stage that runs a panel on the pass's run context.
+template <class Panel>
+struct panel_stage {
+  Panel* panel;
+  const std::vector<keel::unit>* units;
+  keel::fan_out_report<std::string>* out;
+  template <class Ctx, class Next>
+  auto execute(Ctx& ctx, keel::attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
+    *out = panel->run(ctx, *units, [](const keel::unit_context& u) -> absl::StatusOr<std::string> {
+      if (u.unit.name == "B") return absl::FailedPreconditionError("over quota");
+      return std::string("score:1");
+    });
+    return next(ctx, plan);
+  }
+};
 
 // Scripted providers by unit name, each behind its own pipeline and call.
 struct providers {
@@ -102,7 +161,7 @@ TEST_CASE("the seed's panel: B times out, A and C are saved; the rerun calls onl
   providers p;
   store_t store(p.clock);
   keel::bounded_pool pool({.threads = 3, .queue_capacity = 16});
-  panel_t panel({.width = 3, .validator = has_score}, store, pool, p.clock);
+  panel_t panel({.width = 3, .validator = has_score}, store, pool, keel::environment{p.clock});
   const std::vector<keel::unit> units = panel_units({"A", "B", "C"});
 
   p.add("A", {kt::answer(std::string("score:80"), 100ms)});
@@ -160,7 +219,7 @@ TEST_CASE("an invalid answer is a failure, like a timeout, and is never saved", 
   providers p;
   store_t store(p.clock);
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 16});
-  panel_t panel({.width = 2, .validator = has_score}, store, pool, p.clock);
+  panel_t panel({.width = 2, .validator = has_score}, store, pool, keel::environment{p.clock});
   const std::vector<keel::unit> units = panel_units({"A", "B"});
   p.add("A", {kt::answer(std::string("score:80"), 10ms)});
   p.add("B", {kt::answer(std::string("I think it's fine"), 10ms), kt::answer(std::string("score:60"), 10ms)});
@@ -199,7 +258,7 @@ TEST_CASE("a stored result that no longer passes validation is reported, not use
   };
 
   SECTION("reported as a failure, the store left alone") {
-    panel_t panel({.validator = has_score}, store, pool, clock);
+    panel_t panel({.validator = has_score}, store, pool, keel::environment{clock});
     REQUIRE(store.save_result(panel.key_of(units[0]), "legacy verdict: good", {}).value());
     keel::call call(clock.now(), {.timeout = 5s});
     const keel::fan_out_report<std::string> r = panel.run(call, units, worker);
@@ -209,7 +268,7 @@ TEST_CASE("a stored result that no longer passes validation is reported, not use
     CHECK(store.load_result(panel.key_of(units[0])).value() == "legacy verdict: good");
   }
   SECTION("or replaced when the options say so") {
-    panel_t panel({.replace_invalid_cached = true, .validator = has_score}, store, pool, clock);
+    panel_t panel({.replace_invalid_cached = true, .validator = has_score}, store, pool, keel::environment{clock});
     REQUIRE(store.save_result(panel.key_of(units[0]), "legacy verdict: good", {}).value());
     keel::call call(clock.now(), {.timeout = 5s});
     const keel::fan_out_report<std::string> r = panel.run(call, units, worker);
@@ -223,7 +282,7 @@ TEST_CASE("unit keys are digests of what determines the result", "[fan_out][keys
   manual_clock clock;
   store_t store(clock);
   keel::bounded_pool pool({.threads = 1, .queue_capacity = 4});
-  panel_t panel({}, store, pool, clock);
+  panel_t panel({}, store, pool, keel::environment{clock});
   const auto v1 = panel_units({"A"}, "rubric-v1");
   const auto v1_again = panel_units({"A"}, "rubric-v1");
   const auto v2 = panel_units({"A"}, "rubric-v2");
@@ -251,16 +310,10 @@ TEST_CASE("a quorum cancels the rest; the workers observe it; outstanding work i
   keel::bounded_pool pool({.threads = 4, .queue_capacity = 16});
   std::mutex log_mu;
   std::vector<std::string> log;
-  panel_t panel({.width = 4,
-                 .complete_when = keel::completion::quorum(2),
-                 .validator = has_score,
-                 .on_progress =
-                     [&](const keel::unit_progress& e) {
-                       std::lock_guard lock(log_mu);
-                       if (e.state == keel::unit_state::cancelled)
-                         log.push_back(e.unit.name + (e.outstanding ? " cancelled, outstanding" : " cancelled"));
-                     }},
-                store, pool, p.clock);
+  keel::fan_out panel(
+      keel::fan_out_options<std::string>{
+          .width = 4, .complete_when = keel::completion::quorum(2), .validator = has_score},
+      store, pool, keel::environment{p.clock}.with_listener(event_log{&log_mu, &log, /*only_cancelled=*/true}));
   const std::vector<keel::unit> units = panel_units({"A", "B", "C", "D"});
   p.add("A", {kt::answer(std::string("score:70"), 100ms)});
   p.add("B", {kt::answer(std::string("score:75"), 200ms)});
@@ -298,7 +351,7 @@ TEST_CASE("first acceptable: an invalid answer does not count; units not started
   store_t store(p.clock);
   keel::bounded_pool pool({.threads = 3, .queue_capacity = 16});
   panel_t panel({.width = 3, .complete_when = keel::completion::first_acceptable(), .validator = has_score}, store,
-                pool, p.clock);
+                pool, keel::environment{p.clock});
   const std::vector<keel::unit> units = panel_units({"A", "B", "C", "D"});
   p.add("A", {kt::stall()});
   p.add("B", {kt::answer(std::string("no idea"), 30ms)});
@@ -326,7 +379,7 @@ TEST_CASE("first acceptable: an invalid answer does not count; units not started
     providers q;
     store_t fresh(q.clock);
     panel_t narrow({.width = 1, .complete_when = keel::completion::first_acceptable(), .validator = has_score},
-                   fresh, pool, q.clock);
+                   fresh, pool, keel::environment{q.clock});
     q.add("A", {kt::answer(std::string("score:50"), 10ms)});
     q.add("B", {kt::answer(std::string("score:60"), 10ms)});
     q.add("C", {kt::answer(std::string("score:70"), 10ms)});
@@ -354,7 +407,7 @@ TEST_CASE("best of n by a user score, with a result type of its own", "[fan_out]
   manual_clock clock;
   keel::memory_store<manual_clock> store(clock);
   keel::bounded_pool pool({.threads = 3, .queue_capacity = 16});
-  keel::fan_out<verdict, store_t, keel::bounded_pool, manual_clock> panel(
+  keel::fan_out<verdict, store_t, keel::bounded_pool, keel::environment<manual_clock>> panel(
       {.width = 3,
        .complete_when = keel::completion::best_of(2),
        .score = [](const verdict& v) { return static_cast<double>(v.score); },
@@ -367,7 +420,7 @@ TEST_CASE("best of n by a user score, with a result type of its own", "[fan_out]
          v.model = std::string(s.substr(bar + 1));
          return v;
        }},
-      store, pool, clock);
+      store, pool, keel::environment{clock});
   const std::vector<keel::unit> units = panel_units({"A", "B", "C"});
   std::atomic<int> c_saw_stop{0};
   auto worker = [&](const keel::unit_context& u) -> absl::StatusOr<verdict> {
@@ -407,7 +460,7 @@ TEST_CASE("the call's deadline bounds the fan-out: units with no time left are m
   providers p;
   store_t store(p.clock);
   keel::bounded_pool pool({.threads = 1, .queue_capacity = 16});
-  panel_t panel({.width = 1, .validator = has_score}, store, pool, p.clock);
+  panel_t panel({.width = 1, .validator = has_score}, store, pool, keel::environment{p.clock});
   const std::vector<keel::unit> units = panel_units({"A", "B", "C"});
   p.add("A", {kt::answer(std::string("score:70"), 100ms)});
   p.add("B", {kt::stall()});  // runs into the call's deadline
@@ -437,7 +490,7 @@ TEST_CASE("a unit still queued in the executor at the deadline is missing, not f
   providers p;
   store_t store(p.clock);
   keel::bounded_pool pool({.threads = 1, .queue_capacity = 16});  // B waits in the queue behind A
-  panel_t panel({.width = 2, .validator = has_score}, store, pool, p.clock);
+  panel_t panel({.width = 2, .validator = has_score}, store, pool, keel::environment{p.clock});
   const std::vector<keel::unit> units = panel_units({"A", "B"});
   p.add("A", {kt::stall()});
   p.add("B", {kt::answer(std::string("score:70"), 10ms)});
@@ -465,7 +518,7 @@ TEST_CASE("a partial panel may be accepted: OK, degraded, and it names what is m
   manual_clock clock;
   store_t store(clock);
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 16});
-  panel_t panel({.width = 2, .require_complete = false, .validator = has_score}, store, pool, clock);
+  panel_t panel({.width = 2, .require_complete = false, .validator = has_score}, store, pool, keel::environment{clock});
   const std::vector<keel::unit> units = panel_units({"A", "B", "C"});
   auto worker = [](const keel::unit_context& u) -> absl::StatusOr<std::string> {
     if (u.unit.name == "B") return absl::UnauthenticatedError("B: invalid API key");
@@ -481,23 +534,21 @@ TEST_CASE("a partial panel may be accepted: OK, degraded, and it names what is m
   CHECK(call.record().missing == 1);
 
   keel::call strict_call(clock.now(), {.timeout = 5s});
-  panel_t strict({.width = 2, .validator = has_score}, store, pool, clock);
+  panel_t strict({.width = 2, .validator = has_score}, store, pool, keel::environment{clock});
   const keel::fan_out_report<std::string> r2 = strict.run(strict_call, units, worker);
   CHECK(r2.status().code() == absl::StatusCode::kFailedPrecondition);  // every failure is permanent
   CHECK(r2.status().message().find("B (failed, permanent: B: invalid API key)") != absl::string_view::npos);
 }
 
-TEST_CASE("the progress callback reports each unit's real state changes, in order", "[fan_out][progress]") {
+TEST_CASE("the environment's listener sees each unit's real state changes, in order, and the run's figures",
+          "[fan_out][progress][events]") {
   manual_clock clock;
   store_t store(clock);
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 16});
-  std::vector<std::string> log;  // written under the collector's lock
-  panel_t panel({.width = 1,
-                 .validator = has_score,
-                 .on_progress = [&](const keel::unit_progress& e) {
-                   log.push_back(e.unit.name + " " + std::string(keel::to_string(e.state)));
-                 }},
-                store, pool, clock);
+  std::mutex log_mu;
+  std::vector<std::string> log;
+  keel::fan_out panel(keel::fan_out_options<std::string>{.width = 1, .validator = has_score}, store, pool,
+                      keel::environment{clock}.with_listener(event_log{&log_mu, &log}));
   const std::vector<keel::unit> units = panel_units({"A", "B", "C"});
   REQUIRE(store.save_result(panel.key_of(units[0]), "score:10", {}).value());
   auto worker = [](const keel::unit_context& u) -> absl::StatusOr<std::string> {
@@ -506,7 +557,9 @@ TEST_CASE("the progress callback reports each unit's real state changes, in orde
   };
   keel::call call(clock.now(), {.timeout = 5s});
   const keel::fan_out_report<std::string> r = panel.run(call, units, worker);
-  CHECK(log == std::vector<std::string>{"A cached", "B running", "B succeeded", "C running", "C failed"});
+  CHECK(log == std::vector<std::string>{"A cached", "B running", "B succeeded, saved", "C running",
+                                        "C failed, transient",
+                                        "finished: 3 units, 1 cached, 1 succeeded, 1 failed, 0 missing, rule not met"});
   CHECK(r.count(keel::unit_state::cached) == 1);
   CHECK(r.count(keel::unit_state::succeeded) == 1);
   CHECK(r.count(keel::unit_state::failed) == 1);
@@ -516,7 +569,7 @@ TEST_CASE("cancelling the call cancels running units; those not started are miss
   providers p;
   store_t store(p.clock);
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 16});
-  panel_t panel({.width = 2}, store, pool, p.clock);
+  panel_t panel({.width = 2}, store, pool, keel::environment{p.clock});
   const std::vector<keel::unit> units = panel_units({"A", "B", "C"});
   p.add("A", {kt::stall()});
   p.add("B", {kt::stall()});
@@ -691,12 +744,38 @@ TEST_CASE("invalid fan-out options and rules are refused naming the field", "[fa
   manual_clock clock;
   store_t store(clock);
   keel::bounded_pool pool({.threads = 1});
-  CHECK_THROWS_AS(panel_t({.width = -3}, store, pool, clock), keel::invalid_options);
+  CHECK_THROWS_AS(panel_t({.width = -3}, store, pool, keel::environment{clock}), keel::invalid_options);
 
-  panel_t quorum({.complete_when = keel::completion::quorum(4)}, store, pool, clock);
+  panel_t quorum({.complete_when = keel::completion::quorum(4)}, store, pool, keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 5s});
   const auto r = quorum.run(call, panel_units({"A", "B"}),
                             [](const keel::unit_context&) -> absl::StatusOr<std::string> { return std::string("x"); });
   CHECK(r.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(r.status().message() == "fan_out.complete_when.k must be at most the number of units (got 4 > 2)");
+}
+
+TEST_CASE("a fan-out run in a pipeline stage takes the pipeline's environment", "[fan_out][events][environment]") {
+  manual_clock clock;
+  store_t store(clock);
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 16});
+  // Built with the default environment: the real clock, the default
+  // classifier (FailedPrecondition is permanent), no listener.
+  keel::fan_out<std::string, store_t, keel::bounded_pool> panel({.width = 2, .validator = has_score}, store, pool);
+  const std::vector<keel::unit> units = panel_units({"A", "B"});
+  std::mutex log_mu;
+  std::vector<std::string> log;
+  keel::fan_out_report<std::string> r;
+  auto pipe = keel::pipeline(panel_stage<decltype(panel)>{&panel, &units, &r})
+                  .in(keel::environment{clock, over_quota_is_refused{}, event_log{&log_mu, &log}});
+  keel::call call(clock.now(), {.timeout = 5s});
+  REQUIRE(pipe.run(call, [](const keel::attempt&) { return absl::OkStatus(); }).ok());
+  // The pipeline's classifier: B was refused, so it is missing, not failed.
+  CHECK(r.units[1].state == keel::unit_state::missing);
+  CHECK(r.units[1].kind == keel::outcome_kind::refused);
+  // The pipeline's clock: no time passes on the manual clock.
+  CHECK(r.units[0].latency == keel::duration::zero());
+  // The pipeline's listener.
+  std::sort(log.begin(), log.end() - 1);  // two workers: their events interleave; the run's figures come last
+  CHECK(log == std::vector<std::string>{"A running", "A succeeded, saved", "B missing, refused", "B running",
+                                        "finished: 2 units, 0 cached, 1 succeeded, 0 failed, 1 missing, rule not met"});
 }

@@ -125,7 +125,7 @@ TEST_CASE("sqlite: a worker process SIGKILLed mid-job loses nothing; the takeove
   {
     auto store = store_type::open(db, {}, clock);
     REQUIRE(store.ok());
-    keel::job_queue q(**store, options, clock);
+    keel::job_queue q(**store, options, keel::environment{clock});
     for (int i = 0; i < 5; ++i) ids.push_back(q.submit("acme", "job-" + std::to_string(i), "p" + std::to_string(i))->id);
   }
 
@@ -133,7 +133,7 @@ TEST_CASE("sqlite: a worker process SIGKILLed mid-job loses nothing; the takeove
     keel_durable::shared_clock child_clock(dir.file("clock"), false);
     auto store = store_type::open(db, {}, child_clock);
     if (!store.ok()) return 11;
-    keel::job_queue q(**store, options, child_clock);
+    keel::job_queue q(**store, options, keel::environment{child_clock});
     keel_jobs::exec_log log(log_path);
     (void)q.run_one([&](const keel::job_context& j) -> absl::StatusOr<std::string> {
       log.record(j.id, j.ownership.fence, "start");
@@ -160,7 +160,7 @@ TEST_CASE("sqlite: a worker process SIGKILLed mid-job loses nothing; the takeove
 
   auto store = store_type::open(db, {}, clock);
   REQUIRE(store.ok());
-  keel::job_queue q(**store, options, clock);
+  keel::job_queue q(**store, options, keel::environment{clock});
   keel_jobs::exec_log log(log_path);
   auto handler = [&](const keel::job_context& j) -> absl::StatusOr<std::string> {
     log.record(j.id, j.ownership.fence, "start");

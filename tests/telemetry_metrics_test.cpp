@@ -376,7 +376,7 @@ TEST_CASE("a lease keeper that loses its lease is counted", "[telemetry][lease]"
         ++renewals;
         return keel::lost_ownership_error("taken over by another worker");
       },
-      work, clock.now(), {.ttl = 30s, .renew_every = 10s}, clock, listener);
+      work, clock.now(), {.ttl = 30s, .renew_every = 10s}, keel::environment{clock}.with_listener(listener));
   clock.await_sleepers(1);
   clock.advance(10s);
   for (int i = 0; i < 1'000'000 && !keeper.lost(); ++i) std::this_thread::yield();
@@ -391,7 +391,8 @@ TEST_CASE("idempotent begins are counted by what the store answered", "[telemetr
   keel::memory_store<manual_clock> store(clock);
   keel::metrics_registry registry;
   const keel::metrics_listener listener(registry);
-  keel::once decide(store, {.lease = 30s, .retention = 24h, .retry_window = 1h}, clock, listener);
+  keel::once decide(store, {.lease = 30s, .retention = 24h, .retry_window = 1h},
+                    keel::environment{clock}.with_listener(listener));
   const keel::request_identity id{.tenant = "merchant-82", .endpoint = "receipts", .key = "key-47"};
   const keel::digest a = keel::digest_builder().field("receipt", "A").finish();
   const keel::digest b = keel::digest_builder().field("receipt", "B").finish();
@@ -428,8 +429,10 @@ TEST_CASE("the default sink is no sink: observing null_listener changes nothing"
 TEST_CASE("a fan-out's units, saves and outstanding work are reported", "[telemetry][fan_out]") {
   keel::memory_store<> store;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
-  keel::fan_out<std::string, keel::memory_store<>, keel::bounded_pool> panel({.width = 3}, store, pool);
   keel::metrics_registry registry;
+  const keel::metrics_listener listener(registry);
+  keel::fan_out panel(keel::fan_out_options<std::string>{.width = 3}, store, pool,
+                      keel::environment<>{}.with_listener(listener));
   keel::watch_fan_out(registry, "panel", panel);
   std::vector<keel::unit> units;
   for (const char* name : {"A", "B", "C"}) {
@@ -456,6 +459,14 @@ TEST_CASE("a fan-out's units, saves and outstanding work are reported", "[teleme
   CHECK(value(s, "keel_fan_out_units_total", {"panel", "cached"}) == 2);
   CHECK(value(s, "keel_fan_out_saved_total", {"panel"}) == 3);
   CHECK(value(s, "keel_fan_out_outstanding", {"panel"}) == 0);
+  // The same runs, counted from the fan-out's events on the environment's listener.
+  CHECK(value(s, "keel_fan_out_units_started_total", {}) == 4);
+  CHECK(counter(s, "keel_fan_out_unit_results_total", "succeeded") == 3);
+  CHECK(counter(s, "keel_fan_out_unit_results_total", "failed") == 1);
+  CHECK(counter(s, "keel_fan_out_unit_results_total", "cached") == 2);
+  CHECK(counter(s, "keel_fan_out_unit_results_total", "missing") == 0);
+  CHECK(counter(s, "keel_fan_out_runs_total", "false") == 1);
+  CHECK(counter(s, "keel_fan_out_runs_total", "true") == 1);
   CHECK(keel::to_prometheus_text(s).ok());
 }
 
@@ -549,7 +560,7 @@ TEST_CASE("job attempts are counted by queue and where the job went; full-queue 
 
   SECTION("a job queue's own events, through a real keel::job_queue") {
     scripted_job_store store;
-    keel::job_queue reports(store, {.queue = "reports"}, clock, listener);
+    keel::job_queue reports(store, {.queue = "reports"}, keel::environment{clock}.with_listener(listener));
     auto ok = [](const keel::job_context&) -> absl::StatusOr<std::string> { return std::string("report"); };
     auto down = [](const keel::job_context&) -> absl::StatusOr<std::string> {
       return absl::UnavailableError("upstream down");

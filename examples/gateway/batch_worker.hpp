@@ -90,7 +90,7 @@ namespace gateway {
 // whoever runs them). Everything must outlive the workers.
 template <keel::clock Clock, keel::job_store JobStore, class Listener>
 struct batch_resources {
-  keel::job_queue<JobStore, Clock, Listener>& queue;
+  keel::job_queue<JobStore, keel::environment<Clock, keel::default_classifier, Listener>>& queue;
   simulated_provider<Clock>& provider;
   keel::breaker_registry& breakers;
   keel::adaptive_timeout& timeout;
@@ -275,7 +275,7 @@ class batch_worker {
 template <keel::job_store JobStore, keel::clock Clock = keel::real_clock>
 class worker_process {
  public:
-  using queue_type = keel::job_queue<JobStore, Clock, keel::null_listener>;
+  using queue_type = keel::job_queue<JobStore, keel::environment<Clock>>;
 
   template <class OpenJobs>
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<worker_process>> open(gateway_options o, OpenJobs open_jobs,
@@ -302,7 +302,7 @@ class worker_process {
         clock_(std::move(clock)),
         jobs_(std::move(jobs)),
         effects_(std::move(effects)),
-        queue_(*jobs_, report_queue_options(options_), clock_),
+        queue_(*jobs_, report_queue_options(options_), keel::environment{clock_}),
         provider_(options_.provider, clock_),
         breakers_(keel::breaker_registry_options{.breaker = options_.breaker,
                                                  .scope = {.endpoint = true, .model = false, .region = false}}),

@@ -295,7 +295,8 @@ using gateway_listener = keel::metrics_listener;
 template <keel::clock Clock, keel::job_store JobStore>
 class gateway_core {
  public:
-  using queue_type = keel::job_queue<JobStore, Clock, gateway_listener>;
+  using env_type = keel::environment<Clock, keel::default_classifier, gateway_listener>;
+  using queue_type = keel::job_queue<JobStore, env_type>;
   using worker_type = batch_worker<Clock, JobStore, gateway_listener>;
 
   // Opens the stores under o.data_dir (keel.db, jobs.db, effects.db) with
@@ -722,10 +723,10 @@ class gateway_core {
                                         // for a retry (refusals and cancellations always do).
                                         .remember_failures = {.permanent = false},
                                         .policy_revision = options_.policy_revision},
-              clock_, listener_),
+              env_type{clock_, {}, listener_}),
         jobs_(std::move(jobs)),
         queue_(*jobs_, report_queue_options(options_),
-               clock_, listener_),
+               env_type{clock_, {}, listener_}),
         effects_(std::move(effects)) {
     for (const model_config& m : options_.models) {
       models_.emplace(m.name, std::make_unique<model_state>(m, options_));
@@ -1151,7 +1152,7 @@ class gateway_core {
   std::map<std::string, std::unique_ptr<model_state>, std::less<>> models_;
   tenant_config default_tenant_{.name = "", .region = options_.region};
   std::unique_ptr<keel::sqlite_store<>> ids_;
-  keel::once<keel::sqlite_store<>, Clock, gateway_listener> once_;
+  keel::once<keel::sqlite_store<>, env_type> once_;
   std::unique_ptr<JobStore> jobs_;
   queue_type queue_;
   std::unique_ptr<effect_log> effects_;

@@ -71,7 +71,7 @@ template <class F>
 void submit_and_dedup() {
   F f;
   auto s = f.open();
-  keel::job_queue q(*s, {.queue = "reports"}, f.clock);
+  keel::job_queue q(*s, {.queue = "reports"}, keel::environment{f.clock});
   absl::StatusOr<keel::job_submission> a = q.submit("acme", "k-1", "payload one");
   REQUIRE(a.ok());
   CHECK(a->created);
@@ -122,7 +122,7 @@ void submit_and_dedup() {
     absl::StatusOr<keel::job_submission> other_tenant = q.submit("globex", "k-1", "payload two");
     REQUIRE(other_tenant.ok());
     CHECK(other_tenant->created);
-    keel::job_queue q2(*s, {.queue = "reports-2"}, f.clock);
+    keel::job_queue q2(*s, {.queue = "reports-2"}, keel::environment{f.clock});
     absl::StatusOr<keel::job_submission> other_queue = q2.submit("acme", "k-1", "payload two");
     REQUIRE(other_queue.ok());
     CHECK(other_queue->created);
@@ -145,7 +145,7 @@ template <class F>
 void depth_bound() {
   F f;
   auto s = f.open();
-  keel::job_queue q(*s, {.queue = "q", .max_depth = 3, .overload_retry_after = 2s}, f.clock);
+  keel::job_queue q(*s, {.queue = "q", .max_depth = 3, .overload_retry_after = 2s}, keel::environment{f.clock});
   std::vector<std::int64_t> ids;
   for (int i = 0; i < 3; ++i) ids.push_back(q.submit("acme", "k" + std::to_string(i), "p")->id);
   absl::StatusOr<keel::job_submission> over = q.submit("acme", "k3", "p");
@@ -175,7 +175,7 @@ void depth_bound() {
   CHECK(keel::is_job_queue_full(q.submit("acme", "k4", "p").status()));
 
   // Another queue has its own bound.
-  keel::job_queue other(*s, {.queue = "other", .max_depth = 1}, f.clock);
+  keel::job_queue other(*s, {.queue = "other", .max_depth = 1}, keel::environment{f.clock});
   CHECK(other.submit("acme", "k0", "p").ok());
 }
 
@@ -191,7 +191,7 @@ void depth_bound_under_contention() {
     std::vector<std::jthread> workers;
     for (int t = 0; t < threads; ++t) {
       workers.emplace_back([&, t] {
-        keel::job_queue q(*stores[t], {.queue = "q", .max_depth = max_depth}, f.clock);
+        keel::job_queue q(*stores[t], {.queue = "q", .max_depth = max_depth}, keel::environment{f.clock});
         go.arrive_and_wait();
         for (int i = 0; i < per_thread; ++i) {
           absl::StatusOr<keel::job_submission> r = q.submit("acme", std::to_string(t) + "-" + std::to_string(i), "p");
@@ -217,7 +217,7 @@ template <class F>
 void age_bound() {
   F f;
   auto s = f.open();
-  keel::job_queue q(*s, {.queue = "q", .max_depth = 2, .max_age = 10s}, f.clock);
+  keel::job_queue q(*s, {.queue = "q", .max_depth = 2, .max_age = 10s}, keel::environment{f.clock});
   const std::int64_t old_a = q.submit("acme", "a", "p")->id;
   f.advance(4s);
   const std::int64_t old_b = q.submit("acme", "b", "p")->id;
@@ -409,7 +409,7 @@ void worker_renews_while_working() {
   F f;
   auto s = f.open();
   auto rival = f.open();
-  keel::job_queue q(*s, {.queue = "q", .lease = 9s}, f.clock);
+  keel::job_queue q(*s, {.queue = "q", .lease = 9s}, keel::environment{f.clock});
   const std::int64_t id = q.submit("acme", "k", "p")->id;
   std::atomic<bool> release{false};
   std::atomic<bool> started{false};
@@ -452,7 +452,7 @@ template <class F>
 void retries_and_final_failure() {
   F f;
   auto s = f.open();
-  keel::job_queue q(*s, {.queue = "q", .max_attempts = 3, .retry_backoff = 2s, .retry_backoff_cap = 3s}, f.clock);
+  keel::job_queue q(*s, {.queue = "q", .max_attempts = 3, .retry_backoff = 2s, .retry_backoff_cap = 3s}, keel::environment{f.clock});
   const std::int64_t id = q.submit("acme", "k", "p")->id;
   int calls = 0;
   auto flaky = [&](const keel::job_context& j) -> absl::StatusOr<std::string> {
@@ -506,7 +506,7 @@ template <class F>
 void failure_kinds() {
   F f;
   auto s = f.open();
-  keel::job_queue q(*s, {.queue = "q", .max_attempts = 5, .retry_backoff = 1s}, f.clock);
+  keel::job_queue q(*s, {.queue = "q", .max_attempts = 5, .retry_backoff = 1s}, keel::environment{f.clock});
 
   SECTION("a permanent failure fails the job at once") {
     const std::int64_t id = q.submit("acme", "k", "p")->id;
@@ -625,7 +625,7 @@ template <class F>
 void purge_and_reuse() {
   F f;
   auto s = f.open();
-  keel::job_queue q(*s, {.queue = "q", .max_age = 10s}, f.clock);
+  keel::job_queue q(*s, {.queue = "q", .max_age = 10s}, keel::environment{f.clock});
   const std::int64_t done_id = q.submit("acme", "done", "p")->id;  // t0
   REQUIRE(q.run_one(echo).value()->state == job_state::done);        // finished at t0
   const std::int64_t expired_id = q.submit("acme", "expired", "p")->id;  // expires at t0 + 10 s
@@ -703,7 +703,7 @@ void bad_input_is_refused() {
     INFO(needle);
     CHECK(std::string(o.validate().message()).find(needle) != std::string::npos);
     try {
-      keel::job_queue q(*s, std::move(o), f.clock);
+      keel::job_queue q(*s, std::move(o), keel::environment{f.clock});
       FAIL("constructed with invalid options");
     } catch (const keel::invalid_options& e) {
       CHECK(e.status().code() == absl::StatusCode::kInvalidArgument);
@@ -726,7 +726,7 @@ void bad_input_is_refused() {
   refused({.overload_retry_after = -1s}, "job_queue_options.overload_retry_after must be >= 0");
   refused({.max_payload_bytes = 0}, "job_queue_options.max_payload_bytes must be >= 1 (got 0)");
 
-  keel::job_queue q(*s, {.queue = "q", .max_payload_bytes = 8}, f.clock);
+  keel::job_queue q(*s, {.queue = "q", .max_payload_bytes = 8}, keel::environment{f.clock});
   invalid(q.submit("t", "k", "123456789").status(), "job.payload must be at most 8 bytes (got 9 bytes)");
   invalid(q.submit("t", "", "p").status(), "job key must not be empty");
   invalid(q.submit("t", long_key, "p").status(), "job key must be at most 255 bytes");
@@ -745,7 +745,7 @@ void threads_drain_exactly_once() {
   std::vector<std::unique_ptr<typename F::store_type>> stores;
   for (int t = 0; t < threads; ++t) stores.push_back(f.open());
   {
-    keel::job_queue q(*stores[0], {.queue = "drain"}, f.clock);
+    keel::job_queue q(*stores[0], {.queue = "drain"}, keel::environment{f.clock});
     for (int i = 0; i < jobs; ++i) REQUIRE(q.submit("acme", "job-" + std::to_string(i), "p" + std::to_string(i)).ok());
   }
   keel_durable::temp_dir logs;
@@ -757,7 +757,7 @@ void threads_drain_exactly_once() {
     std::vector<std::jthread> workers;
     for (int t = 0; t < threads; ++t) {
       workers.emplace_back([&, t] {
-        keel::job_queue q(*stores[t], {.queue = "drain"}, f.clock);
+        keel::job_queue q(*stores[t], {.queue = "drain"}, keel::environment{f.clock});
         go.arrive_and_wait();
         for (;;) {
           absl::StatusOr<std::optional<keel::job_outcome>> r =

@@ -77,6 +77,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "keel/compose/events.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
@@ -203,32 +204,6 @@ struct fallback_options {
   // refusal otherwise falls back), an idempotency conflict. Null: none.
   bool (*passes_through)(const absl::Status& failure) = nullptr;
 };
-
-namespace events {
-
-// An alternative answered (or, terminal, ended the chain) for the call.
-struct fallback_used {
-  const keel::call& call;
-  std::string_view path;
-  const absl::Status& primary_failure;
-};
-
-// An alternative was not used or did not serve.
-struct fallback_skipped {
-  enum class reason {
-    gate,      // a gate refused it; `gate` names which, `why` says why
-    deadline,  // less than its min_time was left
-    failed,    // it ran and failed; `why` is its failure
-    cancelled  // the call was cancelled before it could run
-  };
-  const keel::call& call;
-  std::string_view path;
-  reason why_not;
-  std::string_view gate;  // empty unless why_not == gate
-  const absl::Status& why;
-};
-
-}  // namespace events
 
 template <class... Providers>
 class fallback {

@@ -126,6 +126,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "keel/compose/events.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
@@ -138,47 +139,6 @@
 #include "keel/policy/retry_budget.hpp"
 
 namespace keel {
-
-namespace events {
-
-// The executor accepted a hedge attempt, `after` the primary started (one
-// it refuses is a hedge_skipped, never a hedge_started).
-struct hedge_started {
-  const keel::call& call;
-  int hedge;  // 1 for the first hedge
-  duration after;
-};
-
-// A hedge was due but did not start; the race goes on without it.
-struct hedge_skipped {
-  enum class reason {
-    budget,       // the retry budget refused
-    executor,     // the executor refused (queue full or shut down)
-    attempt_cap,  // the call's attempt cap is reached
-    deadline,     // too little time left (hedge_options::min_attempt_time)
-    cancelled,    // the call was cancelled
-  };
-  const keel::call& call;
-  int hedge;
-  reason why;
-};
-
-// A consequential write without an idempotency identity reached a hedge:
-// refused, or run as one attempt when ran_unhedged.
-struct hedge_refused_write {
-  const keel::call& call;
-  bool ran_unhedged;
-};
-
-// The race was won while `outstanding` other attempts were still running:
-// they were asked to stop, and their upstream work may not have stopped.
-struct hedge_losers_cancelled {
-  const keel::call& call;
-  int winner;  // 0: the primary
-  int outstanding;
-};
-
-}  // namespace events
 
 struct hedge_options {
   // The hedge delay when `percentile` is 0; in percentile mode, the delay

@@ -17,7 +17,8 @@
 //
 //   keel::retry_budget budget({.ratio = 0.1, .min_per_second = 5});
 //   keel::adaptive_timeout timeouts;
-//   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .budget = &budget}), timeouts);
+//   const auto env = keel::environment<>{};   // the service's clock, classifier and listener, built once
+//   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .budget = &budget}), timeouts).in(env);
 //   keel::call call(keel::real_clock{}.now(), {.timeout = std::chrono::seconds(3)});
 //   absl::StatusOr<int> r = pipe.run(call, [](const keel::attempt&) -> absl::StatusOr<int> { return 42; });
 //
@@ -34,8 +35,12 @@
 // clock sparingly (once per attempt): plan.now already holds the time the
 // pass started.
 //
-// `.on(clock)`, `.classify_with(classifier)` and `.observe(listener)` return
-// the same policies with another clock, classifier or event listener.
+// A pipeline runs in an environment (keel/core/environment.hpp): the clock,
+// classifier and event listener of the service, built once at startup.
+// `.in(env)` returns the same policies in `env`; `.on(clock)`,
+// `.classify_with(classifier)` and `.observe(listener)` replace one member
+// of the pipeline's environment. A run builds a run context, the
+// environment plus the call, and every policy takes all three from it.
 //
 // Thread-safety: run() is const and may be called from many threads at once,
 // each with its own keel::call; policies keep shared state in thread-safe
@@ -56,6 +61,7 @@
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
 #include "keel/core/deadline.hpp"
+#include "keel/core/environment.hpp"
 #include "keel/core/outcome.hpp"
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
@@ -157,17 +163,16 @@ inline constexpr bool pipeline_stage_ok =
 template <keel::clock Clock, keel::classifier Classifier, class Listener, class... Policies>
 class basic_pipeline {
  public:
+  using environment_type = keel::environment<Clock, Classifier, Listener>;
+
   template <class... Ps>
-  constexpr basic_pipeline(Clock clock, Classifier classifier, Listener listener, Ps&&... policies)
-      : clock_(std::move(clock)),
-        classifier_(std::move(classifier)),
-        listener_(std::move(listener)),
-        policies_(std::forward<Ps>(policies)...) {}
+  constexpr basic_pipeline(environment_type env, Ps&&... policies)
+      : env_(std::move(env)), policies_(std::forward<Ps>(policies)...) {}
 
   // Runs `provider` for `call` through every policy. Never throws.
   template <class Provider>
   provider_result_t<Provider> run(keel::call& call, Provider&& provider) const {
-    return run(call, clock_.now(), std::forward<Provider>(provider));
+    return run(call, env_.clock.now(), std::forward<Provider>(provider));
   }
 
   // The same, from a time the caller has just read from this pipeline's
@@ -180,7 +185,7 @@ class basic_pipeline {
     static_assert(!((concurrent_policy<Policies> || ...) && declares_unsafe_write<Provider>()),
                   "keel: this provider declares a consequential write without an idempotency identity; "
                   "a policy here (keel::hedge) would run it more than once at a time");
-    run_context<Clock, Classifier, Listener> ctx{call, clock_, classifier_, listener_};
+    run_context<Clock, Classifier, Listener> ctx{call, env_.clock, env_.classifier, env_.listener};
     attempt_plan plan{.now = now, .deadline = call.work_deadline(), .stop = call.stop_token()};
     detail::provider_stage<R, Provider&> last{provider};
     return detail::run_from<0, R>(policies_, ctx, std::move(plan), last);
@@ -189,48 +194,44 @@ class basic_pipeline {
   // A pipeline is itself a policy: nested in another pipeline (a model stage
   // inside a request pipeline), its policies run with the outer pipeline's
   // run context (clock, classifier, listener) and its last stage is the
-  // outer pipeline's next one. Its own clock, classifier and listener are
-  // not used there.
+  // outer pipeline's next one. Its own environment is not used there.
   template <class Ctx, class Next>
   auto execute(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     return detail::run_from<0, R>(policies_, ctx, std::move(plan), next);
   }
 
-  // The same policies on another clock (a manual clock in tests).
-  template <keel::clock C>
-  [[nodiscard]] basic_pipeline<C, Classifier, Listener, Policies...> on(C clock) const {
-    return rebuild<C, Classifier, Listener>(std::move(clock), classifier_, listener_);
-  }
-
-  // The same policies with another classifier.
-  template <keel::classifier K>
-  [[nodiscard]] basic_pipeline<Clock, K, Listener, Policies...> classify_with(K classifier) const {
-    return rebuild<Clock, K, Listener>(clock_, std::move(classifier), listener_);
-  }
-
-  // The same policies reporting their events to `listener` (keel/core/telemetry.hpp).
-  template <class L>
-  [[nodiscard]] basic_pipeline<Clock, Classifier, L, Policies...> observe(L listener) const {
-    return rebuild<Clock, Classifier, L>(clock_, classifier_, std::move(listener));
-  }
-
-  [[nodiscard]] const Clock& clock() const noexcept { return clock_; }
-
- private:
+  // The same policies in another environment: the service's, built once.
   template <class C, class K, class L>
-  basic_pipeline<C, K, L, Policies...> rebuild(C clock, K classifier, L listener) const {
+  [[nodiscard]] basic_pipeline<C, K, L, Policies...> in(keel::environment<C, K, L> env) const {
     return std::apply(
         [&](auto&&... p) {
-          return basic_pipeline<C, K, L, Policies...>(std::move(clock), std::move(classifier), std::move(listener),
-                                                      static_cast<Policies>(p)...);
+          return basic_pipeline<C, K, L, Policies...>(std::move(env), static_cast<Policies>(p)...);
         },
         policies_);
   }
 
-  Clock clock_;
-  Classifier classifier_;
-  Listener listener_;
+  // The same policies with one member of the environment replaced: another
+  // clock (a manual clock in tests), classifier, or event listener
+  // (keel/core/telemetry.hpp).
+  template <keel::clock C>
+  [[nodiscard]] basic_pipeline<C, Classifier, Listener, Policies...> on(C clock) const {
+    return in(env_.with_clock(std::move(clock)));
+  }
+  template <keel::classifier K>
+  [[nodiscard]] basic_pipeline<Clock, K, Listener, Policies...> classify_with(K classifier) const {
+    return in(env_.with_classifier(std::move(classifier)));
+  }
+  template <class L>
+  [[nodiscard]] basic_pipeline<Clock, Classifier, L, Policies...> observe(L listener) const {
+    return in(env_.with_listener(std::move(listener)));
+  }
+
+  [[nodiscard]] const environment_type& environment() const noexcept { return env_; }
+  [[nodiscard]] const Clock& clock() const noexcept { return env_.clock; }
+
+ private:
+  environment_type env_;
   std::tuple<Policies...> policies_;
 };
 
@@ -243,7 +244,7 @@ template <class... Policies>
                 "-> decltype(next(ctx, plan))` (const when the pipeline holds it by value, that is when it is "
                 "passed as a temporary); see keel/core/policy.hpp");
   return basic_pipeline<real_clock, default_classifier, null_listener, Policies...>(
-      real_clock{}, default_classifier{}, null_listener{}, std::forward<Policies>(policies)...);
+      keel::environment<>{}, std::forward<Policies>(policies)...);
 }
 
 }  // namespace keel

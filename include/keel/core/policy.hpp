@@ -37,6 +37,7 @@
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
 #include "keel/core/deadline.hpp"
+#include "keel/core/environment.hpp"
 #include "keel/core/outcome.hpp"
 #include "keel/core/telemetry.hpp"
 
@@ -121,8 +122,11 @@ concept concurrent_policy = requires {
   requires std::remove_cvref_t<Policy>::concurrent_attempts;
 };
 
-// What a policy's ctx is. `listener` receives the events policies report
-// (keel/core/telemetry.hpp); call keel::observe(ctx.listener, event).
+// What a policy's ctx is: the pipeline's environment (keel/core/environment.hpp)
+// plus the call. `clock`, `classifier` and `listener` are the environment's;
+// `listener` receives the events policies report (keel/core/telemetry.hpp):
+// call keel::observe(ctx.listener, event). keel::once and keel::fan_out run
+// on a run context (instead of a bare call) take all three from it.
 //
 // Reading the clock costs as much as ten atomics, so one pass reads it at
 // most twice: plan.now when the pass starts, and attempt_end() once the
@@ -137,6 +141,11 @@ struct run_context {
   const Clock& clock;
   const Classifier& classifier;
   const Listener& listener;
+
+  using environment_type = keel::environment<Clock, Classifier, Listener>;
+
+  // A copy of the environment, for what must own one (a lease keeper's thread).
+  [[nodiscard]] environment_type env() const { return {clock, classifier, listener}; }
 
   [[nodiscard]] outcome_kind classify(const absl::Status& s) const {
     return s.ok() ? outcome_kind::success : classifier(s, call.operation());

@@ -4,9 +4,13 @@
 // Every component that decides something worth counting (a retry, a
 // breaker transition, a rejection and the limit that refused, a hedge, a
 // fallback, a lost lease, work left running after cancel) reports it as an
-// event: a small struct defined in that component's header, in namespace
-// keel::events. A listener is any callable that accepts the events it cares
-// about; keel calls it synchronously on the thread that made the decision.
+// event: a small struct in namespace keel::events, defined in its layer's
+// light events header (keel/policy/events.hpp, keel/compose/events.hpp,
+// keel/durable/events.hpp) so a listener need not include the component. A
+// listener is any callable that accepts the events it cares about; keel
+// calls it synchronously on the thread that made the decision. A service
+// puts its listener in its keel::environment (keel/core/environment.hpp),
+// and every component built with that environment reports to it.
 //
 // keel::null_listener accepts everything and does nothing: it is the default
 // everywhere, and with it keel::observe calls nothing. The event passed to

@@ -42,11 +42,20 @@
 // returned as a partial panel (OK; the call is marked degraded and its
 // `missing` count says how many). report.missing() lists the names.
 //
-// A progress callback (`on_progress`) sees every real per-unit state change —
-// cached, running, succeeded, failed, cancelled, missing — as it happens,
-// never an invented percentage. It is called with the collector's lock held:
-// one call at a time, in order; keep it quick and do not call back into the
-// collector.
+// Progress is reported as events (keel/durable/events.hpp) to the
+// environment's listener: every real per-unit state change as it happens —
+// events::fan_out_unit_started when a worker starts, then one of
+// fan_out_unit_cached, fan_out_unit_finished (succeeded, failed, cancelled)
+// or fan_out_unit_missing — and events::fan_out_finished with the run's
+// figures; never an invented percentage. Unit events are reported with the
+// collector's lock held: one at a time, in order; keep the listener quick
+// and do not call back into the collector.
+//
+// Clock, classifier and listener come from an environment
+// (keel/core/environment.hpp): the constructor's, or, when run() is given a
+// pipeline stage's run context instead of a call, the run context's. The
+// classifier tells a unit's failure (the provider's) from a refusal or a
+// cancellation (missing).
 //
 // Results are bytes in the store: std::string results are stored as they
 // are; any other T needs `encode` and `decode` in the options.
@@ -55,10 +64,11 @@
 //
 //   keel::memory_store<> store;                       // or keel::sqlite_store
 //   keel::bounded_pool pool({.threads = 4});
-//   keel::fan_out<std::string, keel::memory_store<>, keel::bounded_pool> panel(
-//       {.width = 3, .validator = [](const std::string& r) { return r.empty() ? absl::InvalidArgumentError("empty")
-//                                                                             : absl::OkStatus(); }},
-//       store, pool);
+//   keel::fan_out panel(
+//       keel::fan_out_options<std::string>{
+//           .width = 3, .validator = [](const std::string& r) { return r.empty() ? absl::InvalidArgumentError("empty")
+//                                                                                : absl::OkStatus(); }},
+//       store, pool, env);   // env: the service's keel::environment (its listener sees the units)
 //   std::vector<keel::unit> units;
 //   for (std::string_view model : {"model-a", "model-b", "model-c"})
 //     units.push_back({.name = std::string(model),
@@ -106,10 +116,14 @@
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
 #include "keel/core/deadline.hpp"
+#include "keel/core/environment.hpp"
 #include "keel/core/outcome.hpp"
+#include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
+#include "keel/core/telemetry.hpp"
 #include "keel/detail/boundary.hpp"
 #include "keel/durable/digest.hpp"
+#include "keel/durable/events.hpp"
 #include "keel/durable/result_store.hpp"
 
 namespace keel {
@@ -137,20 +151,8 @@ struct unit_context {
   }
 };
 
-enum class unit_state { pending, running, cached, succeeded, failed, cancelled, missing };
-
-[[nodiscard]] constexpr std::string_view to_string(unit_state s) noexcept {
-  switch (s) {
-    case unit_state::pending: return "pending";
-    case unit_state::running: return "running";
-    case unit_state::cached: return "cached";
-    case unit_state::succeeded: return "succeeded";
-    case unit_state::failed: return "failed";
-    case unit_state::cancelled: return "cancelled";
-    case unit_state::missing: return "missing";
-  }
-  return "unknown";
-}
+// unit_state (pending, running, cached, succeeded, failed, cancelled,
+// missing) is in keel/durable/events.hpp.
 
 // When a fan-out is done.
 struct completion {
@@ -162,15 +164,6 @@ struct completion {
   [[nodiscard]] static constexpr completion quorum(int k) noexcept { return {rule::quorum, k}; }
   [[nodiscard]] static constexpr completion first_acceptable() noexcept { return {rule::first_acceptable, 1}; }
   [[nodiscard]] static constexpr completion best_of(int n) noexcept { return {rule::best_of, n}; }
-};
-
-// One per-unit state change, as the progress callback sees it.
-struct unit_progress {
-  const keel::unit& unit;
-  std::size_t index;
-  unit_state state;
-  const absl::Status& status;  // why, for failed / cancelled / missing; OK otherwise
-  bool outstanding;            // cancelled while running: upstream work may go on
 };
 
 template <class T>
@@ -191,7 +184,6 @@ struct fan_out_options {
   std::function<absl::Status(const T&)> validator{};
   // completion::best_of: higher is better.
   std::function<double(const T&)> score{};
-  std::function<void(const unit_progress&)> on_progress{};
   // Bytes in the store; needed unless T is std::string.
   std::function<std::string(const T&)> encode{};
   std::function<absl::StatusOr<T>(std::string_view)> decode{};
@@ -303,15 +295,16 @@ struct fan_out_figures {
   std::int64_t save_errors = 0;
 };
 
-template <class T, keel::result_store Store, keel::executor Executor, keel::clock Clock = real_clock>
+template <class T, keel::result_store Store, keel::executor Executor, any_environment Env = keel::environment<>>
 class fan_out {
  public:
-  // Throws keel::invalid_options if `o` is invalid.
-  fan_out(fan_out_options<T> o, Store& store, Executor& executor, Clock clock = {})
+  // Throws keel::invalid_options if `o` is invalid. `env`: the clock, the
+  // classifier and the listener of runs given a call.
+  fan_out(fan_out_options<T> o, Store& store, Executor& executor, Env env = {})
       : options_((detail::require_valid(o.validate()), std::move(o))),
         store_(store),
         executor_(executor),
-        clock_(std::move(clock)) {}
+        env_(std::move(env)) {}
   fan_out(const fan_out&) = delete;
   fan_out& operator=(const fan_out&) = delete;
 
@@ -349,27 +342,45 @@ class fan_out {
   // has returned.
   template <class Worker>
   [[nodiscard]] fan_out_report<T> run(keel::call& call, std::span<const unit> units, Worker&& worker) {
+    return run_in(env_, call, units, worker);
+  }
+
+  // The same inside a pipeline stage: ctx.call is the fan-out's call, and
+  // the clock, classifier and listener are the run context's (the
+  // pipeline's environment), not the constructor's.
+  template <class C, class K, class L, class Worker>
+  [[nodiscard]] fan_out_report<T> run(run_context<C, K, L>& ctx, std::span<const unit> units, Worker&& worker) {
+    return run_in(ctx, ctx.call, units, worker);
+  }
+
+ private:
+  // `e` is this fan-out's environment or a run context: both have clock,
+  // classifier and listener.
+  template <class E, class Worker>
+  fan_out_report<T> run_in(const E& e, keel::call& call, std::span<const unit> units, Worker& worker) {
     static_assert(std::is_invocable_v<Worker&, const unit_context&>,
                   "a fan_out worker takes const keel::unit_context&");
     static_assert(std::is_convertible_v<std::invoke_result_t<Worker&, const unit_context&>, absl::StatusOr<T>>,
                   "a fan_out worker returns absl::StatusOr<T>");
     runs_.fetch_add(1, std::memory_order_relaxed);
-    session<std::remove_reference_t<Worker>> s(*this, call, units, worker);
+    session<Worker, E> s(*this, e, call, units, worker);
     return s.run();
   }
 
- private:
-  template <class Worker>
+  template <class Worker, class E>
   struct session {
+    using listener_type = std::remove_cvref_t<decltype(std::declval<const E&>().listener)>;
+
     struct slot {
       std::optional<std::stop_source> stop;
       bool submitted = false;  // handed to the executor, not yet returned
       bool cancel_requested = false;
+      bool ran = false;  // its worker started
       time_point start{};
     };
 
-    session(fan_out& o, keel::call& c, std::span<const unit> u, Worker& w)
-        : owner(o), call(c), units(u), worker(w), slots(u.size()) {
+    session(fan_out& o, const E& e, keel::call& c, std::span<const unit> u, Worker& w)
+        : owner(o), env(e), call(c), units(u), worker(w), slots(u.size()) {
       report.rule = o.options_.complete_when;
       report.require_complete = o.options_.require_complete;
       report.units.resize(u.size());
@@ -381,12 +392,14 @@ class fan_out {
     }
 
     fan_out_report<T> run() {
+      if constexpr (wants<listener_type, events::fan_out_finished>) started_at = env.clock.now();
       const std::size_t n = units.size();
       const int needed = needed_results();
       if (needed > static_cast<int>(n)) {
         report.refused = detail::invalid_field("fan_out", "complete_when.k", "be at most the number of units",
                                                absl::StrCat(needed, " > ", n));
         for (auto& u : report.units) u.state = unit_state::missing;
+        report_finished();
         return std::move(report);
       }
       load_cached();
@@ -404,7 +417,7 @@ class fan_out {
           why = end::cancelled;
           break;
         }
-        const time_point now = owner.clock_.now();
+        const time_point now = env.clock.now();
         if (work.expired(now)) {
           why = end::deadline;
           break;
@@ -423,13 +436,14 @@ class fan_out {
         if (work.is_infinite()) {
           cv.wait(lock, call.stop_token(), ready);
         } else {
-          owner.clock_.wait_until(lock, cv, work.when(), call.stop_token(), ready);
+          env.clock.wait_until(lock, cv, work.when(), call.stop_token(), ready);
         }
       }
       stop_the_rest_locked(why);
       cv.wait(lock, [&] { return in_flight == 0; });  // they were asked to stop; they use us by reference
       lock.unlock();
       finish_report(why == end::rule || rule_met_now());
+      report_finished();
       return std::move(report);
     }
 
@@ -506,6 +520,7 @@ class fan_out {
         std::lock_guard lock(mu);
         if (!stop.stop_requested()) {
           report.units[i].state = unit_state::running;
+          s.ran = true;
           progress_locked(i);
         }
       }
@@ -521,7 +536,7 @@ class fan_out {
         const unit_context uc{units[i], i, s.start, d, stop, call};
         answer = invoke(uc);
       }
-      const time_point end = owner.clock_.now();
+      const time_point end = env.clock.now();
       // Moved, not copied: the status goes to the caller's thread, and
       // Debian's libabsl counts references where TSan cannot see it.
       absl::Status verdict = answer.ok() ? owner.check(*answer) : std::move(answer).status();
@@ -589,7 +604,7 @@ class fan_out {
     }
 
     [[nodiscard]] outcome_kind classify(const absl::Status& s) const {
-      return default_classifier{}(s, call.operation());
+      return s.ok() ? outcome_kind::success : env.classifier(s, call.operation());
     }
 
     [[nodiscard]] int results_locked() const {
@@ -677,10 +692,49 @@ class fan_out {
       }
     }
 
+    // Reports unit i's new state to the listener.
     void progress_locked(std::size_t i) {
-      if (!owner.options_.on_progress) return;
       const unit_result<T>& r = report.units[i];
-      owner.options_.on_progress(unit_progress{units[i], i, r.state, r.status, r.outstanding});
+      const std::string_view name = r.name;
+      switch (r.state) {
+        case unit_state::pending:
+          return;
+        case unit_state::running:
+          observe(env.listener, events::fan_out_unit_started{call, name, i});
+          return;
+        case unit_state::cached:
+          observe(env.listener, events::fan_out_unit_cached{call, name, i});
+          return;
+        case unit_state::missing:
+          observe(env.listener, events::fan_out_unit_missing{call, name, i, r.kind.value_or(outcome_kind::refused),
+                                                             r.status, slots[i].ran});
+          return;
+        case unit_state::succeeded:
+        case unit_state::failed:
+        case unit_state::cancelled: {
+          const outcome_kind kind = r.state == unit_state::succeeded   ? outcome_kind::success
+                                    : r.state == unit_state::cancelled ? outcome_kind::cancelled
+                                                                       : r.kind.value_or(outcome_kind::permanent);
+          observe(env.listener, events::fan_out_unit_finished{call, name, i, r.state, kind, r.status, slots[i].ran,
+                                                              r.saved, r.outstanding, r.latency});
+          return;
+        }
+      }
+    }
+
+    void report_finished() {
+      if constexpr (wants<listener_type, events::fan_out_finished>) {
+        observe(env.listener, events::fan_out_finished{.call = call,
+                                                       .units = static_cast<int>(units.size()),
+                                                       .cached = report.count(unit_state::cached),
+                                                       .succeeded = report.count(unit_state::succeeded),
+                                                       .failed = report.count(unit_state::failed),
+                                                       .cancelled = report.count(unit_state::cancelled),
+                                                       .missing = report.count(unit_state::missing),
+                                                       .outstanding = report.outstanding(),
+                                                       .rule_met = report.rule_met,
+                                                       .elapsed = env.clock.now() - started_at});
+      }
     }
     void progress_unlocked(std::size_t i) {
       std::lock_guard lock(mu);
@@ -688,6 +742,7 @@ class fan_out {
     }
 
     fan_out& owner;
+    const E& env;
     keel::call& call;
     std::span<const unit> units;
     Worker& worker;
@@ -698,6 +753,7 @@ class fan_out {
     std::condition_variable_any cv;
     int in_flight = 0;            // guarded by mu
     std::uint64_t completions = 0;  // guarded by mu
+    time_point started_at{};        // read only when the listener wants fan_out_finished
   };
 
   [[nodiscard]] absl::Status check(const T& value) const {
@@ -721,7 +777,7 @@ class fan_out {
   fan_out_options<T> options_;
   Store& store_;
   Executor& executor_;
-  Clock clock_;
+  Env env_;
   std::atomic<std::int64_t> runs_{0};
   std::atomic<std::int64_t> cached_{0};
   std::atomic<std::int64_t> started_{0};

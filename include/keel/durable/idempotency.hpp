@@ -69,6 +69,7 @@
 #include "keel/core/clock.hpp"
 #include "keel/core/status.hpp"
 #include "keel/durable/digest.hpp"
+#include "keel/durable/events.hpp"
 #include "keel/durable/ownership.hpp"
 
 namespace keel {
@@ -147,17 +148,7 @@ struct begin_options {
   }
 };
 
-enum class begin_state { claimed, in_flight, replay, conflict };
-
-[[nodiscard]] constexpr std::string_view to_string(begin_state s) noexcept {
-  switch (s) {
-    case begin_state::claimed: return "claimed";
-    case begin_state::in_flight: return "in-flight";
-    case begin_state::replay: return "replay";
-    case begin_state::conflict: return "conflict";
-  }
-  return "unknown";
-}
+// begin_state (claimed, in_flight, replay, conflict) is in keel/durable/events.hpp.
 
 // What begin() answers. Which fields mean something depends on `state`.
 struct begin_outcome {

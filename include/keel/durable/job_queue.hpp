@@ -1,11 +1,14 @@
 // keel/durable/job_queue.hpp — the durable batch job queue over any job store
 // (keel/durable/job_store.hpp has the store contract).
 //
-// On top of the contract, keel::job_queue<Store, Clock, Listener> holds the
+// On top of the contract, keel::job_queue<Store, Env> holds the
 // options (queue name, bounds, lease, retry backoff) and runs workers:
 // run_one() claims a job, runs the handler while a keel::lease_keeper renews
 // the lease, and completes or fails it with a fenced write; work() repeats it
 // until stopped, waiting poll_interval on its clock when the queue is empty.
+// Clock, classifier and listener come from one environment
+// (keel/core/environment.hpp), the service's: the same value its pipelines
+// run in (keel::job_queue q(store, options, env)).
 // A worker that dies mid-job loses nothing: its lease lapses, another worker
 // takes the job over with a higher fence, and the dead worker's late
 // completion is refused — the result is written once.
@@ -13,7 +16,8 @@
 // Example:
 //
 //   auto store = keel::sqlite_job_store<>::open("/var/lib/gateway/keel.db");   // keel/store/sqlite_jobs.hpp
-//   keel::job_queue reports(**store, {.queue = "reports", .max_depth = 500, .max_age = std::chrono::hours(1)});
+//   keel::job_queue reports(**store, {.queue = "reports", .max_depth = 500, .max_age = std::chrono::hours(1)},
+//                           env);   // keel::environment: the service's clock, classifier and listener
 //   absl::StatusOr<keel::job_submission> s = reports.submit("acme", "report-2025-10-06", request_json);
 //   // keel::is_job_queue_full(s.status()): rejected, retry after keel::retry_after(s.status())
 //   // keel::is_conflict(s.status()): this key was used for another payload
@@ -25,8 +29,8 @@
 //   });
 //   absl::StatusOr<std::optional<keel::job_info>> st = reports.get(s->id);   // queued / running / done / failed / expired
 //
-// Handler outcomes: OK -> complete. A failure classified permanent by
-// keel::default_classifier (InvalidArgument, PermissionDenied, ...) fails the
+// Handler outcomes: OK -> complete. A failure the environment's classifier
+// calls permanent (by default InvalidArgument, PermissionDenied, ...) fails the
 // job at once, unless the handler was cut short (stop requested, lease lost);
 // any other failure (and an exception, and a stop) is retried
 // after the later of the status's retry-after hint and retry_backoff *
@@ -35,7 +39,7 @@
 // for a short wait (a breaker's time left open, a 429) would otherwise let
 // one job spend all its attempts within a single outage.
 //
-// Events (keel/core/telemetry.hpp): events::job_rejected (queue full),
+// Events (keel/durable/events.hpp): events::job_rejected (queue full),
 // events::job_finished (done / queued again / failed after an attempt),
 // events::job_lost (a worker's fenced write was refused), and the keeper's
 // events::lease_lost.
@@ -60,46 +64,17 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "keel/core/clock.hpp"
+#include "keel/core/environment.hpp"
 #include "keel/core/outcome.hpp"
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
 #include "keel/durable/digest.hpp"
+#include "keel/durable/events.hpp"
 #include "keel/durable/job_store.hpp"
 #include "keel/durable/lease.hpp"
 #include "keel/durable/ownership.hpp"
 
 namespace keel {
-
-// ---------------------------------------------------------------------------
-// Events
-// ---------------------------------------------------------------------------
-
-namespace events {
-
-// A submission was refused because the queue is full.
-struct job_rejected {
-  std::string_view queue;
-  const absl::Status& why;
-};
-
-// An attempt ended and its fenced write was accepted: the job is now done,
-// queued again (a retry), or failed.
-struct job_finished {
-  std::string_view queue;
-  std::int64_t id;
-  int attempt;
-  job_state state;
-};
-
-// A worker's complete/fail was refused: another worker holds the job now (or
-// the store could not confirm the write). Nothing this worker did was kept.
-struct job_lost {
-  std::string_view queue;
-  std::int64_t id;
-  const absl::Status& why;
-};
-
-}  // namespace events
 
 // ---------------------------------------------------------------------------
 // The queue
@@ -190,16 +165,14 @@ struct job_outcome {
   absl::Status write_status{};
 };
 
-template <job_store Store, keel::clock Clock = real_clock, class Listener = null_listener>
+template <job_store Store, any_environment Env = keel::environment<>>
 class job_queue {
  public:
   // Throws keel::invalid_options when `o` is invalid (call o.validate() first
-  // to get the status instead).
-  explicit job_queue(Store& store, job_queue_options o = {}, Clock clock = {}, Listener listener = {})
-      : store_(store),
-        options_((detail::require_valid(o.validate()), std::move(o))),
-        clock_(std::move(clock)),
-        listener_(std::move(listener)) {}
+  // to get the status instead). `env` gives the clock, the classifier of a
+  // handler's failure (permanent: the job fails for good) and the listener.
+  explicit job_queue(Store& store, job_queue_options o = {}, Env env = {})
+      : store_(store), options_((detail::require_valid(o.validate()), std::move(o))), env_(std::move(env)) {}
 
   job_queue(const job_queue&) = delete;
   job_queue& operator=(const job_queue&) = delete;
@@ -222,7 +195,7 @@ class job_queue {
     if (payload.size() > options_.max_payload_bytes) return payload_too_large(payload.size());
     absl::StatusOr<job_submission> s =
         store_.submit(job_key{options_.queue, tenant, key}, payload_digest, payload, options_.limits());
-    if (!s.ok() && is_job_queue_full(s.status())) observe(listener_, events::job_rejected{options_.queue, s.status()});
+    if (!s.ok() && is_job_queue_full(s.status())) observe(env_.listener, events::job_rejected{options_.queue, s.status()});
     return s;
   }
 
@@ -249,7 +222,7 @@ class job_queue {
   template <class Handler>
   absl::StatusOr<std::optional<job_outcome>> run_one(Handler&& handler, std::stop_token stop = {}) {
     const owner_id me = owner_id::random();
-    const time_point sent = clock_.now();
+    const time_point sent = env_.clock.now();
     // A claim whose outcome is unknown may have taken a job for `me`: asking
     // again with the same owner returns it (or another one, or none).
     absl::StatusOr<std::optional<job_claim>> c;
@@ -266,9 +239,9 @@ class job_queue {
     std::stop_callback forward(stop, [&] { work_stop.request_stop(); });
     absl::StatusOr<std::string> r = absl::UnknownError("keel: job handler did not run");
     {
-      lease_keeper<Clock, Listener> keeper(
+      lease_keeper<Env> keeper(
           absl::StrCat("job ", job.id), [&](duration ttl) { return store_.renew(job.id, token, ttl); }, work_stop,
-          sent, {.ttl = options_.lease, .renew_every = options_.renew_every}, clock_, listener_);
+          sent, {.ttl = options_.lease, .renew_every = options_.renew_every}, env_);
       const job_context ctx{.id = job.id,
                             .queue = options_.queue,
                             .tenant = job.tenant,
@@ -301,8 +274,9 @@ class job_queue {
       if (written.ok()) out.state = job_state::done;
     } else {
       out.handler_status = r.status();
-      const outcome_kind kind =
-          default_classifier{}(r.status(), operation{.effect = effect::write, .idempotent = true});
+      // The handler's failure, classified by the service's classifier: a job
+      // runs as an idempotent write (its fenced commit makes a repeat safe).
+      const outcome_kind kind = env_.classify(r.status(), operation{.effect = effect::write, .idempotent = true});
       // A handler cut short (work() stopping, the lease lost) says nothing
       // about the job: however it reports that, the job is tried again.
       const bool cut_short = work_stop.stop_requested();
@@ -318,11 +292,11 @@ class job_queue {
       if (written.ok()) out.state = *next;
     }
     if (written.ok()) {
-      observe(listener_, events::job_finished{options_.queue, job.id, job.attempt, out.state});
+      observe(env_.listener, events::job_finished{options_.queue, job.id, job.attempt, out.state});
     } else {
       out.lost = true;
       out.write_status = written;
-      observe(listener_, events::job_lost{options_.queue, job.id, out.write_status});
+      observe(env_.listener, events::job_lost{options_.queue, job.id, out.write_status});
     }
     return std::optional<job_outcome>(std::move(out));
   }
@@ -339,7 +313,7 @@ class job_queue {
         ++ran;
         continue;
       }
-      if (!clock_.sleep_until(clock_.now() + options_.poll_interval, stop)) break;
+      if (!env_.clock.sleep_until(env_.clock.now() + options_.poll_interval, stop)) break;
     }
     return ran;
   }
@@ -372,8 +346,7 @@ class job_queue {
 
   Store& store_;
   job_queue_options options_;
-  Clock clock_;
-  Listener listener_;
+  Env env_;
 };
 
 }  // namespace keel

@@ -87,6 +87,7 @@
 #include "keel/core/clock.hpp"
 #include "keel/core/status.hpp"
 #include "keel/durable/digest.hpp"
+#include "keel/durable/events.hpp"
 #include "keel/durable/ownership.hpp"
 
 namespace keel {
@@ -95,18 +96,7 @@ namespace keel {
 // Vocabulary shared by every job store
 // ---------------------------------------------------------------------------
 
-enum class job_state { queued, running, done, failed, expired };
-
-[[nodiscard]] constexpr std::string_view to_string(job_state s) noexcept {
-  switch (s) {
-    case job_state::queued: return "queued";
-    case job_state::running: return "running";
-    case job_state::done: return "done";
-    case job_state::failed: return "failed";
-    case job_state::expired: return "expired";
-  }
-  return "unknown";
-}
+// job_state (queued, running, done, failed, expired) is in keel/durable/events.hpp.
 
 // Done, failed and expired are final: nothing moves a job out of them.
 [[nodiscard]] constexpr bool is_final(job_state s) noexcept {

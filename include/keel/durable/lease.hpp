@@ -54,7 +54,9 @@
 //       });
 //   // r->cached: an earlier holder had already saved it; in-flight: keel::is_in_flight(r.status())
 //
-// Events (keel/core/telemetry.hpp): events::lease_lost when a keeper gives up.
+// Time and events come from an environment (keel/core/environment.hpp):
+// a keeper waits on env.clock and reports to env.listener.
+// Events (keel/durable/events.hpp): events::lease_lost when a keeper gives up.
 //
 // Thread-safety: lease stores are safe from many threads. A lease_keeper's
 // status()/lost() may be read from any thread; it is stopped and joined by
@@ -82,7 +84,9 @@
 #include "keel/core/clock.hpp"
 #include "keel/core/outcome.hpp"
 #include "keel/core/status.hpp"
+#include "keel/core/environment.hpp"
 #include "keel/core/telemetry.hpp"
+#include "keel/durable/events.hpp"
 #include "keel/durable/ownership.hpp"
 #include "keel/durable/result_store.hpp"
 
@@ -107,17 +111,6 @@ concept lease_store = requires(S& s, std::string_view work_key, const owner_id& 
   { s.renew(work_key, token, ttl) } -> std::same_as<absl::Status>;
   { s.release(work_key, token) } -> std::same_as<absl::Status>;
 };
-
-namespace events {
-
-// A lease_keeper gave up: the lease was taken over, or renewals failed until
-// it could no longer be sure it held the lease. The work was asked to stop.
-struct lease_lost {
-  std::string_view work_key;
-  const absl::Status& why;
-};
-
-}  // namespace events
 
 struct lease_keeper_options {
   // Requested at each renewal; > 0.
@@ -157,20 +150,20 @@ struct lease_keeper_options {
 // until the last confirmed lease is within `margin` of its end; then the
 // keeper gives up. Giving up means: status() becomes the reason,
 // work.request_stop() is called, events::lease_lost is reported.
-template <keel::clock Clock = real_clock, class Listener = null_listener>
+template <any_environment Env = keel::environment<>>
 class lease_keeper {
  public:
   using renew_fn = std::function<absl::Status(duration ttl)>;
 
-  // Throws keel::invalid_options if `o` is invalid.
+  // Throws keel::invalid_options if `o` is invalid. `env` gives the clock
+  // (also `confirmed`'s) and the listener; the keeper's thread owns a copy.
   lease_keeper(std::string work_key, renew_fn renew, std::stop_source work, time_point confirmed,
-               const lease_keeper_options& o, Clock clock = {}, Listener listener = {})
+               const lease_keeper_options& o, Env env = {})
       : key_(std::move(work_key)),
         renew_(std::move(renew)),
         work_(std::move(work)),
         options_((detail::require_valid(o.validate()), o)),
-        clock_(std::move(clock)),
-        listener_(std::move(listener)),
+        env_(std::move(env)),
         thread_([this, confirmed](std::stop_token stop) { loop(stop, confirmed); }) {}
 
   ~lease_keeper() { stop(); }
@@ -201,8 +194,8 @@ class lease_keeper {
     time_point held_until = confirmed + options_.ttl;
     time_point next = confirmed + every;
     while (!stop.stop_requested()) {
-      if (!clock_.sleep_until(std::min(next, held_until - margin), stop)) return;
-      const time_point sent = clock_.now();
+      if (!env_.clock.sleep_until(std::min(next, held_until - margin), stop)) return;
+      const time_point sent = env_.clock.now();
       absl::Status s;
       try {
         s = renew_(options_.ttl);
@@ -215,9 +208,11 @@ class lease_keeper {
         next = sent + every;
         continue;
       }
+      // The store's answer, in keel's own status vocabulary (docs/stores.md):
+      // the default classifier reads it, not the service's provider classifier.
       const outcome_kind kind = default_classifier{}(s, operation{.effect = effect::write, .idempotent = true});
       if (is_lost_ownership(s) || kind == outcome_kind::permanent) return give_up(std::move(s));
-      const time_point now = clock_.now();
+      const time_point now = env_.clock.now();
       if (now >= held_until - margin) {
         return give_up(annotate(s, absl::StrCat("keel: could not renew lease '", key_,
                                                 "' before it would run out")));
@@ -234,15 +229,14 @@ class lease_keeper {
     lost_.store(true, std::memory_order_release);
     work_.request_stop();
     absl::Status copy = status();
-    observe(listener_, events::lease_lost{key_, copy});
+    observe(env_.listener, events::lease_lost{key_, copy});
   }
 
   std::string key_;
   renew_fn renew_;
   std::stop_source work_;
   lease_keeper_options options_;
-  Clock clock_;
-  Listener listener_;
+  Env env_;
   mutable std::mutex mu_;
   absl::Status status_;
   std::atomic<bool> lost_{false};
@@ -294,14 +288,15 @@ struct leased_result {
 //
 // `work` returns absl::StatusOr<std::string>; exceptions become
 // absl::UnknownError. Invalid options: InvalidArgument, nothing claimed.
-template <lease_store Leases, result_store Results, keel::clock Clock = real_clock, class Work>
+// `env` gives the clock the lease is measured on and the keeper's listener.
+template <lease_store Leases, result_store Results, class Work, any_environment Env = keel::environment<>>
 absl::StatusOr<leased_result> run_leased(Leases& leases, Results& results, std::string_view work_key,
                                          std::string_view result_key, const leased_work_options& o, Work&& work,
-                                         Clock clock = {}, std::stop_token stop = {}) {
+                                         const Env& env = {}, std::stop_token stop = {}) {
   if (absl::Status v = o.validate(); !v.ok()) return v;
   if (absl::Status v = validate_key("result key", result_key); !v.ok()) return v;
   const owner_id me = owner_id::random();
-  const time_point sent = clock.now();
+  const time_point sent = env.clock.now();
   absl::StatusOr<lease_claim> c = leases.claim(work_key, me, o.ttl);
   if (!c.ok()) return c.status();
   if (!c->acquired) return in_flight_error(absl::StrCat("lease '", detail::to_absl(work_key), "'"), c->remaining);
@@ -323,9 +318,9 @@ absl::StatusOr<leased_result> run_leased(Leases& leases, Results& results, std::
   absl::StatusOr<std::string> r = absl::UnknownError("keel: work did not run");
   absl::Status lost;
   {
-    lease_keeper<Clock> keeper(
+    lease_keeper<Env> keeper(
         std::string(work_key), [&](duration ttl) { return leases.renew(work_key, token, ttl); }, work_stop, sent,
-        {.ttl = o.ttl, .renew_every = o.renew_every}, clock);
+        {.ttl = o.ttl, .renew_every = o.renew_every}, env);
     try {
       r = std::invoke(work, work_stop.get_token(), token);
     } catch (const std::exception& e) {

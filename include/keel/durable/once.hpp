@@ -11,8 +11,9 @@
 // Example:
 //
 //   keel::sqlite_store<>& store = ...;                    // keel/store/sqlite.hpp
+//   const auto env = keel::environment<>{}.with_listener(listener);   // the service's, built once
 //   keel::once decide(store, {.lease = 30s, .retention = 24h, .retry_window = 1h,
-//                             .policy_revision = "receipts-v4"});
+//                             .policy_revision = "receipts-v4"}, env);
 //   keel::request_identity id{.tenant = "merchant-82", .endpoint = "receipts", .key = "key-47"};
 //   keel::digest request = keel::digest_builder().field("receipt", canonical_receipt).finish();
 //   absl::StatusOr<keel::once_result> r = decide.run(call, id, request,
@@ -24,6 +25,18 @@
 //   // r->decision.id is the same on every retry; r->replayed says it was stored.
 //   // keel::is_conflict(r.status()): same key, other contents.
 //   // keel::is_in_flight(r.status()): still being decided; retry after the hint.
+//
+// Time, classification and events come from an environment
+// (keel/core/environment.hpp): the one given to the constructor
+// (keel::once decide(store, options, env)), or, when run() is given a
+// pipeline stage's run context instead of a call, the run context's, so one
+// environment configures the pipeline and the decision inside it. The
+// classifier decides which provider failures are stored
+// (idempotency_options::remember_failures) and which are unresolved.
+//
+// Events (keel/durable/events.hpp): events::idempotency_begin for each
+// answer of the store's begin() acted on, and a keep-alive keeper's
+// events::lease_lost.
 //
 // Thread-safety: keel::once::run may be called from any number of threads
 // at once; stores are thread-safe (and the durable ones process-safe).
@@ -37,6 +50,7 @@
 #include <stop_token>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -45,11 +59,14 @@
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
 #include "keel/core/deadline.hpp"
+#include "keel/core/environment.hpp"
 #include "keel/core/outcome.hpp"
+#include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
 #include "keel/detail/boundary.hpp"
 #include "keel/durable/digest.hpp"
+#include "keel/durable/events.hpp"
 #include "keel/durable/idempotency.hpp"
 #include "keel/durable/lease.hpp"
 #include "keel/durable/ownership.hpp"
@@ -158,29 +175,14 @@ struct once_result {
   std::int64_t fence = 0;   // the claim that decided
 };
 
-namespace events {
-
-// Each answer of begin() that keel::once acted on (a waiting duplicate
-// reports each poll).
-struct idempotency_begin {
-  const request_identity& identity;
-  begin_state state;
-};
-
-}  // namespace events
-
-template <idempotency_store Store, keel::clock Clock = real_clock, class Listener = null_listener,
-          keel::classifier Classifier = default_classifier>
+template <idempotency_store Store, any_environment Env = keel::environment<>>
 class once {
  public:
-  // Throws keel::invalid_options if `o` is invalid. `classify` decides the
-  // kind of a provider's failure (pass the pipeline's classifier).
-  once(Store& store, idempotency_options o, Clock clock = {}, Listener listener = {}, Classifier classify = {})
-      : store_(store),
-        options_(std::move(o)),
-        clock_(std::move(clock)),
-        listener_(std::move(listener)),
-        classify_(std::move(classify)) {
+  // Throws keel::invalid_options if `o` is invalid. `env` gives the clock,
+  // the classifier of the provider's failures and the listener (pass the
+  // service's: the one its pipelines run in).
+  once(Store& store, idempotency_options o, Env env = {})
+      : store_(store), options_(std::move(o)), env_(std::move(env)) {
     detail::require_valid(options_.validate());
   }
 
@@ -206,50 +208,16 @@ class once {
   template <class Provider>
   absl::StatusOr<once_result> run(keel::call& call, const request_identity& id, const digest& request,
                                   Provider&& provider) const {
-    if (absl::Status v = id.validate(); !v.ok()) return v;
-    const owner_id me = owner_id::random();
-    const begin_options bo{
-        .lease = options_.lease,
-        .retention = options_.retention,
-        .supersede_revision = options_.on_policy_change == on_policy_change::decide_again
-                                  ? std::string_view(options_.policy_revision)
-                                  : std::string_view()};
-    duration poll = options_.poll_initial;
-    for (;;) {
-      const time_point sent = clock_.now();
-      absl::StatusOr<begin_outcome> r = store_.begin(id, request, me, bo);
-      if (!r.ok()) return r.status();
-      observe(listener_, events::idempotency_begin{id, r->state});
-      switch (r->state) {
-        case begin_state::claimed:
-          return decide(call, id, *r, sent, provider);
-        case begin_state::replay:
-          return replay(call, id, std::move(*r));
-        case begin_state::conflict:
-          return conflict_error(absl::StrCat("key '", detail::to_absl(id.key), "' was used for a different request (",
-                                             r->conflict_in_flight ? "in flight" : "committed", ")"));
-        case begin_state::in_flight:
-          break;
-      }
-      if (options_.on_duplicate == on_duplicate::retry_later)
-        return in_flight_error(describe(id), r->lease_remaining);
-      const time_point now = clock_.now();
-      const deadline end = call.work_deadline();
-      if (end.expired(now)) return in_flight_error(describe(id), r->lease_remaining);
-      const duration jittered = detail::uniform(thread_local_random{}, poll / 2, poll);
-      // Wake no later than the holder's lease end (a lapsed lease is taken
-      // over by the first poller) and the deadline.
-      const time_point wake =
-          std::min(end.when(), now + std::min(jittered, r->lease_remaining + std::chrono::milliseconds(1)));
-      if constexpr (notifying_store<Store>) {
-        store_.wait_for_change(id, wake - now, call.stop_token());
-      } else {
-        clock_.sleep_until(wake, call.stop_token());
-      }
-      if (call.stop_token().stop_requested())
-        return mark_not_started(absl::CancelledError("keel: cancelled while waiting for an in-flight duplicate"));
-      poll = std::min(poll * 2, options_.poll_max);
-    }
+    return run_in(env_, call, id, request, provider);
+  }
+
+  // The same inside a pipeline stage: ctx.call is the call, and the clock,
+  // classifier and listener are the run context's (the pipeline's
+  // environment), not the constructor's.
+  template <class C, class K, class L, class Provider>
+  absl::StatusOr<once_result> run(run_context<C, K, L>& ctx, const request_identity& id, const digest& request,
+                                  Provider&& provider) const {
+    return run_in(ctx, ctx.call, id, request, provider);
   }
 
   // Settles an unresolved record (an earlier attempt failed ambiguously:
@@ -321,6 +289,57 @@ class once {
   }
 
  private:
+  // `e` is this once's environment or a run context: both have clock,
+  // classifier and listener.
+  template <class E, class Provider>
+  absl::StatusOr<once_result> run_in(const E& e, keel::call& call, const request_identity& id,
+                                     const digest& request, Provider& provider) const {
+    if (absl::Status v = id.validate(); !v.ok()) return v;
+    const owner_id me = owner_id::random();
+    const begin_options bo{
+        .lease = options_.lease,
+        .retention = options_.retention,
+        .supersede_revision = options_.on_policy_change == on_policy_change::decide_again
+                                  ? std::string_view(options_.policy_revision)
+                                  : std::string_view()};
+    duration poll = options_.poll_initial;
+    for (;;) {
+      const time_point sent = e.clock.now();
+      absl::StatusOr<begin_outcome> r = store_.begin(id, request, me, bo);
+      if (!r.ok()) return r.status();
+      observe(e.listener, events::idempotency_begin{id, r->state});
+      switch (r->state) {
+        case begin_state::claimed:
+          return decide(e, call, id, *r, sent, provider);
+        case begin_state::replay:
+          return replay(call, id, std::move(*r));
+        case begin_state::conflict:
+          return conflict_error(absl::StrCat("key '", detail::to_absl(id.key), "' was used for a different request (",
+                                             r->conflict_in_flight ? "in flight" : "committed", ")"));
+        case begin_state::in_flight:
+          break;
+      }
+      if (options_.on_duplicate == on_duplicate::retry_later)
+        return in_flight_error(describe(id), r->lease_remaining);
+      const time_point now = e.clock.now();
+      const deadline end = call.work_deadline();
+      if (end.expired(now)) return in_flight_error(describe(id), r->lease_remaining);
+      const duration jittered = detail::uniform(thread_local_random{}, poll / 2, poll);
+      // Wake no later than the holder's lease end (a lapsed lease is taken
+      // over by the first poller) and the deadline.
+      const time_point wake =
+          std::min(end.when(), now + std::min(jittered, r->lease_remaining + std::chrono::milliseconds(1)));
+      if constexpr (notifying_store<Store>) {
+        store_.wait_for_change(id, wake - now, call.stop_token());
+      } else {
+        e.clock.sleep_until(wake, call.stop_token());
+      }
+      if (call.stop_token().stop_requested())
+        return mark_not_started(absl::CancelledError("keel: cancelled while waiting for an in-flight duplicate"));
+      poll = std::min(poll * 2, options_.poll_max);
+    }
+  }
+
   static std::string describe(const request_identity& id) {
     return absl::StrCat("request '", detail::to_absl(id.tenant), "/", detail::to_absl(id.endpoint), "/",
                         detail::to_absl(id.key), "'");
@@ -339,9 +358,9 @@ class once {
     return once_result{.decision = std::move(r.decision), .replayed = true, .fence = r.ownership.fence};
   }
 
-  template <class Provider>
-  absl::StatusOr<once_result> decide(keel::call& call, const request_identity& id, const begin_outcome& claim,
-                                     time_point sent, Provider& provider) const {
+  template <class E, class Provider>
+  absl::StatusOr<once_result> decide(const E& e, keel::call& call, const request_identity& id,
+                                     const begin_outcome& claim, time_point sent, Provider& provider) const {
     const ownership token = claim.ownership;
     const std::string minted = absl::StrCat("dec-", owner_id::random().hex());
     std::stop_source stop;
@@ -356,11 +375,12 @@ class once {
 
     absl::StatusOr<decision> made = absl::UnknownError("keel: provider did not run");
     {
-      std::optional<lease_keeper<Clock>> keeper;
+      using keeper_env = std::remove_cvref_t<decltype(environment_of(e))>;
+      std::optional<lease_keeper<keeper_env>> keeper;
       if (options_.keep_alive) {
         keeper.emplace(
             describe(id), [&](duration ttl) { return store_.extend(id, token, ttl); }, stop, sent,
-            lease_keeper_options{.ttl = options_.lease}, clock_);
+            lease_keeper_options{.ttl = options_.lease}, environment_of(e));
       }
       made = detail::call_user<absl::StatusOr<decision>>("provider", provider, ctx);
     }  // the keeper stops here; the commit's fence check decides whether we still own the record
@@ -380,12 +400,12 @@ class once {
         (void)store_.abandon(id, token);
         return annotate(v, "keel: the provider's decision is invalid");
       }
-      if (absl::Status s = commit(call, id, token, d); !s.ok()) return s;
+      if (absl::Status s = commit(e, call, id, token, d); !s.ok()) return s;
       return once_result{.decision = std::move(d), .replayed = false, .fence = token.fence};
     }
 
     const absl::Status failure = made.status();
-    const outcome_kind kind = classify_(failure, call.operation());
+    const outcome_kind kind = e.classifier(failure, call.operation());
     const bool unresolved = kind == outcome_kind::ambiguous && !call.operation().repeatable();
     if (unresolved) {
       // Kept, never re-run: a retry gets keel::is_unresolved until resolve().
@@ -393,7 +413,7 @@ class once {
                  .policy_revision = std::string(unresolved_revision),
                  .error_code = absl::StatusCode::kUnknown,
                  .error_message = std::string(failure.message())};
-      if (absl::Status s = commit(call, id, token, d); !s.ok()) return s;
+      if (absl::Status s = commit(e, call, id, token, d); !s.ok()) return s;
       return unresolved_error(absl::StrCat(describe(id), " (attempt ", minted, ")"), detail::to_std(failure.message()));
     }
     if (remembered(kind)) {
@@ -401,7 +421,7 @@ class once {
                  .policy_revision = options_.policy_revision,
                  .error_code = failure.code(),
                  .error_message = std::string(failure.message())};
-      if (absl::Status s = commit(call, id, token, d); !s.ok()) return s;
+      if (absl::Status s = commit(e, call, id, token, d); !s.ok()) return s;
     } else {
       // If this fails the record stays in flight until its lease ends; then
       // a retry takes it over. Either way the provider's failure is the answer.
@@ -426,24 +446,30 @@ class once {
 
   // Commits; a commit the store says was not applied is repeated (it is
   // fenced and idempotent) while the deadline allows.
-  absl::Status commit(keel::call& call, const request_identity& id, const ownership& token,
+  template <class E>
+  absl::Status commit(const E& e, keel::call& call, const request_identity& id, const ownership& token,
                       const decision& d) const {
     duration pause = options_.poll_initial;
     for (;;) {
       absl::Status s = store_.commit(id, token, d, options_.retention);
       if (s.ok() || !not_started(s)) return s;
-      const time_point now = clock_.now();
+      const time_point now = e.clock.now();
       if (call.work_deadline().remaining(now) <= pause) return s;
-      clock_.sleep_until(now + pause, {});
+      e.clock.sleep_until(now + pause, {});
       pause = std::min(pause * 2, options_.poll_max);
     }
   }
 
+  // What a keep-alive keeper owns a copy of: the environment itself, or a run context's.
+  static const Env& environment_of(const Env& e) noexcept { return e; }
+  template <class C, class K, class L>
+  static keel::environment<C, K, L> environment_of(const run_context<C, K, L>& ctx) {
+    return ctx.env();
+  }
+
   Store& store_;
   idempotency_options options_;
-  Clock clock_;
-  Listener listener_;
-  Classifier classify_;
+  Env env_;
 };
 
 }  // namespace keel

@@ -2,8 +2,10 @@
 // events in a metrics_registry, for a Prometheus /metrics endpoint.
 //
 // keel::metrics_listener is a listener in the sense of keel/core/telemetry.hpp:
-// pass it to a pipeline with .observe(listener) (or to any component that
-// takes a listener). It registers its families once, at construction, and
+// put it in the service's environment (keel/core/environment.hpp) and every
+// component built with that environment reports to it. It includes only the
+// light event headers (keel/{policy,compose,durable}/events.hpp), never the
+// components. It registers its families once, at construction, and
 // resolves every series with fixed labels then: handling a retry, hedge,
 // lease or idempotency event is one or two relaxed atomic adds, with no
 // lookup, lock or allocation. Events labelled by a name (a tenant, a work
@@ -37,7 +39,13 @@
 //     keel_hedge_losers_cancelled_total       attempts still running when the race was won
 //                                             (their upstream work may go on); the live
 //                                             count is keel_hedge_outstanding, see watch_hedge()
-//   fan-out (keel/durable/fan_out.hpp reports figures, not events): see watch_fan_out()
+//   fan-out (keel/durable/fan_out.hpp)
+//     keel_fan_out_units_started_total        unit workers started
+//     keel_fan_out_unit_results_total{state}  units settled in a run, by state: cached
+//                                             (answered from the result store), succeeded,
+//                                             failed, cancelled, missing
+//     keel_fan_out_runs_total{rule_met}       fan-out runs, by whether the completion rule was met
+//     (watch_fan_out() reports a collector's own figures, outstanding units included)
 //   fallback (keel/compose/fallback.hpp)
 //     keel_fallbacks_total{path}              answers served by an alternative (degraded)
 //     keel_fallback_skips_total{path,reason,gate}   alternatives not used: gate, deadline,
@@ -61,7 +69,8 @@
 //
 //   keel::metrics_registry registry;
 //   keel::metrics_listener listener(registry);
-//   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).observe(listener);
+//   const auto env = keel::environment<>{}.with_listener(listener);
+//   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).in(env);
 //   ...
 //   std::string body = *keel::to_prometheus_text(registry.snapshot());   // keel/observe/prometheus.hpp
 //
@@ -81,18 +90,12 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "keel/compose/fallback.hpp"
-#include "keel/compose/hedge.hpp"
+#include "keel/compose/events.hpp"
+#include "keel/core/outcome.hpp"
 #include "keel/core/status.hpp"
-#include "keel/durable/fan_out.hpp"
-#include "keel/durable/job_queue.hpp"
-#include "keel/durable/lease.hpp"
-#include "keel/durable/once.hpp"
+#include "keel/durable/events.hpp"
 #include "keel/observe/metrics.hpp"
-#include "keel/policy/admission.hpp"
-#include "keel/policy/bulkhead.hpp"
-#include "keel/policy/circuit_breaker.hpp"
-#include "keel/policy/retry.hpp"
+#include "keel/policy/events.hpp"
 
 namespace keel {
 
@@ -159,6 +162,16 @@ inline constexpr std::size_t hedge_skip_reasons = 5;
 }
 
 inline constexpr std::size_t begin_states = 4;
+
+// The states a fan-out unit settles in (events::fan_out_unit_*), as label values.
+inline constexpr std::array<unit_state, 5> fan_out_settled = {unit_state::cached, unit_state::succeeded,
+                                                              unit_state::failed, unit_state::cancelled,
+                                                              unit_state::missing};
+[[nodiscard]] constexpr std::size_t fan_out_slot(unit_state s) noexcept {
+  for (std::size_t i = 0; i < fan_out_settled.size(); ++i)
+    if (fan_out_settled[i] == s) return i;
+  return fan_out_settled.size();
+}
 
 // snake_case, as label values go (bulkhead.hpp's own to_string has spaces).
 [[nodiscard]] constexpr std::string_view label_of(bulkhead_refusal r) noexcept {
@@ -265,6 +278,23 @@ class metrics_listener {
     job_rejections_ = &registry.counter({.name = p + "job_rejections_total",
                                          .help = "Job submissions refused because the queue was full.",
                                          .labels = {"queue"}});
+
+    fan_out_started_ = &registry
+                            .counter({.name = p + "fan_out_units_started_total",
+                                      .help = "Fan-out unit workers started."})
+                            .with({});
+    auto& settled = registry.counter({.name = p + "fan_out_unit_results_total",
+                                      .help = "Fan-out units settled in a run, by state: cached (answered from the "
+                                              "result store), succeeded, failed, cancelled, missing.",
+                                      .labels = {"state"}});
+    for (std::size_t i = 0; i < detail::fan_out_settled.size(); ++i) {
+      fan_out_settled_[i] = &settled.with({to_string(detail::fan_out_settled[i])});
+    }
+    auto& runs = registry.counter({.name = p + "fan_out_runs_total",
+                                   .help = "Fan-out runs, by whether the completion rule was met.",
+                                   .labels = {"rule_met"}});
+    fan_out_runs_[0] = &runs.with({"false"});
+    fan_out_runs_[1] = &runs.with({"true"});
   }
 
   // --- retries
@@ -341,7 +371,19 @@ class metrics_listener {
     named(*job_rejections_, labels, 0b1).inc();
   }
 
+  // --- fan-out
+  void operator()(const events::fan_out_unit_started&) const noexcept { fan_out_started_->inc(); }
+  void operator()(const events::fan_out_unit_cached&) const noexcept { settled(unit_state::cached); }
+  void operator()(const events::fan_out_unit_finished& e) const noexcept { settled(e.state); }
+  void operator()(const events::fan_out_unit_missing&) const noexcept { settled(unit_state::missing); }
+  void operator()(const events::fan_out_finished& e) const noexcept { fan_out_runs_[e.rule_met ? 1 : 0]->inc(); }
+
  private:
+  void settled(unit_state s) const noexcept {
+    const std::size_t i = detail::fan_out_slot(s);
+    if (i < detail::fan_out_settled.size()) fan_out_settled_[i]->inc();
+  }
+
   // The series for `labels`; the values whose bit is set in `named` are
   // names from outside, which become "_other" once the family is full.
   counter_metric& named(counter_family& f, std::span<std::string_view> labels, unsigned named) const {
@@ -370,6 +412,9 @@ class metrics_listener {
   std::array<counter_metric*, detail::begin_states> idempotency_begins_{};
   counter_family* job_attempts_ = nullptr;
   counter_family* job_rejections_ = nullptr;
+  counter_metric* fan_out_started_ = nullptr;
+  std::array<counter_metric*, detail::fan_out_settled.size()> fan_out_settled_{};
+  std::array<counter_metric*, 2> fan_out_runs_{};
 };
 
 namespace detail {
@@ -389,15 +434,17 @@ inline metric_family_snapshot& family_in(metrics_snapshot& s, std::string name, 
 // Reports a hedge's live figures at every snapshot of `registry`:
 //   keel_hedge_outstanding{hedge}    attempts asked to stop that have not returned yet
 //   keel_hedge_wins_total{hedge}     races won by a hedge rather than the primary
-// `h` (anything with figures() returning keel::hedge_figures) must outlive
-// the registry's snapshots. Several hedges may be watched under different names.
+// `h` (a keel::hedge, or anything whose figures() has `outstanding` and
+// `hedge_wins`) must outlive the registry's snapshots. Several hedges may be
+// watched under different names.
 template <class Hedge>
   requires requires(const Hedge& h) {
-    { h.figures() } -> std::same_as<hedge_figures>;
+    h.figures().outstanding;
+    h.figures().hedge_wins;
   }
 void watch_hedge(metrics_registry& registry, std::string name, const Hedge& h, std::string prefix = "keel_") {
   registry.add_collector([&h, name = std::move(name), prefix = std::move(prefix)](metrics_snapshot& s) {
-    const hedge_figures f = h.figures();
+    const auto f = h.figures();
     detail::family_in(s, prefix + "hedge_outstanding", "Hedge race losers asked to stop that have not returned yet.",
                       metric_type::gauge, {"hedge"})
         .series.push_back({.labels = {name}, .value = static_cast<double>(f.outstanding)});
@@ -413,15 +460,17 @@ void watch_hedge(metrics_registry& registry, std::string name, const Hedge& h, s
 //   keel_fan_out_outstanding{fan_out}         units cancelled while running and not
 //                                             confirmed stopped (upstream work may go on)
 //   keel_fan_out_saved_total{fan_out}, keel_fan_out_save_errors_total{fan_out}
-// `f` (anything with figures() returning keel::fan_out_figures) must outlive
-// the registry's snapshots.
+// `f` (a keel::fan_out, or anything whose figures() has the same fields as
+// keel::fan_out_figures) must outlive the registry's snapshots.
 template <class FanOut>
   requires requires(const FanOut& f) {
-    { f.figures() } -> std::same_as<fan_out_figures>;
+    f.figures().cached;
+    f.figures().outstanding;
+    f.figures().save_errors;
   }
 void watch_fan_out(metrics_registry& registry, std::string name, const FanOut& fan, std::string prefix = "keel_") {
   registry.add_collector([&fan, name = std::move(name), prefix = std::move(prefix)](metrics_snapshot& s) {
-    const fan_out_figures f = fan.figures();
+    const auto f = fan.figures();
     auto& units = detail::family_in(s, prefix + "fan_out_units_total", "Fan-out units, by what happened to them.",
                                     metric_type::counter, {"fan_out", "state"});
     const std::pair<const char*, std::int64_t> states[] = {{"cached", f.cached},

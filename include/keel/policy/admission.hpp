@@ -110,6 +110,7 @@
 #include "keel/core/telemetry.hpp"
 #include "keel/detail/keyed_table.hpp"
 #include "keel/detail/short_key.hpp"
+#include "keel/policy/events.hpp"
 #include "keel/policy/rate_limiter.hpp"
 
 namespace keel {
@@ -198,33 +199,6 @@ struct admission_options {
     return absl::OkStatus();
   }
 };
-
-// Which limit of a level refused. table_full: the level's table of keys is
-// full of keys in use, so a new key could not get its own quota.
-enum class quota_limit : std::uint8_t { rate, in_flight, queued, compute, table_full };
-
-[[nodiscard]] constexpr std::string_view to_string(quota_limit l) noexcept {
-  switch (l) {
-    case quota_limit::rate: return "rate";
-    case quota_limit::in_flight: return "in_flight";
-    case quota_limit::queued: return "queued";
-    case quota_limit::compute: return "compute";
-    case quota_limit::table_full: return "table_full";
-  }
-  return "unknown";
-}
-
-namespace events {
-
-// Admission refused a pass of `call`.
-struct admission_refused {
-  const keel::call& call;
-  std::string_view level;  // "tenant" or "model"
-  std::string_view key;
-  quota_limit limit;
-};
-
-}  // namespace events
 
 // One key's usage at a moment.
 struct quota_figures {

@@ -85,6 +85,7 @@
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
 #include "keel/detail/short_key.hpp"
+#include "keel/policy/events.hpp"
 
 namespace keel {
 
@@ -170,31 +171,6 @@ struct bulkhead_options {
     return absl::OkStatus();
   }
 };
-
-// Why a bulkhead refused.
-enum class bulkhead_refusal : std::uint8_t { queue_full, queue_timeout, deadline, cancelled, unknown_class };
-
-[[nodiscard]] constexpr std::string_view to_string(bulkhead_refusal r) noexcept {
-  switch (r) {
-    case bulkhead_refusal::queue_full: return "queue full";
-    case bulkhead_refusal::queue_timeout: return "queue timeout";
-    case bulkhead_refusal::deadline: return "deadline";
-    case bulkhead_refusal::cancelled: return "cancelled";
-    case bulkhead_refusal::unknown_class: return "unknown class";
-  }
-  return "unknown";
-}
-
-namespace events {
-
-// A bulkhead refused a pass of `call`.
-struct bulkhead_rejected {
-  const keel::call& call;
-  std::string_view work_class;
-  bulkhead_refusal why;
-};
-
-}  // namespace events
 
 // Per-class figures, read at one moment (each counter exact; the set is not
 // one atomic snapshot while calls run).

@@ -110,21 +110,9 @@
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
+#include "keel/policy/events.hpp"
 
 namespace keel {
-
-enum class breaker_state : std::uint8_t { closed, open, half_open, forced_open, forced_closed };
-
-[[nodiscard]] constexpr std::string_view to_string(breaker_state s) noexcept {
-  switch (s) {
-    case breaker_state::closed: return "closed";
-    case breaker_state::open: return "open";
-    case breaker_state::half_open: return "half-open";
-    case breaker_state::forced_open: return "forced-open";
-    case breaker_state::forced_closed: return "forced-closed";
-  }
-  return "unknown";
-}
 
 // How the window is kept.
 enum class breaker_window : std::uint8_t {
@@ -134,32 +122,6 @@ enum class breaker_window : std::uint8_t {
 
 // How one kind of outcome counts.
 enum class breaker_verdict : std::uint8_t { failure, success, ignore };
-
-// One state change.
-struct breaker_transition {
-  breaker_state from = breaker_state::closed;
-  breaker_state to = breaker_state::closed;
-  time_point at{};
-  int trips = 0;  // consecutive trips without closing, after this change
-};
-
-namespace events {
-
-// A breaker changed state while running a pipeline's call.
-struct breaker_state_changed {
-  std::string_view breaker;
-  breaker_transition change;
-};
-
-// A breaker refused a pass: it is open, forced open, or half-open with all
-// its probes out.
-struct breaker_rejected {
-  const keel::call& call;
-  std::string_view breaker;
-  breaker_state state;
-};
-
-}  // namespace events
 
 struct circuit_breaker_options {
   // Names the breaker in refusals ("breaker:<name>") and events.

@@ -43,39 +43,10 @@
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
 #include "keel/policy/backoff.hpp"
+#include "keel/policy/events.hpp"
 #include "keel/policy/retry_budget.hpp"
 
 namespace keel {
-
-namespace events {
-
-// A retry will be made after `wait`.
-struct retry_scheduled {
-  const keel::call& call;
-  int layer_attempt;          // attempts this layer has made so far
-  duration wait;
-  bool hinted;                // the wait is the provider's retry-after hint
-  const absl::Status& cause;  // the failure being retried
-};
-
-// A retry layer gave up; `last` is what the caller receives.
-struct retry_stopped {
-  enum class reason {
-    not_retryable,       // permanent, ambiguous for a non-repeatable operation,
-                         // or a refusal that gave no retry-after
-    layer_attempts,      // retry_options::max_attempts reached
-    call_attempts,       // the call's attempt cap reached
-    cancelled,           // stop requested
-    hint_too_long,       // retry-after above max_retry_after
-    deadline,            // no time for another attempt
-    budget,              // the retry budget refused
-  };
-  const keel::call& call;
-  reason why;
-  const absl::Status& last;
-};
-
-}  // namespace events
 
 struct retry_options {
   // Attempts made by this layer, the first included; >= 1.
