@@ -81,6 +81,9 @@ TEST_CASE("anthropic-ratelimit-*-reset: RFC 3339 times", "[provider][hints]") {
   CHECK_FALSE(http::parse_rfc3339("2015-02-30T07:28:00Z").has_value());
   CHECK_FALSE(http::parse_rfc3339("2015-10-21T24:00:00Z").has_value());
   CHECK_FALSE(http::parse_rfc3339("2015-10-21T07:28:00.Z").has_value());
+  // Found by the fuzzer: a year past what system_clock's nanoseconds hold.
+  CHECK_FALSE(http::parse_rfc3339("4048-05-01T12:00:30Z").has_value());
+  CHECK_FALSE(http::parse_http_date("Fri, 01 May 9999 12:00:30 GMT").has_value());
 }
 
 TEST_CASE("x-should-retry and a JSON body's retryDelay", "[provider][hints]") {

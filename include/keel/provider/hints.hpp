@@ -140,6 +140,8 @@ namespace detail {
 
 [[nodiscard]] inline std::optional<wall_time> civil(int y, int mo, int d, int h, int mi, int sec) noexcept {
   using namespace std::chrono;
+  // system_clock counts nanoseconds: years past 2262 would overflow it.
+  if (y < 1900 || y > 2200) return std::nullopt;
   const year_month_day ymd{year{y}, month{static_cast<unsigned>(mo)}, day{static_cast<unsigned>(d)}};
   if (!ymd.ok() || h > 23 || mi > 59 || sec > 60) return std::nullopt;  // 60: a leap second
   return time_point_cast<wall_time::duration>(sys_days{ymd} + hours{h} + minutes{mi} + seconds{sec});
