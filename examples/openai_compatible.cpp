@@ -59,6 +59,7 @@ class simulated_endpoint {
                   {"usage", {{"prompt_tokens", 12}, {"completion_tokens", 7}, {"total_tokens", 19}}}};
       res.set_content(out.dump(), "application/json");
     });
+    server_.set_tcp_nodelay(true);
     port_ = server_.bind_to_any_port("127.0.0.1");
     thread_ = std::thread([this] { server_.listen_after_bind(); });
     while (!server_.is_running()) std::this_thread::sleep_for(1ms);

@@ -63,6 +63,7 @@ class scripted_server {
   scripted_server() {
     server_.new_task_queue = [] { return new httplib::ThreadPool(16); };
     server_.set_keep_alive_max_count(100000);  // its default closes a connection after 5 requests
+    server_.set_tcp_nodelay(true);
     auto record = [this](const httplib::Request& req) {
       std::lock_guard lock(mu_);
       seen_.push_back({req.path, req.get_header_value("x-request-timeout-ms") + req.get_header_value("grpc-timeout"),
