@@ -512,6 +512,19 @@ TEST_CASE("http: a stop request aborts a transfer hung after its headers, prompt
   CHECK(lag < 500ms);
 }
 
+TEST_CASE("http: an attempt stopped before sending sends nothing and is not started", "[provider][http]") {
+  scripted_server server;
+  http::client client({.base_url = server.url()});
+  auto ex = client.exchange({.path = "/ok"});
+  std::stop_source stop;
+  stop.request_stop();
+  const absl::Status st = one_attempt(ex, write_op, 2s, stop.get_token());
+  CHECK(st.code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(keel::not_started(st));
+  CHECK(kind(st, write_op) == keel::outcome_kind::transient);
+  CHECK(server.count("/ok") == 0);
+}
+
 TEST_CASE("http: the call's own cancellation is reported as cancelled", "[provider][http]") {
   scripted_server server;
   http::client client({.base_url = server.url()});

@@ -358,6 +358,14 @@ class client {
     s.max_body = options_.max_body_bytes;
   }
 
+  // The caller went away (Cancelled), or only the attempt was stopped (its
+  // deadline, a lost race): DeadlineExceeded, not started if nothing was sent.
+  static absl::Status stopped_status(const keel::attempt& a, bool sent) {
+    if (a.owner != nullptr && a.owner->stop_token().stop_requested())
+      return absl::CancelledError("keel::http: transfer aborted: the call was cancelled");
+    absl::Status st = absl::DeadlineExceededError("keel::http: transfer aborted: the attempt was stopped");
+    return sent ? st : mark_not_started(std::move(st));
+  }
   absl::Status transport_failure(CURLcode rc, const detail::slot& s, const keel::attempt& a) const;
   absl::Status http_failure(long status, const detail::slot& s) const;
 
@@ -385,7 +393,7 @@ absl::Status client::perform(const request& r, const keel::attempt& a, OnSuccess
   if (left <= duration::zero()) {
     return mark_not_started(absl::DeadlineExceededError("keel::http: no time left for the attempt"));
   }
-  if (a.stop.stop_requested()) return absl::CancelledError("keel::http: stop requested before sending");
+  if (a.stop.stop_requested()) return stopped_status(a, false);
   lease held = acquire();
   if (!held) return mark_not_started(absl::UnavailableError("keel::http: could not create a libcurl handle"));
   detail::slot& s = *held;
@@ -494,11 +502,7 @@ absl::Status client::perform(const request& r, const keel::attempt& a, OnSuccess
   if (stopped) {
     long sent = 0;
     curl_easy_getinfo(e, CURLINFO_REQUEST_SIZE, &sent);
-    // The caller went away, or the attempt was stopped (its deadline, a lost race).
-    absl::Status st = a.owner != nullptr && a.owner->stop_token().stop_requested()
-                          ? absl::CancelledError("keel::http: transfer aborted: the call was cancelled")
-                          : absl::DeadlineExceededError("keel::http: transfer aborted: the attempt was stopped");
-    return sent == 0 && !s.got_status_line ? mark_not_started(std::move(st)) : st;
+    return stopped_status(a, sent != 0 || s.got_status_line);
   }
   if (rc != CURLE_OK) return transport_failure(rc, s, a);
 
