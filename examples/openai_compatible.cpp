@@ -4,7 +4,7 @@
 // around keel::http (libcurl), which classifies each response and reads the
 // provider's retry hints itself.
 //
-//   openai_compatible [BASE_URL]      e.g. http://127.0.0.1:8000 (vLLM)
+//   openai_compatible [BASE_URL]      e.g. http://127.0.0.1:8000 (vLLM), https://api.openai.com/v1
 //
 // BASE_URL may also come from OPENAI_BASE_URL; OPENAI_API_KEY and
 // OPENAI_MODEL are used when set. With no URL the program starts a
@@ -102,6 +102,10 @@ int main(int argc, char** argv) {
     base = simulated->url();
     fmt::print("no URL given: a simulated endpoint at {}\n", base);
   }
+  // OPENAI_BASE_URL conventionally ends in /v1 (https://api.openai.com/v1); both forms work.
+  while (!base.empty() && base.back() == '/') base.pop_back();
+  const std::string path = base.size() >= 3 && base.compare(base.size() - 3, 3, "/v1") == 0 ? "/chat/completions"
+                                                                                            : "/v1/chat/completions";
   const char* key = std::getenv("OPENAI_API_KEY");
   const std::string model = std::getenv("OPENAI_MODEL") ? std::getenv("OPENAI_MODEL") : "gpt-4o-mini";
 
@@ -126,7 +130,7 @@ int main(int argc, char** argv) {
     const keel::time_point start = clock.now();
     // Chat completions are reads: nothing happens twice if one is repeated.
     keel::call call(start, {.timeout = 30s, .labels = {.model = model}});
-    auto chat = llm.exchange({.path = "/v1/chat/completions", .body = body}, parse_completion);
+    auto chat = llm.exchange({.path = path, .body = body}, parse_completion);
     absl::StatusOr<answer> a = pipe.run(call, [&](const keel::attempt& at) {
       absl::StatusOr<answer> r = chat(at);
       if (!r.ok()) {

@@ -20,6 +20,8 @@
 #include <thread>
 #include <vector>
 
+#include "keel/compose/executor.hpp"
+#include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/core/clock.hpp"
 #include "keel/policy/retry.hpp"
@@ -136,7 +138,9 @@ class scripted_server {
           sink.done();
           return true;
         });
-      } else if (p == "/hang") {
+      } else if (p == "/hang-first" && n > 1) {
+        res.set_content(R"({"ok":true})", "application/json");
+      } else if (p == "/hang" || p == "/hang-first") {
         res.set_chunked_content_provider("application/json", [this](std::size_t, httplib::DataSink& sink) {
           sink.write("{", 1);
           std::unique_lock lock(mu_);
@@ -637,4 +641,28 @@ TEST_CASE("http: a body over max_body_bytes fails the attempt, permanent", "[pro
   const absl::Status st = one_attempt(ex, read_op);
   CHECK(st.code() == absl::StatusCode::kOutOfRange);
   CHECK(kind(st, read_op) == keel::outcome_kind::permanent);
+}
+
+TEST_CASE("http: a hedge's winner answers and its hung loser's transfer is aborted", "[provider][http]") {
+  scripted_server server;
+  http::client client({.base_url = server.url()});
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 4});  // after the client: its tasks end first
+  keel::hedge hedger({.delay = 50ms, .max_hedges = 1}, pool);
+  auto pipe = keel::pipeline(hedger);
+  auto ex = client.exchange({.path = "/hang-first"}, json_object);
+  keel::real_clock clock;
+  keel::call call(clock.now(), {.timeout = 5s, .operation = idempotent_write});
+  const auto start = std::chrono::steady_clock::now();
+  const absl::StatusOr<std::string> r = pipe.run(call, ex);
+  CHECK(std::chrono::steady_clock::now() - start < 2s);
+  REQUIRE(r.ok());
+  // The loser hangs on the server until the test ends; its stop aborts the transfer.
+  const auto wait_until = std::chrono::steady_clock::now() + 5s;
+  while (hedger.figures().outstanding > 0 && std::chrono::steady_clock::now() < wait_until)
+    std::this_thread::sleep_for(1ms);
+  CHECK(hedger.figures().outstanding == 0);
+  CHECK(std::chrono::steady_clock::now() - start < 2s);
+  const std::vector<seen> got = server.requests();
+  REQUIRE(got.size() == 2);
+  CHECK(got[0].key == got[1].key);  // copies of the exchange share the key
 }
