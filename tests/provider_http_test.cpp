@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -499,21 +500,31 @@ TEST_CASE("http: a stop request aborts a transfer hung after its headers, prompt
   CHECK(kind(st, write_op) == keel::outcome_kind::ambiguous);
 
   // Timed: request the stop, measure how long the attempt takes to return.
-  auto ex2 = client.exchange({.path = "/hang"});
-  std::stop_source stop2;
-  std::atomic<std::int64_t> requested_ns{0};
-  std::thread stopper2([&] {
-    while (server.count("/hang") < 2) std::this_thread::sleep_for(1ms);
-    std::this_thread::sleep_for(50ms);
-    requested_ns.store(std::chrono::steady_clock::now().time_since_epoch().count());
-    stop2.request_stop();
-  });
-  (void)one_attempt(ex2, read_op, 10s, stop2.get_token());
-  const auto back = std::chrono::steady_clock::now().time_since_epoch().count();
-  stopper2.join();
-  const auto lag = std::chrono::nanoseconds(back - requested_ns.load());
-  INFO("returned " << std::chrono::duration_cast<std::chrono::microseconds>(lag).count() << " us after the stop");
-  CHECK(lag < 500ms);
+  // Five rounds; the median is held to the promise ("within milliseconds":
+  // without the poll's wake-up, libcurl noticed after about 150 ms here),
+  // the worst to a bound a loaded machine keeps.
+  std::vector<std::chrono::nanoseconds> lags;
+  for (int round = 0; round < 5; ++round) {
+    auto ex2 = client.exchange({.path = "/hang"});
+    std::stop_source stop2;
+    std::atomic<std::int64_t> requested_ns{0};
+    const int before = server.count("/hang");
+    std::thread stopper2([&] {
+      while (server.count("/hang") <= before) std::this_thread::sleep_for(1ms);
+      std::this_thread::sleep_for(30ms);
+      requested_ns.store(std::chrono::steady_clock::now().time_since_epoch().count());
+      stop2.request_stop();
+    });
+    (void)one_attempt(ex2, read_op, 10s, stop2.get_token());
+    const auto back = std::chrono::steady_clock::now().time_since_epoch().count();
+    stopper2.join();
+    lags.emplace_back(back - requested_ns.load());
+  }
+  std::sort(lags.begin(), lags.end());
+  INFO("median " << std::chrono::duration_cast<std::chrono::microseconds>(lags[2]).count() << " us, max "
+                 << std::chrono::duration_cast<std::chrono::microseconds>(lags[4]).count() << " us after the stop");
+  CHECK(lags[2] < 50ms);
+  CHECK(lags[4] < 500ms);
 }
 
 TEST_CASE("http: an attempt stopped before sending sends nothing and is not started", "[provider][http]") {
