@@ -175,8 +175,4 @@ TEST_CASE("HTTP status table", "[provider][hints]") {
       CHECK(keel::default_classifier{}(s, op) == http::classify_http(code, op));
     }
   }
-  CHECK(http::http_not_processed(429));
-  CHECK(http::http_not_processed(503));
-  CHECK_FALSE(http::http_not_processed(500));
-  CHECK_FALSE(http::http_not_processed(504));
 }

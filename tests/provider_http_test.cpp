@@ -25,6 +25,7 @@
 #include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/core/clock.hpp"
+#include "keel/policy/circuit_breaker.hpp"
 #include "keel/policy/retry.hpp"
 #include "support/alloc_counter.hpp"
 #include "support/catch.hpp"
@@ -343,7 +344,6 @@ TEST_CASE("http: 429 with each hint shape is throttled and carries the wait", "[
     const absl::Status st = one_attempt(ex, write_op);
     CHECK(st.code() == absl::StatusCode::kResourceExhausted);
     CHECK(kind(st, write_op) == keel::outcome_kind::throttled);
-    CHECK(keel::not_started(st));
     const std::optional<keel::duration> hint = keel::retry_after(st);
     REQUIRE(hint.has_value());
     CHECK(*hint >= s.low);
@@ -557,17 +557,30 @@ TEST_CASE("http: the call's own cancellation is reported as cancelled", "[provid
   CHECK(call.record().attempts == 1);
 }
 
-TEST_CASE("http: refused before sending is transient and not started, even for a write", "[provider][http]") {
+TEST_CASE("http: refused before sending is transient even for a write, and a breaker sees it", "[provider][http]") {
   http::client client({.base_url = "http://127.0.0.1:" + std::to_string(refused_port())});
   auto ex = client.exchange({.path = "/ok"});
   const absl::Status st = one_attempt(ex, write_op);
   CHECK(st.code() == absl::StatusCode::kUnavailable);
-  CHECK(keel::not_started(st));
+  CHECK(st.message().find("nothing sent") != std::string_view::npos);
   CHECK(kind(st, write_op) == keel::outcome_kind::transient);
   keel::real_clock clock;
   keel::call call(clock.now(), {.timeout = 2s, .operation = write_op});
   (void)fast_retry(3).run(call, ex);
   CHECK(call.record().attempts == 3);
+
+  // A dead endpoint trips a breaker (a status marked not-started would not
+  // be counted by it): the fourth call is refused without a request.
+  keel::circuit_breaker breaker({.name = "dead", .window_calls = 3, .minimum_calls = 3});
+  auto guarded = keel::pipeline(breaker);
+  for (int i = 0; i < 3; ++i) {
+    keel::call c(clock.now(), {.timeout = 2s});
+    CHECK(kind(guarded.run(c, ex), read_op) == keel::outcome_kind::transient);
+  }
+  keel::call refused(clock.now(), {.timeout = 2s});
+  const absl::Status r = guarded.run(refused, ex);
+  CHECK(kind(r, read_op) == keel::outcome_kind::refused);
+  CHECK(keel::refused_by(r) == "breaker:dead");
 }
 
 TEST_CASE("http: a connection reset after the request went out: ambiguous write, retried read",

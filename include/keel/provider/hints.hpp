@@ -504,14 +504,6 @@ class response_hints {
   return absl::StatusCode::kUnknown;
 }
 
-// Whether a response with this status means the request was not processed
-// (so even a write may be sent again): 408, 429, 502, 503, 529 — the
-// server refused or never handed it on. 504 is not: the upstream may have
-// acted.
-[[nodiscard]] constexpr bool http_not_processed(int status) noexcept {
-  return status == 408 || status == 429 || status == 502 || status == 503 || status == 529;
-}
-
 // The kind of an HTTP status for `op`, with x-should-retry when present:
 // true makes a failure retryable (throttled for a 429, else transient),
 // false makes it permanent.

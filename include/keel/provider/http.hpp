@@ -538,15 +538,19 @@ inline absl::Status client::transport_failure(CURLcode rc, const detail::slot& s
         return absl::OutOfRangeError(absl::StrCat(what, ": body over ", options_.max_body_bytes, " bytes"));
       break;
     case CURLE_OPERATION_TIMEDOUT:
-      // Timed out: not processed when nothing went out, unknown otherwise.
-      return before_sending ? mark_not_started(absl::DeadlineExceededError(what))
-                            : absl::DeadlineExceededError(what);
+      // Timed out after sending: the effect is unknown. Before (connecting):
+      // the endpoint is unavailable, below.
+      if (!before_sending) return absl::DeadlineExceededError(what);
+      break;
     default:
       break;
   }
-  // Refused, reset, unresolved: safe to repeat if nothing was sent;
-  // afterwards a read is repeated and a write's effect is unknown.
-  if (before_sending) return mark_not_started(absl::UnavailableError(what));
+  // Refused, reset, unresolved, not connected in time: nothing was sent, so
+  // even a write may go again (Unavailable is transient for both). Not
+  // marked not-started: a breaker skips such statuses, and a dead endpoint
+  // is exactly what it must see. After sending, a read is repeated and a
+  // write's effect is unknown.
+  if (before_sending) return absl::UnavailableError(what);
   return write ? absl::UnknownError(what) : absl::UnavailableError(what);
 }
 
@@ -554,7 +558,6 @@ inline absl::Status client::http_failure(long status, const detail::slot& s) con
   const int code = static_cast<int>(status);
   absl::Status st(http_status_code(code),
                   absl::StrCat("HTTP ", code, ": ", keel::detail::to_absl(detail::body_excerpt(s.body))));
-  if (http_not_processed(code)) st = mark_not_started(std::move(st));
   std::optional<duration> hint = s.hints.hint(code);
   if (!hint) hint = find_retry_delay(s.body);
   if (hint) st = with_retry_after(std::move(st), *hint);
