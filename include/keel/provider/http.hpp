@@ -47,7 +47,8 @@
 //
 // Thread-safety: a client is shared by any number of threads; an exchange is
 // a small copyable value (copies share the idempotency key), and its
-// attempts may run at once (a hedge), each on its own pooled handle.
+// attempts may run at once (a hedge), each on its own pooled handle. A
+// client must outlive its exchanges' attempts, a hedge's losers included.
 #pragma once
 
 #include <curl/curl.h>
