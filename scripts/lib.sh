@@ -8,6 +8,7 @@ keel_packages=(
   libpq-dev postgresql
   libhiredis-dev redis-server
   libcpp-httplib-dev nlohmann-json3-dev
+  libcurl4-openssl-dev
   python3 python3-prometheus-client
 )
 

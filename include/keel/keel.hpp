@@ -2,9 +2,10 @@
 //
 // Prefer including the component headers you use: each is self-contained
 // and compiles faster alone. The folders are keel's layers, each including
-// only from the ones before it: core (vocabulary), policy, compose, durable,
-// observe, then store (backends) and testing. Store backends (keel/store/*.hpp) and the test
-// kit (keel/testing/*.hpp) are not included here: they link their own
+// only from the ones before it: core (vocabulary), policy, compose, provider,
+// durable, observe, then store (backends) and testing. Store backends
+// (keel/store/*.hpp), the libcurl adapter (keel/provider/http.hpp) and the
+// test kit (keel/testing/*.hpp) are not included here: they link their own
 // clients.
 //
 // Example:
@@ -41,6 +42,8 @@
 #include "keel/compose/fallback.hpp"
 #include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"
+
+#include "keel/provider/hints.hpp"
 
 #include "keel/durable/digest.hpp"
 #include "keel/durable/events.hpp"
