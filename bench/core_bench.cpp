@@ -2,6 +2,7 @@
 // behind deadline + retry + adaptive timeout, one backoff draw, one retry
 // budget check. Names are stable; see docs/benchmarks.md.
 #include <chrono>
+#include <stop_token>
 
 #include <benchmark/benchmark.h>
 
@@ -58,6 +59,24 @@ void BM_Pipeline_RetryTimeout_Success(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_Pipeline_RetryTimeout_Success)->Threads(1)->Threads(2);
+
+// The same with a stop token on the call, as a service has (its shutdown or
+// the client's disconnect): what carrying cancellation down the stages costs.
+void BM_Pipeline_RetryTimeout_Success_WithStop(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  static keel::retry_budget budget({.ratio = 0.1});
+  static keel::adaptive_timeout timeouts;
+  auto pipe = keel::pipeline(keel::time_limit({.at_most = 2s}),
+                             keel::retry({.max_attempts = 3, .budget = &budget}), timeouts);
+  std::stop_source shutdown;
+  for (auto _ : state) {
+    const keel::time_point now = keel::real_clock{}.now();
+    keel::call call(now, {.timeout = 3s, .response_reserve = 200ms, .stop = shutdown.get_token()});
+    absl::StatusOr<int> r = pipe.run(call, now, provider{});
+    benchmark::DoNotOptimize(r);
+  }
+}
+BENCHMARK(BM_Pipeline_RetryTimeout_Success_WithStop)->Threads(1)->Threads(2);
 
 void BM_Backoff_FullJitter(benchmark::State& state) {
   keel_bench::count_allocations allocs(state);

@@ -214,6 +214,8 @@ void seed_plan_success(benchmark::State& state) {
   static keel::adaptive_timeout timeouts;
   static provider small_model;
   static auto cached = [](const keel::attempt&) -> absl::StatusOr<int> { return 0; };
+  // The call site's model and class, resolved once (as BM_Pipeline_Full_Success).
+  static const keel::admission_key model = *quotas.model_key("m-large", keel::real_clock{}.now());
   // Built once, like the parts: the fallback's gate list is its one allocation.
   static const auto pipe = keel::pipeline(
       keel::fallback({keel::gate("residency",
@@ -222,7 +224,7 @@ void seed_plan_success(benchmark::State& state) {
                                  })},
                      keel::alternate("small-model", small_model, {.labels = {.region = "eu"}, .at_most = 3s}),
                      keel::alternate("cached-feedback", cached, {.provider_call = false})),
-      quotas, pools, keel::time_limit({.at_most = 1000ms}), hedger,
+      quotas.for_model(model), pools.for_class("interactive"), keel::time_limit({.at_most = 1000ms}), hedger,
       keel::retry({.max_attempts = 2, .budget = &budget, .min_attempt_time = 500ms}), breakers, timeouts);
   const keel::labels labels{.tenant = "acme", .model = "m-large", .endpoint = "api.provider", .region = "eu",
                             .work_class = "interactive"};
