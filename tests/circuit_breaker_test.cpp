@@ -521,7 +521,7 @@ TEST_CASE("counting calls and gating attempts: breaker outside retry, attempt_ga
   CHECK(b.state() == breaker_state::open);
 }
 
-TEST_CASE("statuses marked not-started never count", "[breaker][pipeline]") {
+TEST_CASE("keel's refusals to start never count; a dependency refusing the connection does", "[breaker][pipeline]") {
   manual_clock clock;
   keel::circuit_breaker b({.window_calls = 10, .minimum_calls = 1, .failure_rate_threshold = 0.1});
   auto pipe = keel::pipeline(b).on(clock);
@@ -533,6 +533,15 @@ TEST_CASE("statuses marked not-started never count", "[breaker][pipeline]") {
   CHECK(keel::not_started(r.status()));
   CHECK(b.figures(clock.now()).calls == 0);
   CHECK(b.state() == breaker_state::closed);
+
+  // Nothing was sent either, but the dependency is what failed: counted.
+  keel::call c(clock.now(), {.timeout = 1s});
+  const absl::StatusOr<int> refused = pipe.run(c, [](const keel::attempt&) -> absl::StatusOr<int> {
+    return keel::mark_not_started(absl::UnavailableError("connect: connection refused"));
+  });
+  CHECK(keel::not_started(refused.status()));
+  CHECK(b.figures(clock.now()).calls == 1);
+  CHECK(b.state() == breaker_state::open);
 }
 
 TEST_CASE("a pipeline's listener hears the breaker's transitions and refusals", "[breaker][telemetry]") {

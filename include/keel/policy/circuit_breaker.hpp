@@ -23,9 +23,9 @@
 //               the others decide, and a period whose probes were all ignored
 //               proves nothing, so the breaker opens again for the same
 //               duration (not counted as a trip) instead of probing more. Only
-//               a probe that never reached the dependency (not started, a
-//               keel refusal from further in, or a permit given back with
-//               ignore()) returns its slot. A probe
+//               a probe that never reached the dependency (a keel refusal
+//               from further in, or a permit given back with ignore())
+//               returns its slot. A probe
 //               whose result never comes back is reclaimed `probe_timeout`
 //               after the last probe was let through and counts as failed, so
 //               the breaker can never stay stuck in half-open.
@@ -42,7 +42,9 @@
 // tenant's bad key is not a provider outage. Each of those is configurable.
 // Refusals (keel declined before any work) and cancellations (the caller
 // left) are never counted, whatever the options say: they say nothing about
-// the dependency. A status marked "not started" never counts either.
+// the dependency. A provider's failure marked "not started" (a connection
+// refused before the request was sent) does count: that is the dependency
+// failing, even though a write may safely be retried.
 //
 // Standalone:
 //
@@ -562,7 +564,10 @@ class circuit_breaker {
       } else {
         finish(permit, outcome_kind::success, plan.now, duration::zero(), &changes);
       }
-    } else if (!not_started(s)) {
+    } else {
+      // Counted whether or not the request went out: a connection refused
+      // before sending (not started) is the dependency failing too. keel's
+      // own refusals and cancellations are never counted (finish()).
       const time_point end = ctx.attempt_end(plan.now);
       finish(permit, ctx.classify(s), end, end - plan.now, &changes);
     }
