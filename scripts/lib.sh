@@ -8,6 +8,7 @@ keel_packages=(
   libpq-dev postgresql
   libhiredis-dev redis-server
   libcpp-httplib-dev nlohmann-json3-dev
+  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   python3 python3-prometheus-client
 )
 
