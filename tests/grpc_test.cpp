@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "keel/compose/executor.hpp"
+#include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/core/call.hpp"
 #include "keel/core/outcome.hpp"
@@ -267,6 +269,37 @@ TEST_CASE("grpc: the stop token cancels a call in flight at once, and the server
   CHECK(kind_of(result, write_op) == outcome_kind::cancelled);
   CHECK(returned_at - stopped_at < 500ms);  // generous; typically well under a millisecond
   CHECK(eventually([&] { return server.service.saw_cancel.load() == 1; }));
+}
+
+TEST_CASE("grpc: a hedge's losing call is cancelled on the wire, and the hedge answers", "[grpc][server]") {
+  keel_test::player_server server;
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  std::optional<keel::hedge<keel::bounded_pool, manual_clock>> hedger;
+  hedger.emplace(keel::hedge_options{.delay = 50ms, .max_hedges = 1}, pool, clock);
+  const auto pipe = keel::pipeline(*hedger).on(clock);
+  PlayRequest hang;
+  hang.set_hang(true);
+  PlayRequest quick;
+  quick.set_text("hedge");
+  // Each attempt owns its request (rvalues): a loser may outlive run().
+  const auto primary = keel::grpc_provider(*server.stub, &keel_test::Player::Stub::Play, std::move(hang));
+  const auto backup = keel::grpc_provider(*server.stub, &keel_test::Player::Stub::Play, std::move(quick));
+  absl::StatusOr<PlayReply> reply;
+  std::thread caller([&] {
+    keel::call call(clock.now(), {.timeout = 30s});
+    reply = pipe.run(call, keel::alternates(primary, backup));
+  });
+  const bool parked = eventually([&] { return server.service.hanging.load(std::memory_order_acquire) == 1; });
+  clock.advance(50ms);  // the hedge's delay: the backup starts and answers
+  caller.join();
+  REQUIRE(parked);
+  REQUIRE(reply.ok());
+  CHECK(reply->text() == "hedge");
+  // The primary was told to stop: its call ends on the server too, at once.
+  CHECK(eventually([&] { return server.service.saw_cancel.load() == 1; }, 2s));
+  CHECK(eventually([&] { return hedger->figures().outstanding == 0; }, 2s));
+  hedger.reset();  // waits for its attempts before the server goes
 }
 
 TEST_CASE("grpc: a stop requested before the attempt sends nothing", "[grpc][server]") {

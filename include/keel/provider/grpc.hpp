@@ -168,7 +168,7 @@ struct grpc_options {
     } else {
       // gRPC's retry design: a negative (or unreadable) pushback means the
       // server asks not to be retried.
-      s = with_outcome(annotate(s, absl::StrCat("grpc: server asked not to retry (", 
+      s = with_outcome(annotate(s, absl::StrCat("grpc: server asked not to retry (",
                                                 detail::to_absl(grpc_pushback_trailer), ": ",
                                                 detail::to_absl(*pushback), ")")),
                        outcome_kind::permanent);
