@@ -302,6 +302,45 @@ TEST_CASE("grpc: a hedge's losing call is cancelled on the wire, and the hedge a
   hedger.reset();  // waits for its attempts before the server goes
 }
 
+TEST_CASE("grpc: one provider serves many threads at once while others' calls are cancelled", "[grpc][server]") {
+  keel_test::player_server server;
+  manual_clock clock;
+  const auto pipe = keel::pipeline().on(clock);
+  PlayRequest quick;
+  quick.set_text("ok");
+  PlayRequest hang;
+  hang.set_hang(true);
+  // Shared by every thread: the provider is const to call.
+  const auto answer = keel::grpc_provider(*server.stub, &keel_test::Player::Stub::Play, quick);
+  const auto stuck = keel::grpc_provider(*server.stub, &keel_test::Player::Stub::Play, hang);
+  constexpr int kThreads = 4;
+  constexpr int kCalls = 25;
+  std::vector<std::stop_source> stops(kThreads);
+  std::vector<int> answered(kThreads, 0);
+  std::vector<absl::Status> cancelled(kThreads);
+  std::vector<std::thread> workers;
+  for (int t = 0; t < kThreads; ++t) {
+    workers.emplace_back([&, t] {
+      for (int i = 0; i < kCalls; ++i) {
+        keel::call call(clock.now(), {.timeout = 30s});
+        if (const absl::StatusOr<PlayReply> r = pipe.run(call, answer); r.ok() && r->text() == "ok") ++answered[t];
+      }
+      keel::call call(clock.now(), {.timeout = 30s, .stop = stops[static_cast<std::size_t>(t)].get_token()});
+      cancelled[static_cast<std::size_t>(t)] = pipe.run(call, stuck).status();
+    });
+  }
+  // Stop each worker's hanging call as soon as all of them hang.
+  const bool parked = eventually([&] { return server.service.hanging.load(std::memory_order_acquire) == kThreads; });
+  for (std::stop_source& s : stops) s.request_stop();
+  for (std::thread& w : workers) w.join();
+  REQUIRE(parked);
+  for (int t = 0; t < kThreads; ++t) {
+    CHECK(answered[static_cast<std::size_t>(t)] == kCalls);
+    CHECK(kind_of(cancelled[static_cast<std::size_t>(t)], read_op) == outcome_kind::cancelled);
+  }
+  CHECK(eventually([&] { return server.service.saw_cancel.load() == kThreads; }));
+}
+
 TEST_CASE("grpc: a stop requested before the attempt sends nothing", "[grpc][server]") {
   keel_test::player_server server;
   std::stop_source stop;
