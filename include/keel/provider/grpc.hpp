@@ -25,7 +25,8 @@
 //     of n ms; a negative or malformed one means "do not retry": the status
 //     is marked permanent.
 //
-// Example (Player is a generated service; any unary stub method fits):
+// Example (Player is the tests' generated service, tests/proto/keel_grpc_test.proto;
+// any unary stub method fits):
 //
 //   auto stub = keel_test::Player::NewStub(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
 //   keel::retry_budget budget;
