@@ -478,6 +478,15 @@ TEST_CASE("grpc: grpc_invoke runs any call shape, here the callback stub", "[grp
   });
   CHECK(kind_of(s, read_op) == outcome_kind::throttled);
   CHECK(keel::retry_after(s) == std::optional<keel::duration>(40ms));
+
+  // The generated interface (what a mock or a wrapper implements) fits as well.
+  keel_test::Player::StubInterface& iface = *server.stub;
+  PlayRequest hello;
+  hello.set_text("through the interface");
+  const absl::StatusOr<PlayReply> r =
+      keel::grpc_provider(iface, &keel_test::Player::StubInterface::Play, std::move(hello))(a);
+  REQUIRE(r.ok());
+  CHECK(r->text() == "through the interface");
 }
 
 TEST_CASE("grpc: gRPC hands on the pushback trailer parsed: a malformed one arrives as the most negative",
