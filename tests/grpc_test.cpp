@@ -267,7 +267,7 @@ TEST_CASE("grpc: the stop token cancels a call in flight at once, and the server
   caller.join();
   REQUIRE(parked);
   CHECK(kind_of(result, write_op) == outcome_kind::cancelled);
-  CHECK(returned_at - stopped_at < 500ms);  // generous; typically well under a millisecond
+  CHECK(returned_at - stopped_at < 500ms);  // generous: measured 0.3-1.5 ms on a loaded 2-vCPU VM
   CHECK(eventually([&] { return server.service.saw_cancel.load() == 1; }));
 }
 
