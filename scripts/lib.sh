@@ -9,6 +9,7 @@ keel_packages=(
   libhiredis-dev redis-server
   libcpp-httplib-dev nlohmann-json3-dev
   libcurl4-openssl-dev
+  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   python3 python3-prometheus-client
 )
 
