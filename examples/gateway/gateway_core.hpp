@@ -604,6 +604,7 @@ class gateway_core {
   keel::breaker_registry& breakers() noexcept { return breakers_; }
   keel::circuit_breaker& provider_breaker() { return breakers_.breaker_for(provider_domain()); }
   keel::bulkhead& bulkheads() noexcept { return pools_; }
+  keel::admission& quotas() noexcept { return quotas_; }
   keel::slo_tracker& slos() noexcept { return slos_; }
   keel::metrics_registry& registry() noexcept { return registry_; }
   queue_type& queue() noexcept { return queue_; }
