@@ -44,6 +44,15 @@ std::string feedback_body(const std::string& tenant, const std::string& answer =
 
 json parse(const gateway::reply& r) { return json::parse(r.body, nullptr, false); }
 
+// A series' value in the gateway's Prometheus text, 0 when it is absent.
+template <class Core>
+double metric(Core& core, const std::string& series) {
+  const std::string text = core.metrics().body;
+  const std::size_t at = text.find("\n" + series + " ");
+  if (at == std::string::npos) return 0;
+  return std::stod(text.substr(at + series.size() + 2));
+}
+
 long long ms_of(const json& timeline, const char* stage) {
   return timeline.contains(stage) ? timeline[stage].get<long long>() : -1;
 }
@@ -239,6 +248,88 @@ TEST_CASE("one decision per idempotency key: replays, conflicts, and degraded an
   // The learner's history got exactly one entry for k-1, whatever happened above.
   CHECK(core->effects().count("feedback", "acme", "k-1").value() == 1);
   CHECK(core->effects().duplicated_keys("feedback").value() == 0);
+}
+
+TEST_CASE("the one interactive pipeline gives back its quota on every path: answer, replay, degraded, refusal",
+          "[service][plan][quota]") {
+  temp_dir dir;
+  const gateway::gateway_options o = seed_options(dir.path());
+  kt::manual_clock clock;
+  clock.auto_advance(true);
+  auto core = open_core(o, clock);
+  const std::string model = o.models.front().name;
+  auto in_flight = [&] {
+    return std::pair{core->quotas().tenant_figures("acme", clock.now()).value().in_flight,
+                     core->quotas().model_figures(model, clock.now()).value().in_flight};
+  };
+  auto compute = [&] { return core->quotas().tenant_figures("acme", clock.now()).value().compute_available; };
+
+  REQUIRE(core->feedback(feedback_body("acme"), "k-1").status == 200);
+  CHECK(in_flight() == std::pair{0, 0});
+
+  // A replay runs nothing inside the record: its compute estimate comes
+  // back whole (the clock does not move, so the budget must be unchanged).
+  const double before = compute();
+  const gateway::reply replay = core->feedback(feedback_body("acme"), "k-1");
+  REQUIRE(parse(replay)["replayed"] == true);
+  CHECK(compute() == before);
+  CHECK(in_flight() == std::pair{0, 0});
+
+  REQUIRE(core->provider().set_fault({.kind = gateway::fault_kind::outage}).ok());
+  REQUIRE(parse(core->feedback(feedback_body("acme"), "k-2"))["degraded"] == true);
+  CHECK(in_flight() == std::pair{0, 0});
+  REQUIRE(core->provider().set_fault({.kind = gateway::fault_kind::none}).ok());
+
+  std::vector<keel::bulkhead_permit> held;
+  const std::size_t interactive = *core->bulkheads().class_index("interactive");
+  for (int i = 0; i < o.interactive_slots; ++i) held.push_back(core->bulkheads().try_acquire(interactive));
+  REQUIRE(core->feedback(feedback_body("acme"), "k-3").status == 503);
+  CHECK(in_flight() == std::pair{0, 0});
+  CHECK(metric(*core, R"(gateway_rejections_total{class="interactive",reason="bulkhead"})") == 1);
+}
+
+TEST_CASE("a tenant over its own quota hears its refusal as it is, never the fallback, even with the model down",
+          "[service][plan][quota]") {
+  temp_dir dir;
+  const gateway::gateway_options o = seed_options(dir.path());
+  kt::manual_clock clock;
+  clock.auto_advance(true);
+  auto core = open_core(o, clock);
+  REQUIRE(core->provider().set_fault({.kind = gateway::fault_kind::outage}).ok());
+  // Within its quota, the outage gets the rubric-only answer...
+  const gateway::reply first = core->feedback(feedback_body("noisy"), "k-n1");
+  REQUIRE(first.status == 200);
+  CHECK(parse(first)["degraded"] == true);
+  // ...over it, the 429 itself: the fallback is not even tried.
+  const gateway::reply over = core->feedback(feedback_body("noisy"), "k-n2");
+  CHECK(over.status == 429);
+  const json error = parse(over)["error"];
+  CHECK(error["refused_by"] == "tenant:noisy:rate");
+  CHECK(error["message"].get<std::string>().starts_with("keel: tenant 'noisy' is over its rate quota"));
+  CHECK(metric(*core, R"(keel_fallback_skips_total{path="rubric-feedback",reason="gate",gate="schema"})") == 0);
+  CHECK(metric(*core, R"(gateway_rejections_total{class="interactive",reason="tenant_quota"})") == 1);
+  // Its own doing: not in the availability SLO.
+  CHECK(core->slos().find("interactive")->report(clock.now()).in_window.rejected == 0);
+}
+
+TEST_CASE("a model over its compute quota: 503 naming the model's limit, counted against the service's SLO",
+          "[service][plan][quota]") {
+  temp_dir dir;
+  gateway::gateway_options o = seed_options(dir.path());
+  // One request's estimate (600 tokens) a minute.
+  o.models.front().limits = {.compute_budget = o.models.front().token_estimate};
+  kt::manual_clock clock;
+  clock.auto_advance(true);
+  auto core = open_core(o, clock);
+  REQUIRE(core->feedback(feedback_body("acme"), "k-m1").status == 200);
+  const std::int64_t calls = core->provider().figures().calls;
+  const gateway::reply r = core->feedback(feedback_body("acme"), "k-m2");
+  CHECK(r.status == 503);
+  CHECK(r.retry_after.has_value());
+  CHECK(parse(r)["error"]["refused_by"] == "model:feedback-large:compute");
+  CHECK(core->provider().figures().calls == calls);
+  CHECK(metric(*core, R"(gateway_rejections_total{class="interactive",reason="model_quota"})") == 1);
+  CHECK(core->slos().find("interactive")->report(clock.now()).in_window.rejected == 1);
 }
 
 TEST_CASE("concurrent duplicates wait for the first request: one model call, one decision, one effect",

@@ -3,20 +3,27 @@
 // can drive it on keel's manual clock and the HTTP layer
 // (gateway/gateway_service.hpp) stays a thin adapter.
 //
-// Interactive feedback (POST /v1/feedback) spends one deadline in the
-// seed's stages:
+// Interactive feedback (POST /v1/feedback) is one keel::pipeline per model,
+// built when the gateway starts and shared by every request; a request only
+// makes its keel::call, carrying the parsed request (gateway/stages.hpp),
+// and runs it. Outer to inner, one deadline spent once:
 //
-//   admit      shed switch, tenant + model quotas (all-or-nothing), the
-//              idempotency record, a slot of the interactive bulkhead —
-//              refusals are fast, say which limit refused and when to retry
+//   fallback   rubric-only feedback when the model path fails, only if the
+//              residency, permission and schema gates pass, on what is left
+//              (never a fresh timeout); marked degraded, never recorded.
+//              A tenant's own quota, a shed class and what the idempotency
+//              record says pass through it as they are
+//   shed       an operator's switch refuses the class at once
+//   admission  tenant + model quotas, all-or-nothing, with the model's
+//              token estimate; the tenant's key resolved at startup
+//   once       the idempotency record: a replay returns the decision and
+//              runs nothing further in; only a model answer is recorded
+//   bulkhead   a slot of the interactive class (queued at most the admit stage)
 //   retrieve   the rubric from the database, within its stage
 //   model      time_limit -> retry (budgeted) -> the provider's breaker ->
 //              adaptive attempt timeout -> the provider; a failed read
 //              attempt is closed within the cancel window
-//   fallback   rubric-only feedback, only if the residency, permission and
-//              schema gates pass, on what is left (never a fresh timeout);
-//              the answer says it is degraded and which path served it
-//   respond    validate the answer and reply, the response reserve intact
+//   respond    the reply, the response reserve intact
 //
 // A request carries an Idempotency-Key: the feedback is a decision recorded
 // in the learner's history, so a retried request replays the same decision
@@ -51,6 +58,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -93,6 +101,7 @@
 #include "effect_log.hpp"
 #include "gateway_options.hpp"
 #include "simulated_provider.hpp"
+#include "stages.hpp"
 
 namespace gateway {
 
@@ -115,13 +124,6 @@ inline constexpr std::array<std::string_view, 3> work_class_names = {"interactiv
 }
 
 namespace detail {
-
-using json = nlohmann::json;
-
-[[nodiscard]] inline std::string dump(const json& j) {
-  // Text from clients may be invalid UTF-8: replace it rather than throw.
-  return j.dump(-1, ' ', false, json::error_handler_t::replace);
-}
 
 [[nodiscard]] inline std::int64_t to_ms(keel::duration d) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
@@ -255,36 +257,6 @@ using json = nlohmann::json;
   return absl::OkStatus();
 }
 
-// What the model (or the fallback) answered.
-struct answer {
-  int score = 0;
-  std::string feedback;
-  std::string served_by;  // "model:<name>" or the fallback path
-  std::string note;       // why the answer is degraded, when it is
-};
-
-[[nodiscard]] inline json to_json(const answer& a) {
-  json j = {{"score", a.score}, {"feedback", a.feedback}, {"served_by", a.served_by}};
-  if (!a.note.empty()) j["note"] = a.note;
-  return j;
-}
-
-// The model's output contract: {"score": 0-10, "feedback": "<1-2000 bytes>"}.
-[[nodiscard]] inline absl::StatusOr<answer> parse_model_output(std::string_view raw, std::string_view model) {
-  const json j = json::parse(raw.begin(), raw.end(), nullptr, false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("score") || !j["score"].is_number_integer() ||
-      !j.contains("feedback") || !j["feedback"].is_string()) {
-    // Internal: transient. Sampling again may give a valid answer; the
-    // breaker counts it as a failure of the provider.
-    return absl::InternalError(cat("model output broke the contract: ", raw.substr(0, 60)));
-  }
-  const int score = j["score"].get<int>();
-  std::string feedback = j["feedback"].get<std::string>();
-  if (score < 0 || score > 10 || feedback.empty() || feedback.size() > 2000)
-    return absl::InternalError("model output out of range (score 0-10, feedback 1-2000 bytes)");
-  return answer{.score = score, .feedback = std::move(feedback), .served_by = cat("model:", model), .note = {}};
-}
-
 }  // namespace detail
 
 // The service's listener: keel's metrics_listener counts every component's
@@ -298,6 +270,7 @@ class gateway_core {
   using env_type = keel::environment<Clock, keel::default_classifier, gateway_listener>;
   using queue_type = keel::job_queue<JobStore, env_type>;
   using worker_type = batch_worker<Clock, JobStore, gateway_listener>;
+  using once_type = keel::once<keel::sqlite_store<>, env_type>;
 
   // Opens the stores under o.data_dir (keel.db, jobs.db, effects.db) with
   // `open_jobs(path)` for the job store; invalid options are refused
@@ -344,85 +317,77 @@ class gateway_core {
     absl::StatusOr<feedback_request> parsed = parse_feedback(body, key_header);
     if (!parsed.ok()) return answered("feedback", detail::error_reply(parsed.status()));
     const feedback_request& rq = *parsed;
-    const tenant_config& tenant = tenant_of(rq.tenant);
-    model_state& model = *models_.find(rq.model)->second;
+    const tenant_state& tenant = tenant_of(rq.tenant);
+    const model_state& model = *models_.find(rq.model)->second;
     const deadline_plan& plan = options_.interactive;
 
-    keel::call call(t0, {.timeout = plan.deadline,
-                         .response_reserve = plan.response_reserve,
-                         .stop = stop_.get_token(),
-                         .labels = {.tenant = rq.tenant,
-                                    .model = rq.model,
-                                    .endpoint = provider_.name(),
-                                    .region = tenant.region,
-                                    .work_class = "interactive"},
-                         .max_attempts = 2 + options_.model_attempts});
-    // Stage 1, admit: everything that can refuse, before any expensive work.
-    const keel::deadline admit_by = call.stage(t0, plan.admit);
-    if (shed_[idx(work_class::interactive)].load(std::memory_order_relaxed)) {
-      return rejected(work_class::interactive, "shed", shed_refusal(work_class::interactive), t0);
-    }
-    keel::admission::refusal_reason why;
-    keel::admission_ticket ticket =
-        quotas_.try_admit({.tenant = rq.tenant, .model = rq.model, .estimate = model.config.token_estimate}, t0, why);
-    if (!ticket) return quota_refusal(work_class::interactive, why, t0);
-
-    progress p;
-    const keel::request_identity id{.tenant = rq.tenant, .endpoint = "feedback", .key = rq.key};
-    const keel::digest request = keel::digest_builder()
-                                     .field("question_id", rq.question_id)
-                                     .field("answer", rq.answer)
-                                     .field("model", rq.model)
-                                     .finish();
-    absl::StatusOr<keel::once_result> r =
-        // The claim's deadline is the call's: the record's lease outlasts the request.
-        once_.run(call, id, request, [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
-          return decide(call, rq, tenant, model, admit_by, p);
-        });
+    // The request travels with the call; the model's pipeline, built at
+    // startup, does the rest. The stages write what they learn to `p`.
+    interactive_progress p;
+    const interactive_request req{
+        .body = rq,
+        .tenant = *tenant.config,
+        .model = model.config,
+        .tenant_key = tenant.key ? &tenant.key : nullptr,
+        .progress = p};
+    keel::call call(t0,
+                    {.timeout = plan.deadline,
+                     .response_reserve = plan.response_reserve,
+                     .stop = stop_.get_token(),
+                     .labels = {.tenant = rq.tenant,
+                                .model = rq.model,
+                                .endpoint = provider_.name(),
+                                .region = tenant.config->region,
+                                .work_class = "interactive"},
+                     .max_attempts = 2 + options_.model_attempts},
+                    req);
+    absl::StatusOr<detail::answer> got = model.interactive(call, t0);
     const keel::time_point done = clock_.now();
 
-    if (r.ok()) {
-      if (r->replayed) {
-        ticket.cancel();  // a replay spends no model capacity; its request still counted toward the rate
-      } else {
-        ticket.reconcile(call.record().cost, done);
-        // The effect: the decision goes into the learner's history once.
-        if (absl::Status e = effects_->record_feedback(rq.tenant, rq.key, r->decision.id); !e.ok()) {
+    if (got.ok() && p.decision) {
+      const keel::once_result& r = *p.decision;
+      // The effect: a fresh decision goes into the learner's history once.
+      if (!r.replayed) {
+        if (absl::Status e = effects_->record_feedback(rq.tenant, rq.key, r.decision.id); !e.ok()) {
           effect_errors_->inc();
         }
       }
-      const detail::json stored = detail::json::parse(r->decision.result, nullptr, false);
+      const detail::json stored = detail::json::parse(r.decision.result, nullptr, false);
       detail::json out = stored.is_object() ? stored : detail::json::object();
-      out["decision_id"] = r->decision.id;
-      out["model_digest"] = r->decision.model_digest;
-      out["policy_revision"] = r->decision.policy_revision;
-      out["replayed"] = r->replayed;
+      out["decision_id"] = r.decision.id;
+      out["model_digest"] = r.decision.model_digest;
+      out["policy_revision"] = r.decision.policy_revision;
+      out["replayed"] = r.replayed;
       out["degraded"] = false;
       out["recorded"] = true;
       finish_body(out, call, t0, p, done);
       return served(work_class::interactive, keel::request_outcome::success,
-                    r->replayed ? "replay" : out.value("served_by", std::string("model")), out, t0, done);
+                    r.replayed ? "replay" : out.value("served_by", std::string("model")), out, t0, done);
     }
-    if (p.degraded) {
-      ticket.reconcile(call.record().cost, done);
-      detail::json out = detail::to_json(*p.degraded);
+    if (got.ok()) {
+      // Only the fallback answers without a decision: degraded, not recorded.
+      got->served_by = std::string(call.record().served_by);
+      detail::json out = detail::to_json(*got);
       out["decision_id"] = nullptr;
       out["replayed"] = false;
       out["degraded"] = true;
       out["recorded"] = false;  // a retry with the same key decides again
       finish_body(out, call, t0, p, done);
-      return served(work_class::interactive, keel::request_outcome::partial, p.degraded->served_by, out, t0, done);
+      return served(work_class::interactive, keel::request_outcome::partial, got->served_by, out, t0, done);
     }
-    ticket.cancel();
-    if (p.rejected) return rejected(work_class::interactive, "bulkhead", r.status(), t0);
-    if (keel::is_conflict(r.status())) return answered("feedback", detail::error_reply(r.status()));
-    if (keel::is_in_flight(r.status())) {
-      return rejected(work_class::interactive, "in_flight", r.status(), t0, /*counts_in_slo=*/false);
+    const absl::Status& s = got.status();
+    if (std::optional<std::string_view> reason = admission_refusal(s)) {
+      // A tenant over its own quota is its own doing and stays out of the
+      // SLO; the service's limits (a model's quota, a quota table full of
+      // other tenants' keys, the bulkhead, shedding) are the service's.
+      const bool own_quota = *reason == "tenant_quota";
+      return rejected(work_class::interactive, *reason, s, t0, /*counts_in_slo=*/!own_quota);
     }
+    if (keel::is_conflict(s)) return answered("feedback", detail::error_reply(s));
+    if (keel::is_in_flight(s)) return rejected(work_class::interactive, "in_flight", s, t0, /*counts_in_slo=*/false);
     // A clear failure: the model did not answer and no fallback could.
     record_slo(work_class::interactive, keel::request_outcome::failure, done - t0, done);
-    reply e = detail::error_reply(r.status());
-    return answered("feedback", std::move(e));
+    return answered("feedback", detail::error_reply(s));
   }
 
   // POST /v1/batch: {"tenant", "learner", "sessions": [...], ["model"], ["class"]}
@@ -433,7 +398,7 @@ class gateway_core {
     if (!parsed.ok()) return answered("batch", detail::error_reply(parsed.status()));
     const batch_request& rq = *parsed;
     if (shed_[idx(work_class::batch)].load(std::memory_order_relaxed)) {
-      return rejected(work_class::batch, "shed", shed_refusal(work_class::batch), t0);
+      return rejected(work_class::batch, "shed", shed_switch::refusal(work_class_names[idx(work_class::batch)]), t0);
     }
     // The tenant's quota counts the submission; the job's compute is spent
     // later, by a worker.
@@ -640,6 +605,7 @@ class gateway_core {
   keel::breaker_registry& breakers() noexcept { return breakers_; }
   keel::circuit_breaker& provider_breaker() { return breakers_.breaker_for(provider_domain()); }
   keel::bulkhead& bulkheads() noexcept { return pools_; }
+  keel::admission& quotas() noexcept { return quotas_; }
   keel::slo_tracker& slos() noexcept { return slos_; }
   keel::metrics_registry& registry() noexcept { return registry_; }
   queue_type& queue() noexcept { return queue_; }
@@ -665,9 +631,6 @@ class gateway_core {
   }
 
  private:
-  struct feedback_request {
-    std::string tenant, model, question_id, answer, key;
-  };
   struct batch_request {
     std::string tenant, model, key, payload;
   };
@@ -678,14 +641,17 @@ class gateway_core {
     model_config config;
     keel::adaptive_timeout interactive_timeout;
     keel::adaptive_timeout batch_timeout;
+    keel::admission_key quota_key;  // the model's quota, resolved once
+    // The interactive path for this model: one pipeline, built in the
+    // constructor (interactive_pipeline()), run as pipeline.run(call, now, provider).
+    std::function<absl::StatusOr<detail::answer>(keel::call&, keel::time_point)> interactive;
   };
 
-  // What decide() learned, for the reply.
-  struct progress {
-    std::optional<keel::time_point> admitted, retrieved, answered;
-    std::optional<detail::answer> degraded;  // a fallback answered (not recorded)
-    bool rejected = false;                   // refused by the bulkhead
-    std::string retrieval_error;
+  // A tenant's configuration and its quota key, resolved at startup for the
+  // tenants the options name (others are looked up by name per request).
+  struct tenant_state {
+    const tenant_config* config;
+    keel::admission_key key{};  // empty: not resolved ahead
   };
 
   gateway_core(gateway_options o, std::unique_ptr<keel::sqlite_store<>> ids, std::unique_ptr<JobStore> jobs,
@@ -723,13 +689,20 @@ class gateway_core {
                                         // for a retry (refusals and cancellations always do).
                                         .remember_failures = {.permanent = false},
                                         .policy_revision = options_.policy_revision},
-              env_type{clock_, {}, listener_}),
+              env()),
         jobs_(std::move(jobs)),
         queue_(*jobs_, report_queue_options(options_),
-               env_type{clock_, {}, listener_}),
+               env()),
         effects_(std::move(effects)) {
+    const keel::time_point now = clock_.now();
+    // Every configured tenant and model is an override in the quota tables,
+    // never reclaimed, so resolving its key cannot be refused.
+    for (const tenant_config& t : options_.tenants) tenants_.push_back({&t, quotas_.tenant_key(t.name, now).value()});
     for (const model_config& m : options_.models) {
-      models_.emplace(m.name, std::make_unique<model_state>(m, options_));
+      auto state = std::make_unique<model_state>(m, options_);
+      state->quota_key = quotas_.model_key(m.name, now).value();
+      state->interactive = interactive_pipeline(*state);
+      models_.emplace(m.name, std::move(state));
     }
     full_answers_ = slos_.find("interactive-full-answers");
     interactive_cls_ = *pools_.class_index("interactive");
@@ -765,6 +738,65 @@ class gateway_core {
         .clock = clock_,
         .slo = slos_.find("batch")});
   }
+
+  // The interactive path of model `m`, every stage in one pipeline, outer
+  // to inner (docs/gateway.md says why in this order). Built once; run()
+  // is const, so requests on every thread share it.
+  std::function<absl::StatusOr<detail::answer>(keel::call&, keel::time_point)> interactive_pipeline(model_state& m) {
+    const deadline_plan& plan = options_.interactive;
+    std::vector<keel::gate> gates;
+    gates.emplace_back("residency", [](const keel::labels& c, const keel::path& alt) {
+      return c.region.empty() || c.region == alt.labels.region;
+    });
+    gates.emplace_back("permission", keel::from_request<interactive_request>(
+                                         [](const interactive_request& r, const keel::path&) -> absl::Status {
+                                           if (r.tenant.allow_degraded) return absl::OkStatus();
+                                           return absl::PermissionDeniedError(
+                                               "this tenant does not accept degraded answers");
+                                         },
+                                         absl::PermissionDeniedError("no feedback request to check")));
+    gates.emplace_back("schema", keel::from_request<interactive_request>(
+                                     [](const interactive_request& r, const keel::path&) -> absl::Status {
+                                       if (r.progress.found_rubric) return absl::OkStatus();
+                                       return absl::FailedPreconditionError(
+                                           "no rubric was retrieved to check the answer against");
+                                     },
+                                     absl::FailedPreconditionError("no feedback request to check")));
+    auto retrieval = keel::pipeline(keel::time_limit({.at_most = plan.retrieve}),
+                                    keel::retry({.max_attempts = 2}, options_.backoff))
+                         .in(env());
+    auto pipe =
+        keel::pipeline(
+            keel::fallback({.passes_through = &heard_as_is}, std::move(gates),
+                           keel::alternate("rubric-feedback", rubric_only{&breakers_, provider_domain()},
+                                           {.labels = {.region = options_.region},
+                                            .at_most = plan.fallback,
+                                            .provider_call = false})),
+            shed_switch{&shed_[idx(work_class::interactive)], work_class_names[idx(work_class::interactive)]},
+            quotas_.for_model(m.quota_key)
+                .with_estimate(keel::from_request<interactive_request>(
+                    [](const interactive_request& r) { return r.model.token_estimate; }, std::int64_t{0}))
+                .with_tenant_key(keel::from_request<interactive_request>(
+                    [](const interactive_request& r) { return r.tenant_key; },
+                    static_cast<const keel::admission_key*>(nullptr))),
+            record_once<once_type>{&once_},
+            pools_.for_class("interactive"),
+            retrieve_rubric<Clock, decltype(retrieval)>{&rubrics_, std::move(retrieval)},
+            keel::time_limit({.at_most = plan.model}),
+            keel::retry({.max_attempts = options_.model_attempts,
+                         .budget = &budget_,
+                         .min_attempt_time = m.interactive_timeout.options().lower},
+                        options_.backoff),
+            breakers_, m.interactive_timeout)
+            .in(env());
+    return [pipe = std::move(pipe), provider = model_call<Clock>{&provider_}](keel::call& call, keel::time_point now) {
+      return pipe.run(call, now, provider);
+    };
+  }
+
+  // The one environment every component runs in: the gateway's clock and
+  // its metrics listener.
+  [[nodiscard]] env_type env() const { return env_type{clock_, {}, listener_}; }
 
   static keel::admission_options admission_options(const gateway_options& o) {
     keel::admission_options a{.tenant_defaults = o.tenant_defaults};
@@ -812,11 +844,11 @@ class gateway_core {
     return keel::failure_domain{.endpoint = provider_.name()};
   }
 
-  [[nodiscard]] const tenant_config& tenant_of(std::string_view name) const {
-    for (const tenant_config& t : options_.tenants) {
-      if (t.name == name) return t;
+  [[nodiscard]] const tenant_state& tenant_of(std::string_view name) const {
+    for (const tenant_state& t : tenants_) {
+      if (t.config->name == name) return t;
     }
-    return default_tenant_;
+    return default_tenant_state_;
   }
 
   [[nodiscard]] absl::StatusOr<feedback_request> parse_feedback(std::string_view body,
@@ -876,121 +908,7 @@ class gateway_core {
                          .payload = detail::dump(payload)};
   }
 
-  // Inside keel::once, when this request owns the record: the stages after admission.
-  absl::StatusOr<keel::decision> decide(keel::call& call, const feedback_request& rq, const tenant_config& tenant,
-                                        model_state& model, keel::deadline admit_by, progress& p) {
-    const deadline_plan& plan = options_.interactive;
-    // Still the admit stage: a slot of the interactive bulkhead, waiting at
-    // most until the stage ends.
-    absl::StatusOr<keel::bulkhead_permit> slot =
-        pools_.acquire(interactive_cls_, clock_, clock_.now(), admit_by, call.stop_token());
-    if (!slot.ok()) {
-      p.rejected = true;
-      return slot.status();
-    }
-    p.admitted = clock_.now();
-
-    // Stage 2, retrieve: the rubric, within its share of what is left.
-    auto retrieve = keel::pipeline(keel::time_limit({.at_most = plan.retrieve}),
-                                   keel::retry({.max_attempts = 2}, options_.backoff))
-                        .on(clock_)
-                        .observe(listener_);
-    absl::StatusOr<rubric> rub = retrieve.run(
-        call, [&](const keel::attempt& a) -> absl::StatusOr<rubric> { return rubrics_.lookup(a, rq.question_id); });
-    p.retrieved = clock_.now();
-    if (!rub.ok()) {
-      p.retrieval_error = std::string(rub.status().message());
-      call.note_missing();
-    }
-
-    // Stages 3-4, model then fallback. The fallback sits outermost: it gets
-    // what the primary path leaves, never a fresh timeout. Inside it the
-    // model stage is limited to its share; retries are budgeted and bounded
-    // by the call's attempt cap; the breaker sees (and gates) every attempt,
-    // so an opening breaker stops the next attempt; the adaptive timeout sets
-    // each attempt's deadline from recent latency and skips hopeless ones.
-    std::string prompt = cat("Question ", rq.question_id, ".");
-    if (rub.ok()) {
-      for (const std::string& point : rub->points) absl::StrAppend(&prompt, " Rubric: ", point, ".");
-    }
-    absl::StrAppend(&prompt, " Answer: ", rq.answer);
-    std::string last_failure;  // what the model path last said, for the degraded answer's note
-    auto primary = [&](const keel::attempt& a) -> absl::StatusOr<detail::answer> {
-      absl::StatusOr<std::string> raw = provider_.complete(a, prompt);
-      absl::StatusOr<detail::answer> parsed =
-          raw.ok() ? detail::parse_model_output(*raw, rq.model) : absl::StatusOr<detail::answer>(raw.status());
-      if (!parsed.ok()) last_failure = std::string(parsed.status().message());
-      return parsed;
-    };
-    auto rubric_only = [&](const keel::attempt&) -> absl::StatusOr<detail::answer> {
-      const keel::breaker_state b = breakers_.breaker_for(provider_domain()).state();
-      const std::string why = b == keel::breaker_state::open || b == keel::breaker_state::forced_open
-                                  ? cat("the provider's circuit breaker is ", keel::to_string(b))
-                              : last_failure.empty() ? std::string("the model had no time left in its stage")
-                                                     : cat("the model failed: ", last_failure);
-      return rubric_feedback(*rub, rq.answer, why);
-    };
-    std::vector<keel::gate> gates;
-    gates.emplace_back("residency", [](const keel::labels& c, const keel::path& alt) {
-      return c.region.empty() || c.region == alt.labels.region;
-    });
-    gates.emplace_back("permission", [&tenant](const keel::labels&, const keel::path&) -> absl::Status {
-      if (tenant.allow_degraded) return absl::OkStatus();
-      return absl::PermissionDeniedError("this tenant does not accept degraded answers");
-    });
-    gates.emplace_back("schema", [&rub](const keel::labels&, const keel::path&) -> absl::Status {
-      if (rub.ok()) return absl::OkStatus();
-      return absl::FailedPreconditionError("no rubric was retrieved to check the answer against");
-    });
-    auto stages =
-        keel::pipeline(keel::fallback(std::move(gates),
-                                      keel::alternate("rubric-feedback", rubric_only,
-                                                      {.labels = {.region = options_.region},
-                                                       .at_most = plan.fallback,
-                                                       .provider_call = false})),
-                       keel::time_limit({.at_most = plan.model}),
-                       keel::retry({.max_attempts = options_.model_attempts,
-                                    .budget = &budget_,
-                                    .min_attempt_time = model.interactive_timeout.options().lower},
-                                   options_.backoff),
-                       breakers_, model.interactive_timeout)
-            .on(clock_)
-            .observe(listener_);
-    absl::StatusOr<detail::answer> got = stages.run(call, primary);
-    p.answered = clock_.now();
-    if (!got.ok()) return got.status();
-
-    // Stage 5, respond: the answer is validated (by parse_model_output or the
-    // fallback's own construction); a degraded one is served, not recorded.
-    const keel::call_record rec = call.record();
-    if (rec.degraded) {
-      got->served_by = std::string(rec.served_by);
-      p.degraded = std::move(*got);
-      return absl::UnavailableError("degraded answer: served, not recorded as the decision");
-    }
-    return keel::decision{.model_digest = model.config.digest, .result = detail::dump(detail::to_json(*got))};
-  }
-
-  // The fallback: what the rubric alone can say, truthfully labelled.
-  static absl::StatusOr<detail::answer> rubric_feedback(const rubric& r, std::string_view answer,
-                                                        std::string_view why) {
-    std::vector<std::string> covered, missing;
-    for (const std::string& point : r.points) {
-      // A point counts as covered when its first word appears in the answer.
-      const std::string word = point.substr(0, point.find(' '));
-      (answer.find(word) != std::string_view::npos ? covered : missing).push_back(point);
-    }
-    std::string text = cat("Rubric check only: your answer covers ", covered.size(), " of ",
-                                    r.points.size(), " points.");
-    for (const std::string& m : missing) absl::StrAppend(&text, " Consider: ", m, ".");
-    const int score = r.points.empty() ? 0 : static_cast<int>(10 * covered.size() / r.points.size());
-    return detail::answer{.score = score,
-                          .feedback = std::move(text),
-                          .served_by = "rubric-feedback",
-                          .note = cat(why, "; this feedback comes from the rubric alone and was not recorded")};
-  }
-
-  void finish_body(detail::json& out, const keel::call& call, keel::time_point t0, const progress& p,
+  void finish_body(detail::json& out, const keel::call& call, keel::time_point t0, const interactive_progress& p,
                    keel::time_point done) const {
     const keel::call_record rec = call.record();
     out["attempts"] = rec.attempts;
@@ -1034,6 +952,21 @@ class gateway_core {
                     keel::admission::refusal(why), t0, /*counts_in_slo=*/table_full || why.level != "tenant");
   }
 
+  // Which of the interactive pipeline's front stages refused, as
+  // gateway_rejections_total names it, read from the refusal's refused-by
+  // (the admission policy's "<level>:<key>:<limit>", "bulkhead:<class>",
+  // "shed:<class>"); nullopt for anything else.
+  [[nodiscard]] static std::optional<std::string_view> admission_refusal(const absl::Status& s) {
+    const std::optional<std::string> by = keel::refused_by(s);
+    if (!by) return std::nullopt;
+    if (by->starts_with("shed:")) return "shed";
+    if (by->starts_with("bulkhead:")) return "bulkhead";
+    const bool tenant = by->starts_with("tenant:");
+    if (!tenant && !by->starts_with("model:")) return std::nullopt;
+    if (by->ends_with(":table_full")) return "quota_table_full";
+    return tenant ? "tenant_quota" : "model_quota";
+  }
+
   void record_slo(work_class w, keel::request_outcome o, keel::duration took, keel::time_point now) {
     if (keel::work_class_slo* s = slos_.find(work_class_names[idx(w)])) s->record(o, took, now);
     if (w == work_class::interactive) full_answers_->record(o, took, now);
@@ -1042,14 +975,6 @@ class gateway_core {
   reply answered(std::string_view endpoint, reply r) {
     http_requests_->with({endpoint, cat(r.status)}).inc();
     return r;
-  }
-
-  [[nodiscard]] absl::Status shed_refusal(work_class w) const {
-    return keel::with_retry_after(
-        keel::with_refused_by(keel::mark_not_started(absl::UnavailableError(cat(
-                                  "the ", work_class_names[idx(w)], " class is being shed by an operator"))),
-                              cat("shed:", work_class_names[idx(w)])),
-        std::chrono::seconds(1));
   }
 
   // Operator and monitoring requests run in the recovery class, so they get
@@ -1151,8 +1076,10 @@ class gateway_core {
   keel::slo_tracker slos_;
   std::map<std::string, std::unique_ptr<model_state>, std::less<>> models_;
   tenant_config default_tenant_{.name = "", .region = options_.region};
+  std::vector<tenant_state> tenants_;  // options_.tenants, with their quota keys
+  tenant_state default_tenant_state_{.config = &default_tenant_};
   std::unique_ptr<keel::sqlite_store<>> ids_;
-  keel::once<keel::sqlite_store<>, env_type> once_;
+  once_type once_;
   std::unique_ptr<JobStore> jobs_;
   queue_type queue_;
   std::unique_ptr<effect_log> effects_;
