@@ -203,7 +203,9 @@ class deadline_timer_base {
       // (an adapter aborting a transfer). The entries stay valid meanwhile:
       // their disarm waits for `fired`.
       std::int64_t n = 0;
-      for (detail::cut_entry* e = due; e != nullptr; e = e->next, ++n) e->target->request_stop();
+      for (detail::cut_entry* e = due; e != nullptr; e = e->next) ++n;
+      fired_.fetch_add(n, std::memory_order_relaxed);  // counted before anyone can see the stops
+      for (detail::cut_entry* e = due; e != nullptr; e = e->next) e->target->request_stop();
       {
         std::lock_guard lock(s.mu);
         for (detail::cut_entry* e = due; e != nullptr;) {
@@ -214,7 +216,6 @@ class deadline_timer_base {
         }
       }
       s.done.notify_all();
-      fired_.fetch_add(n, std::memory_order_relaxed);
     }
     return earliest;
   }
