@@ -281,3 +281,60 @@ TEST_CASE("deadline timer: many threads arm and disarm while it fires", "[deadli
   CHECK(wrong.load() == 0);
   CHECK(timer.figures().fired == fired.load());
 }
+
+TEST_CASE("cut_at_deadline: a cut write is ambiguous unless it says nothing was sent", "[deadline_timer][pipeline]") {
+  manual_clock clock;
+  keel::deadline_timer timer(clock);
+  auto pipe = keel::pipeline(keel::time_limit({.at_most = 100ms}), keel::cut_at_deadline(timer)).on(clock);
+  for (const bool before_sending : {false, true}) {
+    keel::call call(clock.now(), {.timeout = 10s, .operation = {.effect = keel::effect::write}});
+    async_call<absl::StatusOr<int>> run([&] {
+      return pipe.run(call, [&](const keel::attempt& a) -> absl::StatusOr<int> {
+        absl::Status stopped = wait_for_stop(a).status();
+        return before_sending ? keel::mark_not_started(stopped) : stopped;
+      });
+    });
+    clock.await_sleepers(1);
+    clock.advance(100ms);
+    REQUIRE(eventually([&] { return run.done(); }));
+    const absl::Status s = run.get().status();
+    REQUIRE(s.code() == absl::StatusCode::kDeadlineExceeded);
+    CHECK(keel::not_started(s) == before_sending);  // the payload is kept
+    CHECK(keel::default_classifier{}(s, call.operation()) ==
+          (before_sending ? keel::outcome_kind::transient : keel::outcome_kind::ambiguous));
+  }
+}
+
+TEST_CASE("cut_at_deadline: nested, the outer cuts the pass at the call's deadline and the inner each attempt",
+          "[deadline_timer][pipeline]") {
+  manual_clock clock;
+  keel::deadline_timer timer(clock);
+  auto pipe = keel::pipeline(keel::cut_at_deadline(timer),
+                             keel::retry<keel::constant_backoff>({.max_attempts = 3}, {.delay_each = 0ms}),
+                             keel::time_limit({.at_most = 30ms}), keel::cut_at_deadline(timer))
+                  .on(clock);
+  keel::call call(clock.now(), {.timeout = 70ms});
+  std::atomic<int> attempts{0};
+  async_call<absl::StatusOr<int>> run([&] {
+    return pipe.run(call, [&](const keel::attempt& a) {
+      attempts.fetch_add(1);
+      return wait_for_stop(a);
+    });
+  });
+  REQUIRE(eventually([&] { return attempts.load() == 1; }));
+  clock.await_sleepers(1);  // until 30 ms: the first attempt's deadline, before the pass's 70
+  clock.advance(30ms);
+  REQUIRE(eventually([&] { return attempts.load() == 2; }));
+  clock.await_sleepers(1);
+  clock.advance(30ms);
+  REQUIRE(eventually([&] { return attempts.load() == 3; }));
+  clock.await_sleepers(1);
+  clock.advance(9ms);
+  clock.await_sleepers(1);
+  CHECK_FALSE(run.done());
+  clock.advance(1ms);  // 70 ms: the third attempt's deadline is the call's
+  REQUIRE(eventually([&] { return run.done(); }));
+  CHECK(run.get().status().code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(call.record().attempts == 3);
+  CHECK(timer.figures().fired == 4);  // three attempts, and the pass at 70 ms
+}
