@@ -1,11 +1,13 @@
 // The foundation's costs: a provider called directly, the same provider
 // behind deadline + retry + adaptive timeout, one backoff draw, one retry
-// budget check. Names are stable; see docs/benchmarks.md.
+// budget check, a deadline timer's arm + disarm and the same pipeline with
+// its attempts cut at their deadlines. Names are stable; see docs/benchmarks.md.
 #include <chrono>
 #include <stop_token>
 
 #include <benchmark/benchmark.h>
 
+#include "keel/compose/deadline_timer.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/core/call.hpp"
 #include "keel/policy/adaptive_timeout.hpp"
@@ -77,6 +79,42 @@ void BM_Pipeline_RetryTimeout_Success_WithStop(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_Pipeline_RetryTimeout_Success_WithStop)->Threads(1)->Threads(2);
+
+// One attempt's deadline armed on the timer and disarmed before it passes:
+// what keel::cut_at_deadline adds per attempt beside its stop source. The
+// deadline is far away, so the timer thread sleeps through the loop.
+void BM_DeadlineTimer_ArmDisarm(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  static keel::deadline_timer timer;
+  std::stop_source source;
+  const keel::deadline d = keel::deadline::after(keel::real_clock{}.now(), 60s);
+  keel::deadline_cut cut;
+  for (auto _ : state) {
+    cut.arm(timer, d, source);
+    benchmark::DoNotOptimize(cut.disarm());
+  }
+}
+BENCHMARK(BM_DeadlineTimer_ArmDisarm)->Threads(1)->Threads(2);
+
+// BM_Pipeline_RetryTimeout_Success with keel::cut_at_deadline next to the
+// provider: the attempt's own stop token (reused per thread), linked to the
+// caller's, armed on the timer at the attempt's deadline and disarmed.
+void BM_Pipeline_CutAtDeadline_Success(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  static keel::retry_budget budget({.ratio = 0.1});
+  static keel::adaptive_timeout timeouts;
+  static keel::deadline_timer timer;
+  auto pipe = keel::pipeline(keel::time_limit({.at_most = 2s}), keel::retry({.max_attempts = 3, .budget = &budget}),
+                             timeouts, keel::cut_at_deadline(timer));
+  std::stop_source caller;
+  for (auto _ : state) {
+    const keel::time_point now = keel::real_clock{}.now();
+    keel::call call(now, {.timeout = 3s, .response_reserve = 200ms, .stop = caller.get_token()});
+    absl::StatusOr<int> r = pipe.run(call, now, provider{});
+    benchmark::DoNotOptimize(r);
+  }
+}
+BENCHMARK(BM_Pipeline_CutAtDeadline_Success)->Threads(1)->Threads(2);
 
 void BM_Backoff_FullJitter(benchmark::State& state) {
   keel_bench::count_allocations allocs(state);

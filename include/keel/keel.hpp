@@ -37,6 +37,7 @@
 #include "keel/policy/retry_budget.hpp"
 #include "keel/policy/time_limit.hpp"
 
+#include "keel/compose/deadline_timer.hpp"
 #include "keel/compose/events.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/fallback.hpp"

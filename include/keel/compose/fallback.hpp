@@ -17,6 +17,10 @@
 //   narrowed by its own at_most, never a fresh one: with 1.4 s left, an
 //   alternative that asks for 3 s gets 1.4 s. One with less than its
 //   min_time left is skipped.
+// - Deadlines that cut: with fallback_options::cut (a keel::deadline_timer)
+//   the primary, given at most primary_at_most of the deadline, and each
+//   alternative are stopped at their deadlines, so a primary stalled on
+//   the network leaves the alternatives their time.
 // - An answer from an alternative records the path on the call
 //   (call.set_served_by(name)) and marks the call degraded.
 // - A terminal alternative ends the chain whatever it returns: a deferred
@@ -77,6 +81,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "keel/compose/deadline_timer.hpp"
 #include "keel/compose/events.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/core/call.hpp"
@@ -203,16 +208,35 @@ struct fallback_options {
   // answer: for example a tenant over its own quota (keel refused it, and a
   // refusal otherwise falls back), an idempotency conflict. Null: none.
   bool (*passes_through)(const absl::Status& failure) = nullptr;
+  // The primary's share of the fallback's deadline: what runs inside the
+  // fallback gets at most this much of what is left, so the alternatives
+  // keep the rest; > 0. The default leaves the deadline as it is.
+  duration primary_at_most = duration::max();
+  // Cuts the primary at its deadline (above), and each alternative at its
+  // own, through this timer (keel/compose/deadline_timer.hpp): a stalled
+  // primary that watches only its stop token is stopped in time for the
+  // alternatives, and answers DeadlineExceeded, which falls back. Null:
+  // the primary is not cut. The timer must outlive the fallback.
+  deadline_timer_base* cut = nullptr;
+
+  [[nodiscard]] absl::Status validate() const {
+    if (primary_at_most <= duration::zero())
+      return detail::invalid_field("fallback_options", "primary_at_most", "be > 0", primary_at_most);
+    return absl::OkStatus();
+  }
 };
 
 template <class... Providers>
 class fallback {
  public:
-  // Throws keel::invalid_options if an alternative's options are invalid.
+  // Throws keel::invalid_options if the options or an alternative's options
+  // are invalid.
   explicit fallback(std::vector<gate> gates, alternative<Providers>... alternatives)
       : fallback(fallback_options{}, std::move(gates), std::move(alternatives)...) {}
   fallback(fallback_options o, std::vector<gate> gates, alternative<Providers>... alternatives)
-      : options_(o), gates_(std::move(gates)), alternatives_(std::move(alternatives)...) {
+      : options_((detail::require_valid(o.validate()), o)),
+        gates_(std::move(gates)),
+        alternatives_(std::move(alternatives)...) {
     std::apply([](const auto&... a) { (detail::require_valid(a.options.validate()), ...); }, alternatives_);
   }
 
@@ -221,7 +245,7 @@ class fallback {
   template <class Ctx, class Next>
   auto execute(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
-    R primary = next(ctx, plan);
+    R primary = run_primary(ctx, plan, next);
     const absl::Status& failure = status_of(primary);
     if (failure.ok() || !may_fall_back(ctx, plan, failure)) return primary;
 
@@ -233,6 +257,13 @@ class fallback {
   }
 
  private:
+  template <class Ctx, class Next>
+  auto run_primary(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
+    plan.deadline = plan.deadline.within(plan.now, options_.primary_at_most);
+    if (options_.cut == nullptr) return next(ctx, std::move(plan));
+    return detail::run_cut(*options_.cut, ctx, std::move(plan), next);
+  }
+
   template <class Ctx>
   bool may_fall_back(Ctx& ctx, const attempt_plan& plan, const absl::Status& failure) const {
     if (plan.stop.stop_requested()) return false;
@@ -274,8 +305,11 @@ class fallback {
     // What is left of the fallback's own deadline, never more.
     const attempt_plan stage{.now = now, .deadline = plan.deadline.within(now, alt.options.at_most),
                              .stop = plan.stop, .hedge = 0};
-    R r = alt.options.provider_call ? detail::invoke_provider<R>(ctx, stage, alt.provider)
-                                    : invoke_local<R>(ctx, stage, alt.provider);
+    auto invoke = [&](Ctx& c, const attempt_plan& st) -> R {
+      return alt.options.provider_call ? detail::invoke_provider<R>(c, st, alt.provider)
+                                       : invoke_local<R>(c, st, alt.provider);
+    };
+    R r = options_.cut != nullptr ? detail::run_cut(*options_.cut, ctx, stage, invoke) : invoke(ctx, stage);
     const absl::Status& s = status_of(r);
     if (!s.ok() && !alt.options.terminal) return skipped(skip::failed, {}, s);
     ctx.call.set_served_by(alt.name);

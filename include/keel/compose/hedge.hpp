@@ -24,6 +24,10 @@
 //     events::hedge_losers_cancelled) until they return, because their
 //     upstream work may go on after a local cancel. They finish on the
 //     executor with what they own (below), not holding the caller.
+//   - With a keel::deadline_timer in `cut`, every attempt is also stopped at
+//     the race's deadline: a race whose attempts watch only their stop
+//     tokens ends then instead of waiting for them (an attempt cut so
+//     answers DeadlineExceeded).
 //   - Each hedge spends one retry from `budget` (the same keel::retry_budget
 //     as retries); when it is spent, no hedge starts. Hedges also count
 //     against the call's attempt cap. A hedge the executor refuses is
@@ -126,6 +130,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "keel/compose/deadline_timer.hpp"
 #include "keel/compose/events.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/core/call.hpp"
@@ -171,6 +176,13 @@ struct hedge_options {
   // call whose hedge wins then returns only when its primary returns: only
   // for providers that honour their stop token at once.
   bool primary_on_caller_thread = false;
+  // Cuts every attempt of the race at the race's deadline: its stop is
+  // requested then (keel/compose/deadline_timer.hpp), so a race whose
+  // attempts watch only their stop tokens ends at its deadline, and an
+  // attempt cut that way answers DeadlineExceeded, not Cancelled. Null: the
+  // attempts are stopped only when the race is decided or the call is
+  // cancelled. The timer must outlive the hedge.
+  deadline_timer_base* cut = nullptr;
 
   static constexpr int max_hedges_limit = 7;
 
@@ -419,6 +431,7 @@ class hedge {
     struct slot {
       std::stop_source stop{std::nostopstate};
       std::optional<std::stop_callback<detail::forward_stop>> link;
+      keel::deadline_cut cut;  // hedge_options::cut: stops this attempt at the race's deadline
       time_point start{};
       bool running = false;
       bool cancelled = false;
@@ -481,6 +494,7 @@ class hedge {
       slot& primary = slots[0];
       if (!primary.stop.stop_possible() || primary.stop.stop_requested()) primary.stop = std::stop_source();
       if (p.stop.stop_possible()) primary.link.emplace(p.stop, detail::forward_stop{&primary.stop});
+      if (o.options_.cut != nullptr) primary.cut.arm(*o.options_.cut, p.deadline, primary.stop);
       primary.start = p.now;
       primary.running = true;
       primary.cancelled = false;
@@ -564,10 +578,16 @@ class hedge {
     void finish(int i, R&& r, bool owns_ref, std::optional<time_point> ended = std::nullopt) {
       const bool timed = owner->tracker_ != nullptr;
       const time_point end = timed ? (ended ? *ended : clock->now()) : time_point{};
+      // Armed before the attempt was handed over; only its own thread disarms.
+      const bool was_cut = slots[static_cast<std::size_t>(i)].cut.disarm();
       bool last = false;
       {
         std::lock_guard lock(mu);
         slot& s = slots[static_cast<std::size_t>(i)];
+        if (was_cut && detail::cut_reads_cancelled(status_of(r), plan.stop,
+                                                   [&](const absl::Status& st) { return ctx->classify(st); })) {
+          r = R(detail::cut_status(status_of(r)));
+        }
         s.running = false;
         ++returned;
         if (s.cancelled) owner->outstanding_.fetch_sub(1, std::memory_order_relaxed);
@@ -645,6 +665,7 @@ class hedge {
       slot& s = slots[static_cast<std::size_t>(i)];
       s.stop = std::stop_source();
       if (plan.stop.stop_possible()) s.link.emplace(plan.stop, detail::forward_stop{&s.stop});
+      if (owner->options_.cut != nullptr) s.cut.arm(*owner->options_.cut, plan.deadline, s.stop);
       s.start = now;
       s.running = true;
       s.cancelled = false;
@@ -671,6 +692,7 @@ class hedge {
       if (i == 0) return false;  // the caller runs its primary itself
       slot& s = slots[static_cast<std::size_t>(i)];
       s.link.reset();
+      (void)s.cut.disarm();
       s.running = false;
       --launched;
       --hedges;
@@ -700,6 +722,7 @@ class hedge {
       for (int j = 0; j < launched; ++j) {
         slot& s = slots[static_cast<std::size_t>(j)];
         s.link.reset();  // before the source it forwards to is replaced
+        (void)s.cut.disarm();
         if (j > 0) s.stop = std::stop_source(std::nostopstate);
       }
       answer.reset();

@@ -112,6 +112,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "keel/compose/deadline_timer.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
@@ -174,6 +175,12 @@ struct fan_out_options {
   // is returned as OK, the call marked degraded).
   bool require_complete = true;
   duration unit_at_most = duration::max();  // per unit, of what is left; > 0
+  // Stops each running unit at its deadline through this timer
+  // (keel/compose/deadline_timer.hpp): a unit that watches only its stop
+  // token ends then, failed with DeadlineExceeded. Null: units are stopped
+  // only when the call's deadline passes, the rule is met or the call is
+  // cancelled. The timer must outlive the runs.
+  deadline_timer_base* cut = nullptr;
   duration retention = duration::zero();    // saved results expire after this; 0: kept until erased
   std::string key_prefix = "fanout:";       // store key = key_prefix + the unit's digest in hex
   // A stored result that fails the validator (the rules changed): erase it
@@ -534,7 +541,13 @@ class fan_out {
                                "deadline");
       } else {
         const unit_context uc{units[i], i, s.start, d, stop, call};
+        keel::deadline_cut cut;
+        if (owner.options_.cut != nullptr) cut.arm(*owner.options_.cut, d, *s.stop);
         answer = invoke(uc);
+        if (cut.disarm() && detail::cut_reads_cancelled(answer.status(), call.stop_token(),
+                                                        [&](const absl::Status& st) { return classify(st); })) {
+          answer = detail::cut_status(answer.status());
+        }
       }
       const time_point end = env.clock.now();
       // Moved, not copied: the status goes to the caller's thread, and

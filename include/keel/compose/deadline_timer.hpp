@@ -1,0 +1,471 @@
+// keel/compose/deadline_timer.hpp — deadlines that cut: a timer that requests
+// stop on an attempt's (or a call's) std::stop_source when its deadline
+// passes, and keel::cut_at_deadline, the pipeline policy that opts into it.
+//
+// Without it every keel timeout is cooperative: a provider that watches its
+// stop token but not its timeout spends the whole call, and hedges,
+// fallbacks and fan-outs wait for it. With it, the attempt's stop token is
+// requested at the attempt's deadline, and an adapter that turns a stop
+// into an aborted transfer (libcurl, gRPC's TryCancel) returns at once.
+//
+//   - keel::deadline_timer<Clock> owns one background thread. Entries
+//     (keel::deadline_cut, intrusive, living wherever the caller keeps them:
+//     its stack, a hedge's race block) are kept in 16 buckets, one chosen per
+//     thread, each with its own small mutex: arming and disarming allocate
+//     nothing and take no lock shared by all threads. The thread is woken
+//     only when an entry is due before the time it already sleeps until (an
+//     idle timer's first entry, or a shorter deadline than any armed): the
+//     common arm is a bucket lock, a link, an unlock and one atomic load.
+//   - Firing is the slow path: the thread walks every bucket when it wakes
+//     (at the earliest due entry), unlinks what is due and requests stop on
+//     each outside the bucket lock. A deadline_cut disarmed while its stop
+//     is being requested waits for that request to finish, so a disarmed
+//     cut's stop_source may be destroyed at once.
+//   - keel::cut_at_deadline(timer) is a policy: what runs below it gets a
+//     plan.stop that fires at plan.deadline, linked to the caller's stop
+//     token (a std::stop_callback, no allocation). Below a retry it cuts
+//     each attempt at the attempt's deadline; first in the pipeline it cuts
+//     the whole pass at the call's work deadline. An attempt that was cut
+//     and answered "cancelled" is reported as DeadlineExceeded ("keel: cut
+//     at its deadline: ..."), a timeout (transient for a read, ambiguous for
+//     a write unless it says it was not started), never as the caller going
+//     away: a retry, a fallback and a fan-out treat it as the timeout it is.
+//   - keel::hedge (hedge_options::cut), keel::fallback (fallback_options::cut)
+//     and keel::fan_out (fan_out_options::cut) take a timer to cut their
+//     attempts, primaries and units the same way.
+//
+// Example:
+//
+//   keel::deadline_timer timer;   // real clock; one thread
+//   auto pipe = keel::pipeline(keel::time_limit({.at_most = std::chrono::milliseconds(800)}),
+//                              keel::retry({.max_attempts = 2}), keel::cut_at_deadline(timer));
+//   keel::call call(keel::real_clock{}.now(), {.timeout = std::chrono::seconds(2)});
+//   absl::StatusOr<int> r = pipe.run(call, [](const keel::attempt& a) -> absl::StatusOr<int> {
+//     std::mutex m;
+//     std::condition_variable_any cv;
+//     std::unique_lock lock(m);
+//     cv.wait(lock, a.stop, [] { return false; });  // watches only its stop token
+//     return absl::CancelledError("stopped");       // r: DeadlineExceeded after two cut attempts
+//   });
+//
+//   // A call's own stop source, cut at the call's deadline:
+//   std::stop_source request_stop;
+//   keel::deadline_cut cut(timer, call.end(), request_stop);   // disarmed by its destructor
+//
+// The stop token below a cut_at_deadline belongs to the attempt: its
+// stop_source is kept per thread and reused by the next attempt on that
+// thread when it was not stopped (a fresh one is allocated only after a
+// cut or a cancellation). A provider must not keep the token, or a
+// std::stop_callback on it, past its return.
+//
+// On a keel::testing::manual_clock the timer thread is one of the clock's
+// sleepers while it has entries armed (it waits through the clock until the
+// earliest), and not while it has none.
+//
+// Thread-safety: deadline_timer's operations may be called from any thread.
+// A deadline_cut belongs to one owner at a time: arm() and disarm() are not
+// called on one cut from two threads at once (the timer's thread firing it
+// meanwhile is fine). Destroying the timer while cuts are armed is safe:
+// the thread stops and joins, and every cut still armed is detached, never
+// fired (its disarm() then returns false and touches nothing of the timer).
+// No cut may be armed or disarmed while the timer's destructor runs.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <stop_token>
+#include <string_view>
+#include <thread>
+#include <type_traits>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
+#include "keel/core/clock.hpp"
+#include "keel/core/deadline.hpp"
+#include "keel/core/outcome.hpp"
+#include "keel/core/policy.hpp"
+#include "keel/core/status.hpp"
+
+namespace keel {
+
+class deadline_timer_base;
+
+namespace detail {
+
+struct cut_shard;
+
+// One armed deadline: an intrusive list node. Guarded by its shard's mutex.
+struct cut_entry {
+  enum class state : std::uint8_t { idle, armed, firing, fired };
+  time_point due{};
+  std::stop_source* target = nullptr;
+  cut_entry* prev = nullptr;
+  cut_entry* next = nullptr;
+  cut_shard* shard = nullptr;  // where it was armed; null: never armed, or detached
+  state st = state::idle;
+};
+
+struct alignas(64) cut_shard {
+  std::mutex mu;
+  std::condition_variable done;  // a disarm waits here while its entry fires
+  cut_entry* head = nullptr;
+
+  void link(cut_entry& e) noexcept {
+    e.prev = nullptr;
+    e.next = head;
+    if (head != nullptr) head->prev = &e;
+    head = &e;
+  }
+  void unlink(cut_entry& e) noexcept {
+    if (e.prev != nullptr) e.prev->next = e.next;
+    else head = e.next;
+    if (e.next != nullptr) e.next->prev = e.prev;
+    e.prev = e.next = nullptr;
+  }
+};
+
+// Each thread arms in one bucket, handed out round-robin on first use, so
+// up to shard_count threads never contend on arm or disarm.
+inline std::size_t cut_shard_of_thread(std::size_t count) noexcept {
+  static std::atomic<std::size_t> next{0};
+  thread_local const std::size_t mine = next.fetch_add(1, std::memory_order_relaxed);
+  return mine % count;
+}
+
+}  // namespace detail
+
+// What a timer has done since it was made.
+struct deadline_timer_figures {
+  std::int64_t fired = 0;   // stops requested at a deadline
+  std::int64_t wakeups = 0; // times the thread was woken early by an arm
+};
+
+// The part of a deadline timer that policies and cuts use, whatever its
+// clock: hedge_options::cut and friends take a pointer to it.
+class deadline_timer_base {
+ public:
+  static constexpr std::size_t shard_count = 16;
+
+  deadline_timer_base(const deadline_timer_base&) = delete;
+  deadline_timer_base& operator=(const deadline_timer_base&) = delete;
+
+  [[nodiscard]] deadline_timer_figures figures() const noexcept {
+    return {.fired = fired_.load(std::memory_order_relaxed), .wakeups = wakeups_.load(std::memory_order_relaxed)};
+  }
+
+ protected:
+  deadline_timer_base() = default;
+  // Detaches the entries still armed (the derived timer has joined its
+  // thread): they are never fired, and their disarm touches nothing here.
+  ~deadline_timer_base() {
+    for (detail::cut_shard& s : shards_) {
+      std::lock_guard lock(s.mu);
+      while (s.head != nullptr) {
+        detail::cut_entry& e = *s.head;
+        s.unlink(e);
+        e.st = detail::cut_entry::state::idle;
+        e.shard = nullptr;
+      }
+    }
+  }
+
+  // Fires what is due at `now`; returns the earliest due entry left.
+  time_point fire_due(time_point now) {
+    time_point earliest = time_point::max();
+    for (detail::cut_shard& s : shards_) {
+      detail::cut_entry* due = nullptr;  // chained through `next` once unlinked
+      {
+        std::lock_guard lock(s.mu);
+        for (detail::cut_entry* e = s.head; e != nullptr;) {
+          detail::cut_entry* following = e->next;
+          if (e->due <= now) {
+            s.unlink(*e);
+            e->st = detail::cut_entry::state::firing;
+            e->next = due;
+            due = e;
+          } else {
+            earliest = std::min(earliest, e->due);
+          }
+          e = following;
+        }
+      }
+      if (due == nullptr) continue;
+      // Outside the bucket lock: a stop request runs the token's callbacks
+      // (an adapter aborting a transfer). The entries stay valid meanwhile:
+      // their disarm waits for `fired`.
+      std::int64_t n = 0;
+      for (detail::cut_entry* e = due; e != nullptr; e = e->next) ++n;
+      fired_.fetch_add(n, std::memory_order_relaxed);  // counted before anyone can see the stops
+      for (detail::cut_entry* e = due; e != nullptr; e = e->next) e->target->request_stop();
+      {
+        std::lock_guard lock(s.mu);
+        for (detail::cut_entry* e = due; e != nullptr;) {
+          detail::cut_entry* following = e->next;
+          e->next = nullptr;
+          e->st = detail::cut_entry::state::fired;
+          e = following;
+        }
+      }
+      s.done.notify_all();
+    }
+    return earliest;
+  }
+
+  // What the thread sleeps until, as a count of ticks; scanning while it
+  // walks the buckets (an arm then always wakes it: it may have passed the
+  // arm's bucket already), idle when it waits for a first entry.
+  static constexpr duration::rep scanning = std::numeric_limits<duration::rep>::min();
+  static constexpr duration::rep idle = std::numeric_limits<duration::rep>::max();
+
+  std::array<detail::cut_shard, shard_count> shards_{};
+  std::atomic<duration::rep> next_wake_{scanning};
+  std::mutex wake_mu_;
+  std::condition_variable_any wake_cv_;
+  bool poked_ = false;  // guarded by wake_mu_
+  std::atomic<std::int64_t> fired_{0};
+  std::atomic<std::int64_t> wakeups_{0};
+
+ private:
+  friend class deadline_cut;
+
+  void arm(detail::cut_entry& e, time_point when, std::stop_source& target) {
+    detail::cut_shard& s = shards_[detail::cut_shard_of_thread(shard_count)];
+    e.due = when;
+    e.target = &target;
+    {
+      std::lock_guard lock(s.mu);
+      s.link(e);
+      e.shard = &s;
+      e.st = detail::cut_entry::state::armed;
+    }
+    // After the link: a thread that has not yet walked this bucket sees the
+    // entry; one that has, published `scanning` before it did, or the time
+    // it now sleeps until, which this compares with.
+    const duration::rep wake = next_wake_.load(std::memory_order_acquire);
+    if (wake == scanning || when.time_since_epoch().count() < wake) poke();
+  }
+
+  // True when the entry fired. Returns once the timer no longer touches it.
+  bool disarm(detail::cut_entry& e) {
+    detail::cut_shard* s = e.shard;
+    if (s == nullptr) return e.st == detail::cut_entry::state::fired;
+    std::unique_lock lock(s->mu);
+    if (e.st == detail::cut_entry::state::armed) {
+      s->unlink(e);
+      e.st = detail::cut_entry::state::idle;
+      e.shard = nullptr;
+      return false;
+    }
+    s->done.wait(lock, [&] { return e.st != detail::cut_entry::state::firing; });
+    e.shard = nullptr;
+    return e.st == detail::cut_entry::state::fired;
+  }
+
+  void poke() {
+    {
+      std::lock_guard lock(wake_mu_);
+      poked_ = true;
+    }
+    wakeups_.fetch_add(1, std::memory_order_relaxed);
+    wake_cv_.notify_one();
+  }
+};
+
+// A deadline timer on `Clock`: one thread, started by the constructor and
+// joined by the destructor.
+template <keel::clock Clock = real_clock>
+class deadline_timer final : public deadline_timer_base {
+ public:
+  explicit deadline_timer(Clock clock = {})
+      : clock_(std::move(clock)), thread_([this](std::stop_token stop) { loop(std::move(stop)); }) {}
+  // Stops and joins the thread (thread_ is the last member), then the base
+  // detaches the entries still armed.
+  ~deadline_timer() = default;
+
+  [[nodiscard]] const Clock& clock() const noexcept { return clock_; }
+
+ private:
+  void loop(std::stop_token stop) {
+    for (;;) {
+      next_wake_.store(scanning, std::memory_order_seq_cst);
+      const time_point earliest = fire_due(clock_.now());
+      std::unique_lock lock(wake_mu_);
+      if (stop.stop_requested()) return;
+      if (poked_) {  // an arm during the walk: walk again
+        poked_ = false;
+        continue;
+      }
+      next_wake_.store(earliest == time_point::max() ? idle : earliest.time_since_epoch().count(),
+                       std::memory_order_seq_cst);
+      auto poked = [&] { return poked_; };
+      if (earliest == time_point::max()) {
+        // Nothing armed: not a sleeper on a manual clock.
+        wake_cv_.wait(lock, stop, poked);
+      } else {
+        clock_.wait_until(lock, wake_cv_, earliest, stop, poked);
+      }
+      poked_ = false;
+      if (stop.stop_requested()) return;
+    }
+  }
+
+  Clock clock_;
+  std::jthread thread_;  // last: starts after the members above exist, stops first
+};
+
+// One armed deadline: requests stop on `target` when `d` passes, unless
+// disarmed first. Lives wherever its owner keeps it (no allocation);
+// disarmed by its destructor. Not copyable or movable (the timer links it).
+class deadline_cut {
+ public:
+  deadline_cut() noexcept = default;
+  // Arms at once; an infinite deadline arms nothing.
+  deadline_cut(deadline_timer_base& timer, keel::deadline d, std::stop_source& target) { arm(timer, d, target); }
+  deadline_cut(const deadline_cut&) = delete;
+  deadline_cut& operator=(const deadline_cut&) = delete;
+  ~deadline_cut() { (void)disarm(); }
+
+  // Arms for `d` on `target` (disarming first if armed). An infinite
+  // deadline, or a target without a stop state, arms nothing.
+  void arm(deadline_timer_base& timer, keel::deadline d, std::stop_source& target) {
+    (void)disarm();
+    fired_ = false;
+    if (d.is_infinite() || !target.stop_possible()) return;
+    timer_ = &timer;
+    timer.arm(entry_, d.when(), target);
+  }
+
+  // Disarms; true when the stop was requested at the deadline (now or by an
+  // earlier disarm since the last arm). Once it returns the timer no longer
+  // touches the target.
+  bool disarm() {
+    if (timer_ != nullptr) {
+      fired_ = timer_->disarm(entry_) || fired_;
+      timer_ = nullptr;
+    }
+    return fired_;
+  }
+
+  [[nodiscard]] bool armed() const noexcept { return timer_ != nullptr; }
+
+ private:
+  detail::cut_entry entry_;
+  deadline_timer_base* timer_ = nullptr;
+  bool fired_ = false;
+};
+
+namespace detail {
+
+// A cut attempt that answered "cancelled" timed out: DeadlineExceeded with
+// the same message and payloads (a not-started mark stays), without a
+// marked outcome. Failure path only: it allocates.
+[[nodiscard]] inline absl::Status cut_status(const absl::Status& s) {
+  absl::Status out = absl::DeadlineExceededError(absl::StrCat("keel: cut at its deadline: ", s.message()));
+  s.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
+    if (url != to_absl(outcome_payload)) out.SetPayload(url, payload);
+  });
+  return out;
+}
+
+// Whether `s`, from an attempt cut at its deadline, must be turned into a
+// timeout: it says "cancelled", and the caller did not cancel.
+template <class Classify>
+[[nodiscard]] bool cut_reads_cancelled(const absl::Status& s, const std::stop_token& caller,
+                                       const Classify& classify) {
+  return !s.ok() && classify(s) == outcome_kind::cancelled && !caller.stop_requested();
+}
+
+// Forwards the caller's stop to an attempt's own stop source.
+struct forward_stop_to {
+  std::stop_source* target;
+  void operator()() const noexcept { target->request_stop(); }
+};
+
+// This thread's reusable stop sources, one per level of nesting in use: an
+// attempt's source is reused by the next one unless it was stopped.
+struct stop_source_pool {
+  static constexpr int levels = 4;
+  std::array<std::stop_source, levels> sources{std::stop_source(std::nostopstate), std::stop_source(std::nostopstate),
+                                               std::stop_source(std::nostopstate), std::stop_source(std::nostopstate)};
+  int depth = 0;
+};
+
+class stop_source_lease {
+ public:
+  stop_source_lease() {
+    stop_source_pool& p = pool();
+    if (p.depth < stop_source_pool::levels) {
+      source_ = &p.sources[static_cast<std::size_t>(p.depth++)];
+      if (!source_->stop_possible() || source_->stop_requested()) *source_ = std::stop_source();
+    } else {
+      own_.emplace();  // deeper than the pool: a fresh one
+      source_ = &*own_;
+    }
+  }
+  ~stop_source_lease() {
+    if (!own_) --pool().depth;
+  }
+  stop_source_lease(const stop_source_lease&) = delete;
+  stop_source_lease& operator=(const stop_source_lease&) = delete;
+
+  [[nodiscard]] std::stop_source& source() noexcept { return *source_; }
+
+ private:
+  static stop_source_pool& pool() noexcept {
+    thread_local stop_source_pool p;
+    return p;
+  }
+  std::stop_source* source_ = nullptr;
+  std::optional<std::stop_source> own_;
+};
+
+// Runs `fn(ctx, plan')` where plan'.stop is requested at plan.deadline (or
+// when plan.stop is): the body of keel::cut_at_deadline, also used by
+// fallback for its primary and alternatives.
+template <class Ctx, class Fn>
+auto run_cut(deadline_timer_base& timer, Ctx& ctx, attempt_plan plan, Fn&& fn) -> decltype(fn(ctx, plan)) {
+  using R = decltype(fn(ctx, plan));
+  if (plan.deadline.is_infinite()) return fn(ctx, std::move(plan));
+  stop_source_lease lease;
+  std::stop_source& mine = lease.source();
+  std::optional<std::stop_callback<forward_stop_to>> link;
+  if (plan.stop.stop_possible()) link.emplace(plan.stop, forward_stop_to{&mine});
+  deadline_cut cut(timer, plan.deadline, mine);
+  std::stop_token caller = std::exchange(plan.stop, mine.get_token());
+  R r = fn(ctx, std::move(plan));
+  if (cut.disarm() && cut_reads_cancelled(status_of(r), caller, [&](const absl::Status& s) {
+        return ctx.classify(s);
+      })) {
+    r = R(cut_status(status_of(r)));
+  }
+  return r;
+}
+
+}  // namespace detail
+
+// The policy: what runs below it is stopped at plan.deadline (see the top
+// of this header). Holds the timer by pointer; the timer must outlive the
+// pipelines that use it.
+class cut_at_deadline {
+ public:
+  explicit cut_at_deadline(deadline_timer_base& timer) noexcept : timer_(&timer) {}
+
+  template <class Ctx, class Next>
+  auto execute(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
+    return detail::run_cut(*timer_, ctx, std::move(plan), next);
+  }
+
+ private:
+  deadline_timer_base* timer_;
+};
+
+}  // namespace keel
