@@ -163,8 +163,9 @@ TEST_CASE("fan_out with a cut: a stalled unit ends exactly at its deadline, fail
   keel::deadline_timer timer(clock);
   keel::memory_store<manual_clock> store(clock);
   keel::bounded_pool pool({.threads = 3});
-  keel::fan_out<std::string, keel::memory_store<manual_clock>, keel::bounded_pool, manual_clock> panel(
-      {.width = 3, .require_complete = false, .unit_at_most = 50ms, .cut = &timer}, store, pool, clock);
+  keel::fan_out<std::string, keel::memory_store<manual_clock>, keel::bounded_pool, keel::environment<manual_clock>>
+      panel({.width = 3, .require_complete = false, .unit_at_most = 50ms, .cut = &timer}, store, pool,
+            keel::environment{clock});
   const std::vector<keel::unit> units = units_named({"fast", "stalled"});
   keel::call call(clock.now(), {.timeout = 10s});
   async_call<keel::fan_out_report<std::string>> run([&] {
