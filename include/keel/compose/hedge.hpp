@@ -265,12 +265,6 @@ struct hedge_timer {
   bool (*fire)(hedge_timer*, time_point now) = nullptr;
 };
 
-// Forwards a stop request (from the call) to one attempt's stop source.
-struct forward_stop {
-  std::stop_source* target;
-  void operator()() const noexcept { target->request_stop(); }
-};
-
 // The race's own copies of the call's label strings: an attempt that is
 // still running after the caller left reads these, not the caller's. Kept
 // with the block between calls, so their capacity is reused.
@@ -430,7 +424,7 @@ class hedge {
 
     struct slot {
       std::stop_source stop{std::nostopstate};
-      std::optional<std::stop_callback<detail::forward_stop>> link;
+      std::optional<std::stop_callback<detail::forward_stop_to>> link;
       keel::deadline_cut cut;  // hedge_options::cut: stops this attempt at the race's deadline
       time_point start{};
       bool running = false;
@@ -493,7 +487,7 @@ class hedge {
 
       slot& primary = slots[0];
       if (!primary.stop.stop_possible() || primary.stop.stop_requested()) primary.stop = std::stop_source();
-      if (p.stop.stop_possible()) primary.link.emplace(p.stop, detail::forward_stop{&primary.stop});
+      if (p.stop.stop_possible()) primary.link.emplace(p.stop, detail::forward_stop_to{&primary.stop});
       if (o.options_.cut != nullptr) primary.cut.arm(*o.options_.cut, p.deadline, primary.stop);
       primary.start = p.now;
       primary.running = true;
@@ -664,7 +658,7 @@ class hedge {
       const int i = launched;
       slot& s = slots[static_cast<std::size_t>(i)];
       s.stop = std::stop_source();
-      if (plan.stop.stop_possible()) s.link.emplace(plan.stop, detail::forward_stop{&s.stop});
+      if (plan.stop.stop_possible()) s.link.emplace(plan.stop, detail::forward_stop_to{&s.stop});
       if (owner->options_.cut != nullptr) s.cut.arm(*owner->options_.cut, plan.deadline, s.stop);
       s.start = now;
       s.running = true;
