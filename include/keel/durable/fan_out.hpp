@@ -366,6 +366,7 @@ class fan_out {
       bool submitted = false;  // handed to the executor, not yet returned
       bool cancel_requested = false;
       time_point start{};
+      keel::deadline work{};  // the unit's own; here, not in the task, so the task fits inline
     };
 
     session(fan_out& o, keel::call& c, std::span<const unit> u, Worker& w)
@@ -466,7 +467,7 @@ class fan_out {
     // another of ours is still running (try again after it answers).
     bool submit_locked(std::unique_lock<std::mutex>& lock, std::size_t i, time_point now, keel::deadline work) {
       slot& s = slots[i];
-      const keel::deadline d = work.within(now, owner.options_.unit_at_most);
+      s.work = work.within(now, owner.options_.unit_at_most);
       absl::Status refused;
       for (;;) {
         s.stop.emplace();
@@ -475,7 +476,7 @@ class fan_out {
         ++in_flight;
         const std::uint64_t seen = completions;
         lock.unlock();
-        refused = owner.executor_.try_execute([this, i, d] { run_unit(i, d); });
+        refused = owner.executor_.try_execute([this, i] { run_unit(i); });
         lock.lock();
         if (refused.ok()) {
           owner.started_.fetch_add(1, std::memory_order_relaxed);
@@ -499,7 +500,7 @@ class fan_out {
     }
 
     // On an executor thread.
-    void run_unit(std::size_t i, keel::deadline d) {
+    void run_unit(std::size_t i) {
       slot& s = slots[i];
       const std::stop_token stop = s.stop->get_token();
       {
@@ -518,7 +519,7 @@ class fan_out {
                                    "keel: not started: queued in the executor until no time was left"),
                                "deadline");
       } else {
-        const unit_context uc{units[i], i, s.start, d, stop, call};
+        const unit_context uc{units[i], i, s.start, s.work, stop, call};
         answer = invoke(uc);
       }
       const time_point end = owner.clock_.now();
