@@ -6,6 +6,8 @@
 //                                validated and saved
 //   BM_Baseline_Pool_8Tasks      the executor alone: 8 empty tasks through the
 //                                same pool and a wait for them
+//   BM_Executor_TaskRoundTrip    one task made, queued, taken, run and
+//                                destroyed, on one thread (no pool)
 //   BM_Baseline_Store_8Saves     the store alone: 8 saves and 8 loads inline
 //   BM_Hedge_PrimaryWins         a hedged pipeline whose primary answers
 //                                before the delay (the primary runs on the
@@ -20,12 +22,15 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <benchmark/benchmark.h>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/strings/str_cat.h"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/hedge.hpp"
@@ -104,28 +109,51 @@ void BM_FanOut_8Units_Fresh(benchmark::State& state) {
 BENCHMARK(BM_FanOut_8Units_Fresh)->UseRealTime();
 
 // The executor alone: 8 tasks handed to the same kind of pool, then a wait.
+// Each task captures one pointer, as a task should to be stored inline.
 void BM_Baseline_Pool_8Tasks(benchmark::State& state) {
   keel::bounded_pool pool({.threads = 4, .queue_capacity = 64});
-  std::mutex mu;
-  std::condition_variable done;
-  int left = 0;
+  struct countdown {
+    std::mutex mu;
+    std::condition_variable done;
+    int left = 0;
+  } c;
   keel_bench::count_allocations allocs(state);
   for (auto _ : state) {
     {
-      std::lock_guard lock(mu);
-      left = 8;
+      std::lock_guard lock(c.mu);
+      c.left = 8;
     }
     for (int i = 0; i < 8; ++i) {
-      (void)pool.try_execute([&] {
-        std::lock_guard lock(mu);
-        if (--left == 0) done.notify_one();
+      (void)pool.try_execute([&c] {
+        std::lock_guard lock(c.mu);
+        if (--c.left == 0) c.done.notify_one();
       });
     }
-    std::unique_lock lock(mu);
-    done.wait(lock, [&] { return left == 0; });
+    std::unique_lock lock(c.mu);
+    c.done.wait(lock, [&] { return c.left == 0; });
   }
 }
 BENCHMARK(BM_Baseline_Pool_8Tasks)->UseRealTime();
+
+// One task's life in the executor apart from locking and waking: made from
+// a callable of keel's shape (an object and an index), moved into the queue
+// and out, run once, destroyed.
+void BM_Executor_TaskRoundTrip(benchmark::State& state) {
+  std::vector<absl::AnyInvocable<void() &&>> ring(1);
+  int hits = 0;
+  std::size_t index = 1;
+  keel_bench::count_allocations allocs(state);
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(index);
+    ring[0] = [&hits, index] { hits += static_cast<int>(index); };
+    absl::AnyInvocable<void() &&> taken = std::move(ring[0]);
+    benchmark::DoNotOptimize(taken);
+    std::move(taken)();
+    taken = nullptr;
+  }
+  benchmark::DoNotOptimize(hits);
+}
+BENCHMARK(BM_Executor_TaskRoundTrip);
 
 // The store alone: what saving and loading 8 results costs inline.
 void BM_Baseline_Store_8Saves(benchmark::State& state) {

@@ -16,8 +16,10 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "keel/compose/executor.hpp"
@@ -28,6 +30,7 @@
 #include "keel/store/memory.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_provider.hpp"
+#include "support/alloc_counter.hpp"
 #include "support/async.hpp"
 #include "support/catch.hpp"
 
@@ -612,7 +615,7 @@ namespace {
 struct stale_refusal_pool {
   keel::bounded_pool& pool;
   std::atomic<int> stale_refusals{0};
-  absl::Status try_execute(keel::unique_task task) {
+  absl::Status try_execute(absl::AnyInvocable<void() &&> task) {
     absl::Status s = pool.try_execute(std::move(task));
     if (s.ok()) return s;
     stale_refusals.fetch_add(1);  // lets the held worker go
@@ -644,6 +647,40 @@ TEST_CASE("a refusal that goes stale while fan_out submits is tried again, not r
   CHECK(r.count(keel::unit_state::succeeded) == 6);
   CHECK(r.count(keel::unit_state::missing) == 0);
   CHECK(calls == 6);
+}
+
+namespace {
+// An executor that sees the callable fan_out hands it before it becomes a
+// task, and counts what making the task allocates.
+struct task_probe {
+  keel::bounded_pool& pool;
+  std::atomic<int> tasks{0};
+  std::atomic<std::int64_t> allocations{0};
+  template <class F>
+  absl::Status try_execute(F&& f) {
+    keel_test::count_allocations count;
+    absl::AnyInvocable<void() &&> task(std::forward<F>(f));
+    allocations.fetch_add(count.count());
+    tasks.fetch_add(1);
+    return pool.try_execute(std::move(task));
+  }
+};
+}  // namespace
+
+TEST_CASE("fan_out's tasks fit the executor's task inline: submitting a unit allocates nothing",
+          "[fan_out][executor][alloc]") {
+  keel::memory_store<> store;
+  keel::bounded_pool inner({.threads = 2, .queue_capacity = 8});
+  task_probe pool{inner};
+  STATIC_REQUIRE(keel::executor<task_probe>);
+  keel::fan_out<std::string, keel::memory_store<>, task_probe> panel({.width = 3}, store, pool);
+  const std::vector<keel::unit> units = panel_units({"A", "B", "C"});
+  auto worker = [](const keel::unit_context& u) -> absl::StatusOr<std::string> { return "score:" + u.unit.name; };
+  keel::call call(keel::real_clock{}.now(), {.timeout = 30s});
+  const keel::fan_out_report<std::string> r = panel.run(call, units, worker);
+  CHECK(r.count(keel::unit_state::succeeded) == 3);
+  CHECK(pool.tasks == 3);
+  if (keel_test::allocations_counted()) CHECK(pool.allocations == 0);
 }
 
 TEST_CASE("concurrent fan-outs on one pool and store stay consistent", "[fan_out][stress]") {

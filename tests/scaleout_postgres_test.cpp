@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -433,4 +434,100 @@ TEST_CASE("postgres: the pool never exceeds pool_size and refuses after acquire_
   CHECK(extended[0].ok());
   CHECK(extended[1].ok());
   CHECK(s->connections() == 2);
+}
+
+TEST_CASE("postgres: begin and claim are one round trip each, reading the fence floor inside the statement",
+          "[scaleout][postgres]") {
+  auto offset = std::make_shared<std::atomic<std::int64_t>>(0);
+  keel::postgres_options o = pg_options(keel_scaleout::fresh_name("trips"));
+  o.testing_clock_offset = offset;
+  auto s = open_pg(std::move(o));
+  // A lease and a record that end, are purged (raising the floor), and are
+  // claimed again from no row: the floor read is part of the one statement.
+  auto c1 = s->claim("job-7", keel::owner_id::random(), 60s);
+  REQUIRE((c1.ok() && c1->acquired));
+  REQUIRE(s->release("job-7", c1->ownership).ok());
+  auto b1 = s->begin(receipt, receipt_a(), keel::owner_id::random(), bo);
+  REQUIRE((b1.ok() && b1->state == keel::begin_state::claimed));
+  offset->fetch_add(keel::detail::to_ns(1h));
+  auto purged = s->purge_expired();
+  REQUIRE(purged.ok());
+  REQUIRE(*purged == 2);
+
+  std::uint64_t before = s->round_trips();
+  auto c2 = s->claim("job-7", keel::owner_id::random(), 60s);
+  CHECK(s->round_trips() == before + 1);
+  REQUIRE((c2.ok() && c2->acquired));
+  CHECK(c2->ownership.fence > c1->ownership.fence);
+  before = s->round_trips();
+  auto b2 = s->begin(receipt, receipt_a(), keel::owner_id::random(), bo);
+  CHECK(s->round_trips() == before + 1);
+  REQUIRE((b2.ok() && b2->state == keel::begin_state::claimed));
+  CHECK(b2->ownership.fence > b1->ownership.fence);
+}
+
+namespace {
+std::unique_ptr<keel::detail::pg_connection> raw_connection() {
+  auto c = keel::detail::pg_connection::connect(keel_scaleout::pg_conninfo(), 5s, "keel-test", "test connection");
+  if (!c.ok()) throw std::runtime_error(std::string(c.status().ToString()));
+  return std::move(*c);
+}
+}  // namespace
+
+TEST_CASE("postgres: a transaction commits only when told to and rolls back on every other way out",
+          "[scaleout][postgres]") {
+  using keel::detail::pg_effect;
+  using keel::detail::pg_transaction;
+  auto c = raw_connection();
+  raw_pg admin;
+  const std::string table = keel_scaleout::fresh_name("tx");
+  auto exists = [&] { return admin.exec("SELECT to_regclass('public." + table + "') IS NOT NULL") == "t"; };
+  auto idle = [&] { return PQtransactionStatus(c->raw()) == PQTRANS_IDLE; };
+  const std::string create = "CREATE TABLE public." + table + " (x int)";
+
+  SECTION("left without commit: rolled back") {
+    {
+      auto tx = pg_transaction::begin(*c, 5s);
+      REQUIRE(tx.ok());
+      REQUIRE(c->exec(create, pg_effect::write, 5s).ok());
+      CHECK(PQtransactionStatus(c->raw()) == PQTRANS_INTRANS);
+    }
+    CHECK(idle());
+    CHECK_FALSE(c->broken());
+    CHECK_FALSE(exists());
+  }
+  SECTION("left by an exception: rolled back") {
+    try {
+      auto tx = pg_transaction::begin(*c, 5s);
+      REQUIRE(tx.ok());
+      REQUIRE(c->exec(create, pg_effect::write, 5s).ok());
+      throw std::runtime_error("the caller failed");
+    } catch (const std::runtime_error&) {
+    }
+    CHECK(idle());
+    CHECK_FALSE(exists());
+  }
+  SECTION("a failed statement, then commit: nothing applied, said so, and the session is usable") {
+    auto tx = pg_transaction::begin(*c, 5s);
+    REQUIRE(tx.ok());
+    REQUIRE(c->exec(create, pg_effect::write, 5s).ok());
+    CHECK_FALSE(c->exec("SELECT 1 / 0", pg_effect::read, 5s).ok());
+    const absl::Status s = tx->commit();
+    INFO(s.ToString());
+    CHECK(s.code() == absl::StatusCode::kUnavailable);
+    CHECK(keel::not_started(s));
+    CHECK(idle());
+    CHECK_FALSE(exists());
+    CHECK(c->exec("SELECT 1", pg_effect::read, 5s).ok());
+  }
+  SECTION("commit applies; a second commit is refused") {
+    auto tx = pg_transaction::begin(*c, 5s);
+    REQUIRE(tx.ok());
+    REQUIRE(c->exec(create, pg_effect::write, 5s).ok());
+    CHECK(tx->commit().ok());
+    CHECK(idle());
+    CHECK(exists());
+    CHECK(tx->commit().code() == absl::StatusCode::kFailedPrecondition);
+    admin.exec("DROP TABLE public." + table);
+  }
 }

@@ -5,7 +5,7 @@
 // keel never starts threads per request. Fan-out (keel/durable/fan_out.hpp) and
 // hedging (keel/compose/hedge.hpp) hand work to an executor: any type with
 //
-//   absl::Status try_execute(keel::unique_task task);
+//   absl::Status try_execute(absl::AnyInvocable<void() &&> task);
 //
 // OK means the executor accepted the task and will invoke it exactly once, on
 // some other thread, even if it is shut down meanwhile. Any other status
@@ -33,15 +33,17 @@
 //   absl::Status s = pool.try_execute([&done] { ++done; });   // OK: it will run
 //   static_assert(keel::executor<keel::bounded_pool>);
 //
-// keel::unique_task holds any move-only `void()` callable. Callables of up
-// to unique_task::inline_size bytes (keel's own tasks are two pointers) are
-// stored inline, so submitting them allocates nothing.
+// A task is abseil's move-only `absl::AnyInvocable<void() &&>`: invoked at
+// most once, as an rvalue (`std::move(task)()`). It stores callables of up
+// to two pointers (16 bytes) inline; keel's own tasks fit, so submitting
+// them allocates nothing. A larger capture is moved to the heap: capture one
+// pointer to your state rather than several references.
 //
 // Thread-safety: bounded_pool::try_execute, the figures and shutdown() may be
 // called from any thread, including from the pool's own tasks (a task may
 // submit another; it gets a refusal rather than a deadlock when the queue is
-// full). Never destroy a pool from one of its own tasks. unique_task is a
-// value: one thread at a time.
+// full). Never destroy a pool from one of its own tasks. A task is a value:
+// one thread at a time.
 #pragma once
 
 #include <atomic>
@@ -49,109 +51,22 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <exception>
-#include <memory>
 #include <mutex>
-#include <new>
 #include <thread>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "keel/core/status.hpp"
 
 namespace keel {
 
-// A move-only `void()` callable with inline storage for small callables.
-class unique_task {
- public:
-  static constexpr std::size_t inline_size = 6 * sizeof(void*);
-
-  unique_task() noexcept = default;
-
-  template <class F>
-    requires(!std::same_as<std::decay_t<F>, unique_task> && std::invocable<std::decay_t<F>&>)
-  unique_task(F&& f) {  // NOLINT(google-explicit-constructor): tasks convert from lambdas by design
-    using D = std::decay_t<F>;
-    if constexpr (fits_inline<D>) {
-      ::new (static_cast<void*>(buffer_)) D(std::forward<F>(f));
-      ops_ = &inline_ops<D>;
-    } else {
-      D* p = new D(std::forward<F>(f));
-      ::new (static_cast<void*>(buffer_)) D*(p);
-      ops_ = &heap_ops<D>;
-    }
-  }
-
-  unique_task(unique_task&& other) noexcept : ops_(other.ops_) {
-    if (ops_ != nullptr) {
-      ops_->move(other.buffer_, buffer_);
-      other.ops_ = nullptr;
-    }
-  }
-  unique_task& operator=(unique_task&& other) noexcept {
-    if (this != &other) {
-      reset();
-      if (other.ops_ != nullptr) {
-        other.ops_->move(other.buffer_, buffer_);
-        ops_ = std::exchange(other.ops_, nullptr);
-      }
-    }
-    return *this;
-  }
-  unique_task(const unique_task&) = delete;
-  unique_task& operator=(const unique_task&) = delete;
-  ~unique_task() { reset(); }
-
-  // Invokes the callable. Precondition: not empty.
-  void operator()() { ops_->invoke(buffer_); }
-
-  [[nodiscard]] explicit operator bool() const noexcept { return ops_ != nullptr; }
-
-  // Whether a callable of type F is stored without a heap allocation.
-  template <class F>
-  static constexpr bool fits_inline = sizeof(F) <= inline_size && alignof(F) <= alignof(std::max_align_t) &&
-                                      std::is_nothrow_move_constructible_v<F>;
-
- private:
-  struct operations {
-    void (*invoke)(void*);
-    void (*move)(void* from, void* to) noexcept;  // leaves `from` destroyed
-    void (*destroy)(void*) noexcept;
-  };
-
-  template <class D>
-  static constexpr operations inline_ops{
-      [](void* p) { (*static_cast<D*>(p))(); },
-      [](void* from, void* to) noexcept {
-        ::new (to) D(std::move(*static_cast<D*>(from)));
-        static_cast<D*>(from)->~D();
-      },
-      [](void* p) noexcept { static_cast<D*>(p)->~D(); }};
-
-  template <class D>
-  static constexpr operations heap_ops{
-      [](void* p) { (**static_cast<D**>(p))(); },
-      [](void* from, void* to) noexcept { ::new (to) D*(*static_cast<D**>(from)); },
-      [](void* p) noexcept { delete *static_cast<D**>(p); }};
-
-  void reset() noexcept {
-    if (ops_ != nullptr) {
-      ops_->destroy(buffer_);
-      ops_ = nullptr;
-    }
-  }
-
-  alignas(std::max_align_t) unsigned char buffer_[inline_size];
-  const operations* ops_ = nullptr;
-};
-
 // Something that runs keel's tasks on other threads. See the header comment
 // for the contract of try_execute.
 template <class E>
-concept executor = requires(E& e, unique_task t) {
+concept executor = requires(E& e, absl::AnyInvocable<void() &&> t) {
   { e.try_execute(std::move(t)) } -> std::same_as<absl::Status>;
 };
 
@@ -190,7 +105,7 @@ class bounded_pool {
   // Queues `task` for a worker thread, or refuses at once: ResourceExhausted
   // when queue_capacity tasks are already waiting, Unavailable after
   // shutdown. Both are marked "not started" and name the refusing limit.
-  [[nodiscard]] absl::Status try_execute(unique_task task) {
+  [[nodiscard]] absl::Status try_execute(absl::AnyInvocable<void() &&> task) {
     {
       std::lock_guard lock(mu_);
       if (closing_) {
@@ -242,7 +157,7 @@ class bounded_pool {
  private:
   void work() {
     for (;;) {
-      unique_task task;
+      absl::AnyInvocable<void() &&> task;
       {
         std::unique_lock lock(mu_);
         ready_.wait(lock, [&] { return size_ > 0 || closing_; });
@@ -253,11 +168,11 @@ class bounded_pool {
         running_.fetch_add(1, std::memory_order_relaxed);
       }
       try {
-        task();
+        std::move(task)();
       } catch (...) {
         threw_.fetch_add(1, std::memory_order_relaxed);
       }
-      task = unique_task();  // destroy the callable before counting it done
+      task = nullptr;  // destroy the callable before counting it done
       running_.fetch_sub(1, std::memory_order_relaxed);
       completed_.fetch_add(1, std::memory_order_relaxed);
     }
@@ -267,7 +182,7 @@ class bounded_pool {
   const int thread_count_;
   mutable std::mutex mu_;
   std::condition_variable ready_;
-  std::vector<unique_task> ring_;  // guarded by mu_
+  std::vector<absl::AnyInvocable<void() &&>> ring_;  // guarded by mu_
   std::size_t head_ = 0;           // guarded by mu_
   std::size_t size_ = 0;           // guarded by mu_
   bool closing_ = false;           // guarded by mu_

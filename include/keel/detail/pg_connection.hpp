@@ -20,6 +20,9 @@
 //     down, or the command timed out after      committed); a read: Unavailable
 //     the statement was sent
 //
+// detail::pg_transaction wraps BEGIN ... COMMIT on one connection and rolls
+// back on every path that does not commit.
+//
 // Thread-safety: none. A connection is used by one thread at a time (the
 // pool lends it to one holder).
 #pragma once
@@ -180,6 +183,9 @@ class pg_connection {
   [[nodiscard]] bool broken() const noexcept { return broken_ || PQstatus(c_.get()) != CONNECTION_OK; }
   // Statements sent on this connection (round trips), for benchmarks.
   [[nodiscard]] std::uint64_t sent() const noexcept { return sent_; }
+  // Never send on this session again (its state is unknown); a pool replaces it.
+  void mark_broken() noexcept { broken_ = true; }
+  [[nodiscard]] std::string_view who() const noexcept { return who_; }
 
   // False when the server has closed this idle connection (it restarted, or
   // terminated the session): an idle connection has nothing to read, so any
@@ -363,6 +369,67 @@ class pg_connection {
   std::string who_;
   bool broken_ = false;
   std::uint64_t sent_ = 0;
+};
+
+// One transaction on one connection, ended exactly once: commit() sends
+// COMMIT; every other way out (an early return, an exception) rolls back in
+// the destructor. A session that cannot be rolled back (already broken, or
+// ROLLBACK failing) is marked broken, so a pool never lends a connection
+// with a transaction still open.
+//
+//   absl::StatusOr<pg_transaction> tx = pg_transaction::begin(conn, timeout);
+//   if (!tx.ok()) return tx.status();
+//   if (auto r = conn.exec(...); !r.ok()) return r.status();   // rolled back
+//   return tx->commit();
+//
+// Thread-safety: as the connection's (one thread at a time).
+class pg_transaction {
+ public:
+  // Sends BEGIN on `c`; `timeout` bounds each of BEGIN, COMMIT and ROLLBACK.
+  [[nodiscard]] static absl::StatusOr<pg_transaction> begin(pg_connection& c, duration timeout) {
+    absl::StatusOr<pg_result> r = c.exec("BEGIN", pg_effect::read, timeout);
+    if (!r.ok()) return r.status();
+    return pg_transaction(c, timeout);
+  }
+
+  pg_transaction(pg_transaction&& o) noexcept : c_(std::exchange(o.c_, nullptr)), timeout_(o.timeout_) {}
+  pg_transaction& operator=(pg_transaction&&) = delete;
+  pg_transaction(const pg_transaction&) = delete;
+  pg_transaction& operator=(const pg_transaction&) = delete;
+  ~pg_transaction() { rollback(); }
+
+  // Sends COMMIT and ends the transaction whatever the answer. A COMMIT the
+  // server answers with ROLLBACK (a statement in the transaction had failed
+  // and the caller went on) applied nothing: Unavailable, not started. One
+  // lost in transit is an unknown outcome, as for any write.
+  [[nodiscard]] absl::Status commit() {
+    pg_connection* c = std::exchange(c_, nullptr);
+    if (c == nullptr) return absl::FailedPreconditionError("keel: the PostgreSQL transaction has already ended");
+    absl::StatusOr<pg_result> r = c->exec("COMMIT", pg_effect::write, timeout_);
+    if (!r.ok()) return r.status();
+    if (std::string_view(PQcmdStatus(r->get())) != "COMMIT")
+      return store_unavailable_error(absl::StrCat(to_absl(c->who()),
+                                                  ": COMMIT was answered with a rollback (a statement of the "
+                                                  "transaction had failed); nothing applied"));
+    return absl::OkStatus();
+  }
+
+  // Rolls back now (the destructor does it otherwise). Idempotent.
+  void rollback() noexcept {
+    pg_connection* c = std::exchange(c_, nullptr);
+    if (c == nullptr || c->broken()) return;  // a broken session is discarded, transaction and all
+    try {
+      if (c->exec("ROLLBACK", pg_effect::read, timeout_).ok()) return;
+    } catch (...) {  // an allocation failing while composing the message
+    }
+    c->mark_broken();
+  }
+
+ private:
+  pg_transaction(pg_connection& c, duration timeout) noexcept : c_(&c), timeout_(timeout) {}
+
+  pg_connection* c_;
+  duration timeout_;
 };
 
 }  // namespace keel::detail

@@ -80,7 +80,8 @@ absl::Status pg_create_or_check(pg_connection& c, const pg_schema_plan& plan, du
     auto r = c.exec(sql, pg_effect::write, t);
     return r.ok() ? absl::OkStatus() : r.status();
   };
-  if (absl::Status s = exec("BEGIN"); !s.ok()) return s;
+  absl::StatusOr<pg_transaction> tx = pg_transaction::begin(c, t);
+  if (!tx.ok()) return tx.status();
   absl::Status s = [&]() -> absl::Status {
     pg_params<1> name;
     name.add(plan.schema);
@@ -127,11 +128,8 @@ absl::Status pg_create_or_check(pg_connection& c, const pg_schema_plan& plan, du
     }
     return absl::OkStatus();
   }();
-  if (!s.ok()) {
-    (void)exec("ROLLBACK");
-    return s;
-  }
-  return exec("COMMIT");
+  if (!s.ok()) return s;  // rolled back by tx
+  return tx->commit();
 }
 
 }  // namespace keel::detail

@@ -384,6 +384,7 @@ class fan_out {
       bool cancel_requested = false;
       bool ran = false;  // its worker started
       time_point start{};
+      keel::deadline work{};  // the unit's own; here, not in the task, so the task fits inline
     };
 
     session(fan_out& o, const E& e, keel::call& c, std::span<const unit> u, Worker& w)
@@ -487,7 +488,7 @@ class fan_out {
     // another of ours is still running (try again after it answers).
     bool submit_locked(std::unique_lock<std::mutex>& lock, std::size_t i, time_point now, keel::deadline work) {
       slot& s = slots[i];
-      const keel::deadline d = work.within(now, owner.options_.unit_at_most);
+      s.work = work.within(now, owner.options_.unit_at_most);
       absl::Status refused;
       for (;;) {
         s.stop.emplace();
@@ -496,7 +497,7 @@ class fan_out {
         ++in_flight;
         const std::uint64_t seen = completions;
         lock.unlock();
-        refused = owner.executor_.try_execute([this, i, d] { run_unit(i, d); });
+        refused = owner.executor_.try_execute([this, i] { run_unit(i); });
         lock.lock();
         if (refused.ok()) {
           owner.started_.fetch_add(1, std::memory_order_relaxed);
@@ -520,7 +521,7 @@ class fan_out {
     }
 
     // On an executor thread.
-    void run_unit(std::size_t i, keel::deadline d) {
+    void run_unit(std::size_t i) {
       slot& s = slots[i];
       const std::stop_token stop = s.stop->get_token();
       {
@@ -540,9 +541,9 @@ class fan_out {
                                    "keel: not started: queued in the executor until no time was left"),
                                "deadline");
       } else {
-        const unit_context uc{units[i], i, s.start, d, stop, call};
+        const unit_context uc{units[i], i, s.start, s.work, stop, call};
         keel::deadline_cut cut;
-        if (owner.options_.cut != nullptr) cut.arm(*owner.options_.cut, d, *s.stop);
+        if (owner.options_.cut != nullptr) cut.arm(*owner.options_.cut, s.work, *s.stop);
         answer = invoke(uc);
         if (cut.disarm() && detail::cut_reads_cancelled(answer.status(), call.stop_token(),
                                                         [&](const absl::Status& st) { return classify(st); })) {

@@ -500,7 +500,8 @@ class postgres_store {
   // holder may only be paused) and expired results, and raises the floor
   // row to the highest fence deleted, so a key claimed again starts above
   // every fence it ever had. One transaction of four statements (BEGIN,
-  // LOCK TABLE, the purge, COMMIT); begins and claims wait while it runs.
+  // LOCK TABLE, the purge, COMMIT; detail::pg_transaction rolls it back on
+  // any failure); begins and claims wait while it runs.
   // Returns how many rows went (the floor row is not counted). Run it
   // periodically from one replica.
   absl::StatusOr<std::int64_t> purge_expired() {
@@ -511,26 +512,20 @@ class postgres_store {
     detail::pg_params<1> p;
     p.add(offset());
     const std::string lock = detail::pg_sql::make(detail::pg_sql::purge_lock, c.quote_identifier(options_.schema), 0);
-    absl::StatusOr<detail::pg_result> r = [&]() -> absl::StatusOr<detail::pg_result> {
-      round_trips_.fetch_add(1, std::memory_order_relaxed);
-      if (auto b = c.exec("BEGIN", detail::pg_effect::read, options_.command_timeout); !b.ok()) return b.status();
-      round_trips_.fetch_add(1, std::memory_order_relaxed);
+    const std::uint64_t sent = c.sent();
+    absl::StatusOr<std::int64_t> purged = [&]() -> absl::StatusOr<std::int64_t> {
+      absl::StatusOr<detail::pg_transaction> tx = detail::pg_transaction::begin(c, options_.command_timeout);
+      if (!tx.ok()) return tx.status();
       if (auto l = c.exec(lock, detail::pg_effect::read, options_.command_timeout); !l.ok()) return l.status();
-      round_trips_.fetch_add(1, std::memory_order_relaxed);
       absl::StatusOr<detail::pg_result> out =
           c.exec_prepared(detail::pg_purge, p, detail::pg_effect::write, options_.command_timeout);
       if (!out.ok()) return out.status();
-      round_trips_.fetch_add(1, std::memory_order_relaxed);
-      if (auto e = c.exec("COMMIT", detail::pg_effect::write, options_.command_timeout); !e.ok()) return e.status();
-      return out;
-    }();
-    if (!r.ok()) {
-      // Leave no transaction open on a pooled connection.
-      if (c.broken() || !c.exec("ROLLBACK", detail::pg_effect::read, options_.command_timeout).ok()) h->mark_broken();
-      return r.status();
-    }
+      if (absl::Status s = tx->commit(); !s.ok()) return s;
+      return out->integer(0, 0);
+    }();  // a transaction not committed was rolled back (or its session marked broken) on the way out
+    round_trips_.fetch_add(c.sent() - sent, std::memory_order_relaxed);
     if (c.broken()) h->mark_broken();
-    return r->integer(0, 0);
+    return purged;
   }
 
  private:

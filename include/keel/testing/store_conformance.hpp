@@ -190,10 +190,19 @@ inline decision sample_decision(std::string id, std::string result = "approve") 
                   .result = std::move(result)};
 }
 
+// What a check needs beyond a fresh store and a clock that moves forward;
+// a harness that lacks it skips the check (reported in `skipped`).
+struct check_needs {
+  bool step_back = false;   // the harness's step_back
+  bool peer = false;        // the harness's peer
+  bool purge = false;       // the harness's purge
+  bool high_water = false;  // a store that keeps a high-water mark of its time (not server_clock)
+};
+
 template <class Store>
 struct check {
   std::string name;
-  bool needs_idempotency, needs_lease, needs_results, needs_step_back, needs_peer, needs_purge, needs_high_water;
+  check_needs needs;
   std::function<void(context&, const store_harness<Store>&)> run;
 };
 
@@ -215,9 +224,8 @@ std::vector<check<Store>> idempotency_checks() {
   const request_identity id{.tenant = "merchant-82", .endpoint = "receipts", .key = "key-47"};
   const digest receipt_a = digest_of("receipt-A");
   const digest receipt_b = digest_of("receipt-B");
-  auto add = [&](std::string name, std::function<void(context&, const H&)> fn, bool step = false,
-                 bool peer = false, bool purge = false, bool high_water = false) {
-    v.push_back({"idempotency: " + std::move(name), true, false, false, step, peer, purge, high_water, std::move(fn)});
+  auto add = [&](std::string name, std::function<void(context&, const H&)> fn, check_needs n = {}) {
+    v.push_back({"idempotency: " + std::move(name), n, std::move(fn)});
   };
 
   add("identity parts are validated", [=](context& ctx, const H& h) {
@@ -704,7 +712,7 @@ std::vector<check<Store>> idempotency_checks() {
     KEEL_CONFORM_REQUIRE(p->commit(id, a->ownership, sample_decision("via-peer"), seconds(60)).ok(), "commit");
     auto r = s->begin(id, receipt_a, owner_id::random(), bo);
     KEEL_CONFORM_EXPECT(r.ok() && r->state == begin_state::replay && r->decision.id == "via-peer", show(r));
-  }, false, true);
+  }, {.peer = true});
 
   add("a clock stepping backwards lets no second owner in", [=](context& ctx, const H& h) {
     auto s = h.make();
@@ -727,7 +735,7 @@ std::vector<check<Store>> idempotency_checks() {
                         show(t));
     KEEL_CONFORM_EXPECT(keel::is_lost_ownership(s->commit(id, a->ownership, sample_decision("old"), seconds(60))),
                         "the old owner");
-  }, true, false);
+  }, {.step_back = true});
 
   add("a claim made while the clock is behind keeps its whole lease when it catches up",
       [=](context& ctx, const H& h) {
@@ -744,7 +752,7 @@ std::vector<check<Store>> idempotency_checks() {
         KEEL_CONFORM_EXPECT(c2.ok() && c2->state == begin_state::in_flight,
                             "the claim made while the clock was behind: " + show(c2));
       },
-      true, false, false, true);
+      {.step_back = true, .high_water = true});
 
   add("a fence never goes backwards: a record purged after it expired is claimed above every fence it had",
       [=](context& ctx, const H& h) {
@@ -786,7 +794,7 @@ std::vector<check<Store>> idempotency_checks() {
             "the purged decision's owner");
         KEEL_CONFORM_EXPECT(s->commit(id, e->ownership, sample_decision("d-2"), seconds(60)).ok(), "new commit");
       },
-      false, false, true);
+      {.purge = true});
 
   return v;
 }
@@ -799,9 +807,8 @@ std::vector<check<Store>> lease_checks() {
   std::vector<check<Store>> v;
   const duration ttl = seconds(10);
   const std::string_view key = "nightly-report";
-  auto add = [&](std::string name, std::function<void(context&, const H&)> fn, bool step = false,
-                 bool peer = false, bool purge = false, bool high_water = false) {
-    v.push_back({"lease: " + std::move(name), false, true, false, step, peer, purge, high_water, std::move(fn)});
+  auto add = [&](std::string name, std::function<void(context&, const H&)> fn, check_needs n = {}) {
+    v.push_back({"lease: " + std::move(name), n, std::move(fn)});
   };
 
   add("keys, ttls and owners are validated", [=](context& ctx, const H& h) {
@@ -963,7 +970,7 @@ std::vector<check<Store>> lease_checks() {
     KEEL_CONFORM_EXPECT(p->release(key, a->ownership).ok(), "release through the other handle");
     auto c = s->claim(key, owner_id::random(), ttl);
     KEEL_CONFORM_EXPECT(c.ok() && c->acquired && c->ownership.fence == a->ownership.fence + 1, show(c));
-  }, false, true);
+  }, {.peer = true});
 
   add("a clock stepping backwards lets no second owner in", [=](context& ctx, const H& h) {
     auto s = h.make();
@@ -983,7 +990,7 @@ std::vector<check<Store>> lease_checks() {
     KEEL_CONFORM_EXPECT(t.ok() && t->acquired && t->took_over && t->ownership.fence == a->ownership.fence + 1,
                         show(t));
     KEEL_CONFORM_EXPECT(keel::is_lost_ownership(s->renew(key, a->ownership, ttl)), "the old owner");
-  }, true, false);
+  }, {.step_back = true});
 
   add("a lease granted while the clock is behind keeps its whole term when it catches up",
       [=](context& ctx, const H& h) {
@@ -999,7 +1006,7 @@ std::vector<check<Store>> lease_checks() {
         KEEL_CONFORM_EXPECT(c2.ok() && !c2->acquired,
                             "the lease granted while the clock was behind is still live: " + show(c2));
       },
-      true, false, false, true);
+      {.step_back = true, .high_water = true});
 
   add("a fence never goes backwards: a lease purged after it expired while held is claimed above every fence it had",
       [=](context& ctx, const H& h) {
@@ -1037,7 +1044,7 @@ std::vector<check<Store>> lease_checks() {
         KEEL_CONFORM_EXPECT(keel::is_lost_ownership(s->renew(key, d->ownership, ttl)), "the released owner's renew");
         KEEL_CONFORM_EXPECT(s->release(key, e->ownership).ok(), "the new owner's release");
       },
-      false, false, true);
+      {.purge = true});
 
   return v;
 }
@@ -1049,9 +1056,8 @@ std::vector<check<Store>> result_checks() {
   using std::chrono::seconds;
   std::vector<check<Store>> v;
   const std::string key = "panel:" + digest_of("facts+model+rubric").hex();
-  auto add = [&](std::string name, std::function<void(context&, const H&)> fn, bool step = false,
-                 bool peer = false, bool purge = false, bool high_water = false) {
-    v.push_back({"results: " + std::move(name), false, false, true, step, peer, purge, high_water, std::move(fn)});
+  auto add = [&](std::string name, std::function<void(context&, const H&)> fn, check_needs n = {}) {
+    v.push_back({"results: " + std::move(name), n, std::move(fn)});
   };
 
   add("keys and retention are validated", [=](context& ctx, const H& h) {
@@ -1168,7 +1174,7 @@ std::vector<check<Store>> result_checks() {
     auto l = p->load_result(key);
     KEEL_CONFORM_EXPECT(l.ok() && l->has_value() && **l == "v", show(l));
     KEEL_CONFORM_EXPECT(!p->save_result(key, "w", duration::zero()).value_or(true), "first write wins across handles");
-  }, false, true);
+  }, {.peer = true});
 
   return v;
 }
@@ -1212,19 +1218,19 @@ template <class Store>
   }
   for (auto& c : detail::conformance::all_checks<Store>()) {
     if (!only.empty() && c.name != only) continue;
-    if (c.needs_step_back && !h.step_back) {
+    if (c.needs.step_back && !h.step_back) {
       report.skipped.push_back(c.name + ": the harness cannot step the clock back");
       continue;
     }
-    if (c.needs_peer && !h.peer) {
+    if (c.needs.peer && !h.peer) {
       report.skipped.push_back(c.name + ": the harness has no peer handle");
       continue;
     }
-    if (c.needs_purge && !h.purge) {
+    if (c.needs.purge && !h.purge) {
       report.skipped.push_back(c.name + ": the harness cannot purge the store");
       continue;
     }
-    if (c.needs_high_water && h.server_clock) {
+    if (c.needs.high_water && h.server_clock) {
       report.skipped.push_back(c.name + ": " + std::string(server_clock_reason));
       continue;
     }
