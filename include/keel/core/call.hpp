@@ -267,7 +267,6 @@ struct attempt {
   void charge(std::int64_t units) const noexcept { owner->charge(units); }
 };
 
-
 // Adapts `f(const Request&, args...)` into a callable on
 // `(const keel::call&, args...)`: it reads the call's request and gives
 // `otherwise` when the call carries none of that type. This is how a gate,
