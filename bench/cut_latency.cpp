@@ -35,16 +35,13 @@
 #include "keel/policy/time_limit.hpp"
 #include "keel/store/memory.hpp"
 
+#include "async.hpp"  // tests/support: block_until_stopped
+
 using namespace std::chrono_literals;
 
 namespace {
 
-void block_until_stopped(const std::stop_token& stop) {
-  std::mutex m;
-  std::condition_variable_any cv;
-  std::unique_lock lock(m);
-  cv.wait(lock, stop, [] { return false; });
-}
+using keel_test::block_until_stopped;
 
 absl::StatusOr<int> stall(const keel::attempt& a) {
   block_until_stopped(a.stop);

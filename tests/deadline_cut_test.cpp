@@ -30,12 +30,7 @@ using keel_test::eventually;
 
 namespace {
 
-void block_until_stopped(const std::stop_token& stop) {
-  std::mutex m;
-  std::condition_variable_any cv;
-  std::unique_lock lock(m);
-  cv.wait(lock, stop, [] { return false; });
-}
+using keel_test::block_until_stopped;
 
 // Watches its stop token and nothing else.
 absl::StatusOr<int> stall(const keel::attempt& a) {

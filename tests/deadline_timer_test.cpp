@@ -32,10 +32,7 @@ namespace {
 
 // Waits for its stop token and nothing else: not its timeout, not a clock.
 absl::StatusOr<int> wait_for_stop(const keel::attempt& a) {
-  std::mutex m;
-  std::condition_variable_any cv;
-  std::unique_lock lock(m);
-  cv.wait(lock, a.stop, [] { return false; });
+  keel_test::block_until_stopped(a.stop);
   return absl::CancelledError("stopped");
 }
 

@@ -273,10 +273,7 @@ TEST_CASE("run_leased: a lease lost mid-work stops the work and saves nothing", 
     r = keel::run_leased(store, store, "nightly", "nightly-result", {.ttl = 9s},
                          [&](std::stop_token stop, const keel::ownership&) -> absl::StatusOr<std::string> {
                            started.count_down();
-                           std::mutex m;
-                           std::condition_variable_any cv;
-                           std::unique_lock lock(m);
-                           cv.wait(lock, stop, [] { return false; });
+                           keel_test::block_until_stopped(stop);
                            saw_stop = true;
                            return std::string("half-done");
                          },

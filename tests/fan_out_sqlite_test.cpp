@@ -31,6 +31,7 @@
 #include "keel/testing/scripted_provider.hpp"
 #include "support/catch.hpp"
 #include "support/child_process.hpp"
+#include "support/temp_dir.hpp"
 
 using namespace std::chrono_literals;
 using keel::testing::manual_clock;
@@ -104,25 +105,7 @@ int run_child(const std::map<std::string, std::string>& vars) {
 
 std::string child_env(const char* name) { return keel_test::child_var("KEEL_FANOUT_CHILD_", name); }
 
-class temp_dir {
- public:
-  temp_dir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string pattern = std::string(base != nullptr && *base != 0 ? base : "/tmp") + "/keel-fanout-XXXXXX";
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = pattern;
-  }
-  ~temp_dir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  temp_dir(const temp_dir&) = delete;
-  temp_dir& operator=(const temp_dir&) = delete;
-  [[nodiscard]] std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
+using keel_test::temp_dir;
 
 }  // namespace
 

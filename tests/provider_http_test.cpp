@@ -29,6 +29,7 @@
 #include "keel/policy/retry.hpp"
 #include "support/alloc_counter.hpp"
 #include "support/catch.hpp"
+#include "support/loopback.hpp"
 
 using namespace std::chrono_literals;
 namespace http = keel::http;
@@ -240,18 +241,6 @@ class resetting_server {
   std::atomic<int> accepted_{0};
 };
 
-// A loopback port nobody listens on: connecting is refused.
-int refused_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 const keel::operation read_op{};
 const keel::operation write_op{.effect = keel::effect::write};
@@ -558,7 +547,7 @@ TEST_CASE("http: the call's own cancellation is reported as cancelled", "[provid
 }
 
 TEST_CASE("http: refused before sending is transient even for a write, and a breaker sees it", "[provider][http]") {
-  http::client client({.base_url = "http://127.0.0.1:" + std::to_string(refused_port())});
+  http::client client({.base_url = "http://127.0.0.1:" + std::to_string(keel_test::unused_loopback_port())});
   auto ex = client.exchange({.path = "/ok"});
   const absl::Status st = one_attempt(ex, write_op);
   CHECK(st.code() == absl::StatusCode::kUnavailable);

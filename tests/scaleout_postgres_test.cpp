@@ -21,6 +21,7 @@
 #include "keel/testing/store_conformance.hpp"
 #include "support/scaleout.hpp"
 #include "support/catch.hpp"
+#include "support/loopback.hpp"
 
 using namespace std::chrono_literals;
 
@@ -138,18 +139,6 @@ keel::decision decided(std::string id) {
   return keel::decision{.id = std::move(id), .model_digest = "m-large", .result = "approve"};
 }
 
-int free_port() {
-  // Bind to port 0 and close: a port nothing listens on (for a moment).
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 }  // namespace
 
@@ -192,7 +181,7 @@ TEST_CASE("postgres options are validated, naming the field and the rule", "[sca
 TEST_CASE("postgres: a server nobody listens on is unavailable and nothing started", "[scaleout][postgres][faults]") {
   const auto t0 = std::chrono::steady_clock::now();
   auto s = keel::postgres_store::open(
-      {.conninfo = "host=127.0.0.1 port=" + std::to_string(free_port()) + " user=keel dbname=postgres",
+      {.conninfo = "host=127.0.0.1 port=" + std::to_string(keel_test::unused_loopback_port()) + " user=keel dbname=postgres",
        .schema = keel_scaleout::fresh_name("down")});
   REQUIRE_FALSE(s.ok());
   INFO(s.status().ToString());

@@ -23,6 +23,7 @@
 #include "keel/testing/manual_clock.hpp"
 #include "support/scaleout.hpp"
 #include "support/catch.hpp"
+#include "support/loopback.hpp"
 
 using namespace std::chrono_literals;
 using keel::testing::manual_clock;
@@ -49,17 +50,6 @@ bool redis_admin(std::initializer_list<const char*> args) {
   return ok;
 }
 
-int nobody_listens() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 }  // namespace
 
@@ -136,7 +126,7 @@ TEST_CASE("replicas share one bucket on the server's clock: burst, then the rate
 TEST_CASE("Redis unreachable: the local fallback decides, says so, and Redis is asked again after the hold",
           "[scaleout][quota][faults]") {
   keel::redis_options r = quota_redis(keel_scaleout::fresh_name("quota"));
-  r.port = nobody_listens();
+  r.port = keel_test::unused_loopback_port();
   keel::shared_quota q(r, {.name = "provider:m", .rate = 100, .fallback_rate = 10, .fallback_burst = 2,
                            .fallback_hold = 1s});
   manual_clock clock;

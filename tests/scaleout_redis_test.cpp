@@ -22,6 +22,7 @@
 #include "keel/testing/store_conformance.hpp"
 #include "support/scaleout.hpp"
 #include "support/catch.hpp"
+#include "support/loopback.hpp"
 
 using namespace std::chrono_literals;
 
@@ -142,17 +143,6 @@ keel::decision decided(std::string id) {
   return keel::decision{.id = std::move(id), .model_digest = "m-large", .result = "approve"};
 }
 
-int unused_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 // Commands the server is holding back (CLIENT PAUSE) show up as clients
 // blocked in "postpone".
@@ -246,7 +236,7 @@ TEST_CASE("redis options are validated, naming the field and the rule", "[scaleo
 }
 
 TEST_CASE("redis: a server nobody listens on is unavailable and nothing started", "[scaleout][redis][faults]") {
-  auto s = keel::redis_store::open({.port = unused_port(), .key_prefix = keel_scaleout::fresh_name("down")});
+  auto s = keel::redis_store::open({.port = keel_test::unused_loopback_port(), .key_prefix = keel_scaleout::fresh_name("down")});
   REQUIRE_FALSE(s.ok());
   INFO(s.status().ToString());
   CHECK(s.status().code() == absl::StatusCode::kUnavailable);

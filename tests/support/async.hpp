@@ -9,16 +9,30 @@
 //   REQUIRE(eventually([&] { return run.done(); }));
 //   absl::Status s = run.get();
 //
+// block_until_stopped(stop) parks the calling thread until its stop token
+// is stopped and watches nothing else (no timeout, no clock): the provider
+// that only a cut, a cancel or a hedge's win can end.
+//
 // Thread-safety: done() from any thread; get() once, from the test's thread.
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <optional>
+#include <stop_token>
 #include <thread>
 #include <utility>
 
 namespace keel_test {
+
+inline void block_until_stopped(const std::stop_token& stop) {
+  std::mutex m;
+  std::condition_variable_any cv;
+  std::unique_lock lock(m);
+  cv.wait(lock, stop, [] { return false; });
+}
 
 template <class R>
 class async_call {

@@ -31,31 +31,11 @@
 #include "keel/store/sqlite.hpp"
 
 #include "support/child_process.hpp"
+#include "support/temp_dir.hpp"
 
 namespace keel_durable {
 
-// A fresh directory under $TMPDIR (or /tmp), removed with everything in it.
-class temp_dir {
- public:
-  temp_dir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string pattern = std::string(base && *base ? base : "/tmp") + "/keel-durable-XXXXXX";
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = pattern;
-  }
-  ~temp_dir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  temp_dir(const temp_dir&) = delete;
-  temp_dir& operator=(const temp_dir&) = delete;
-
-  [[nodiscard]] const std::string& path() const noexcept { return path_; }
-  [[nodiscard]] std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
+using keel_test::temp_dir;
 
 // Opens a SQLite store or throws with the status (tests that expect failure
 // call sqlite_store::open themselves).

@@ -23,6 +23,7 @@
 #include "gateway_options.hpp"
 
 #include "support/child_process.hpp"
+#include "support/temp_dir.hpp"
 
 namespace keel_service {
 
@@ -47,27 +48,7 @@ inline gateway::gateway_options options(const std::string& data_dir) {
   return o;
 }
 
-// A fresh directory under $TMPDIR (or /tmp), removed with everything in it.
-class temp_dir {
- public:
-  temp_dir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string pattern = std::string(base && *base ? base : "/tmp") + "/keel-service-XXXXXX";
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = pattern;
-  }
-  ~temp_dir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  temp_dir(const temp_dir&) = delete;
-  temp_dir& operator=(const temp_dir&) = delete;
-  [[nodiscard]] const std::string& path() const noexcept { return path_; }
-  [[nodiscard]] std::string file(std::string_view name) const { return path_ + "/" + std::string(name); }
-
- private:
-  std::string path_;
-};
+using keel_test::temp_dir;
 
 using keel_test::read_file;
 
