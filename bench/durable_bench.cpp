@@ -28,24 +28,13 @@
 #include "keel/store/memory.hpp"
 #include "keel/store/sqlite.hpp"
 #include "support/alloc_counter.hpp"
+#include "temp_dir.hpp"  // tests/support
 
 using namespace std::chrono_literals;
 
 namespace {
 
-class temp_dir {
- public:
-  temp_dir() {
-    std::string pattern = std::filesystem::temp_directory_path().string() + "/keel-bench-XXXXXX";
-    if (::mkdtemp(pattern.data()) == nullptr) std::abort();
-    path_ = pattern;
-  }
-  ~temp_dir() { std::filesystem::remove_all(path_); }
-  [[nodiscard]] std::string file(const char* name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
+using keel_test::temp_dir;
 
 keel::sqlite_sync sync_of(const benchmark::State& state) {
   return state.range(0) == 0 ? keel::sqlite_sync::normal : keel::sqlite_sync::full;

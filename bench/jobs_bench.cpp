@@ -24,22 +24,11 @@
 #include "keel/durable/job_queue.hpp"
 #include "keel/store/sqlite_jobs.hpp"
 #include "support/alloc_counter.hpp"
+#include "temp_dir.hpp"  // tests/support
 
 namespace {
 
-class temp_dir {
- public:
-  temp_dir() {
-    std::string pattern = std::filesystem::temp_directory_path().string() + "/keel-jobs-bench-XXXXXX";
-    if (::mkdtemp(pattern.data()) == nullptr) std::abort();
-    path_ = pattern;
-  }
-  ~temp_dir() { std::filesystem::remove_all(path_); }
-  [[nodiscard]] std::string file(const char* name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
+using keel_test::temp_dir;
 
 // Keys "k-0".."k-N", built outside the timed loop (every job a new key).
 std::vector<std::string> make_keys(std::size_t n) {
