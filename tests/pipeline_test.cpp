@@ -2,9 +2,12 @@
 // no heap allocation on the success path.
 #include "keel/compose/pipeline.hpp"
 
+#include <atomic>
 #include <chrono>
 #include <stdexcept>
+#include <stop_token>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -334,4 +337,82 @@ TEST_CASE("a call built from valid options skips nothing: invalid ones still thr
   CHECK(refusal({.timeout = -1s}).find("call_options.timeout must be >= 0") != std::string::npos);
   CHECK(refusal({.response_reserve = -1s}).find("call_options.response_reserve must be >= 0") != std::string::npos);
   CHECK(refusal({.timeout = 1s, .response_reserve = 999ms, .max_attempts = 1}) == "(accepted)");
+}
+
+// A call's counters are plain loads and stores until it is shared; once
+// shared, every update is atomic: four threads racing for one call's attempt
+// cap take exactly the cap between them, and every charge and retry counts.
+TEST_CASE("a call shared across threads counts every attempt, retry and charge exactly", "[pipeline][call][threads]") {
+  constexpr int kThreads = 4;
+  constexpr int kTries = 2000;
+  constexpr int kCap = kThreads * kTries / 2;
+  keel::call call(keel::time_point{}, {.max_attempts = kCap});
+  CHECK_FALSE(call.shared());
+  call.share_across_threads();
+  CHECK(call.shared());
+  keel::retry_budget budget({.ratio = 0.1});
+  std::atomic<int> granted{0};
+  std::atomic<int> first_deposits{0};
+  {
+    std::vector<std::jthread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&] {
+        for (int i = 0; i < kTries; ++i) {
+          if (call.begin_attempt() != 0) granted.fetch_add(1);
+          call.charge(3);
+          call.note_retry();
+          if (call.first_deposit(&budget)) first_deposits.fetch_add(1);
+        }
+      });
+    }
+  }
+  const keel::call_record r = call.record();
+  CHECK(granted.load() == kCap);
+  CHECK(r.attempts == kCap);
+  CHECK(r.retries == kThreads * kTries);
+  CHECK(r.cost == 3 * kThreads * kTries);
+  CHECK(first_deposits.load() == 1);  // one deposit per budget, whoever asked first
+}
+
+TEST_CASE("a call that stays on its thread counts the same without sharing", "[pipeline][call]") {
+  keel::call call(keel::time_point{}, {.max_attempts = 2});
+  CHECK(call.begin_attempt() == 1);
+  CHECK(call.begin_attempt() == 2);
+  CHECK(call.begin_attempt() == 0);  // the cap holds
+  CHECK(call.attempts_exhausted());
+  int budget = 0;
+  CHECK(call.first_deposit(&budget));
+  CHECK_FALSE(call.first_deposit(&budget));
+  call.charge(5);
+  call.note_missing(2);
+  CHECK(call.record().cost == 5);
+  CHECK(call.record().missing == 2);
+}
+
+// A plan refers to its stop token rather than copying it; one made from a
+// temporary token would dangle, so it does not compile.
+static_assert(!std::is_constructible_v<keel::stop_ref, std::stop_token&&>);
+static_assert(std::is_constructible_v<keel::stop_ref, const std::stop_token&>);
+static_assert(std::is_trivially_copyable_v<keel::attempt_plan>);
+
+TEST_CASE("a plan's stop reference reads the caller's token as it changes", "[pipeline][call]") {
+  keel::stop_ref never;
+  CHECK_FALSE(never.stop_possible());
+  CHECK_FALSE(never.stop_requested());
+  std::stop_source source;
+  manual_clock clock;
+  keel::call call(clock.now(), {.timeout = 1s, .stop = source.get_token()});
+  auto pipe = keel::pipeline(keel::time_limit({.at_most = 500ms})).on(clock);
+  bool seen_before = true;
+  bool seen_after = false;
+  absl::Status s = pipe.run(call, [&](const keel::attempt& a) {
+    seen_before = a.stop.stop_requested();
+    source.request_stop();  // the caller leaves while the attempt runs
+    seen_after = a.stop.stop_requested();
+    return absl::OkStatus();
+  });
+  INFO(s);
+  CHECK(s.ok());
+  CHECK_FALSE(seen_before);
+  CHECK(seen_after);
 }

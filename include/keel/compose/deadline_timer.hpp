@@ -440,7 +440,8 @@ auto run_cut(deadline_timer_base& timer, Ctx& ctx, attempt_plan plan, Fn&& fn) -
   std::optional<std::stop_callback<forward_stop_to>> link;
   if (plan.stop.stop_possible()) link.emplace(plan.stop, forward_stop_to{&mine});
   deadline_cut cut(timer, plan.deadline, mine);
-  std::stop_token caller = std::exchange(plan.stop, mine.get_token());
+  const std::stop_token mine_token = mine.get_token();  // what plan.stop refers to below
+  const stop_ref caller = std::exchange(plan.stop, stop_ref(mine_token));
   R r = fn(ctx, std::move(plan));
   if (cut.disarm() && cut_reads_cancelled(status_of(r), caller, [&](const absl::Status& s) {
         return ctx.classify(s);

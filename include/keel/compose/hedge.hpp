@@ -424,6 +424,7 @@ class hedge {
 
     struct slot {
       std::stop_source stop{std::nostopstate};
+      std::stop_token token;  // stop's, which this attempt's plan refers to
       std::optional<std::stop_callback<detail::forward_stop_to>> link;
       keel::deadline_cut cut;  // hedge_options::cut: stops this attempt at the race's deadline
       time_point start{};
@@ -459,6 +460,9 @@ class hedge {
       owner = &o;
       caller = &c;
       plan = p;
+      // Ours: losers may read it after the caller (and its token) are gone.
+      caller_stop = p.stop.token();
+      plan.stop = caller_stop;
       clock.emplace(c.clock);
       classifier.emplace(c.classifier);
       listener.emplace(c.listener);
@@ -474,6 +478,7 @@ class hedge {
       base = from.record();
       for (int k = 0; k < base.attempts; ++k) (void)own_call->begin_attempt();  // numbers go on from the call's
       own_call->inherit_deposits(from);  // a retry below must not deposit the call's request again
+      own_call->share_across_threads();  // the racers update it at once
       // Run from inside a provider on the same call: the primary takes over
       // that provider's attempt, as a pipeline's first attempt would.
       handed = 0;
@@ -535,7 +540,9 @@ class hedge {
         if (!decided) {
           go = true;
           p = plan;
-          p.stop = slots[static_cast<std::size_t>(i)].stop.get_token();
+          slot& s = slots[static_cast<std::size_t>(i)];
+          s.token = s.stop.get_token();
+          p.stop = s.token;
           p.hedge = i;
         }
       }
@@ -717,6 +724,7 @@ class hedge {
         slot& s = slots[static_cast<std::size_t>(j)];
         s.link.reset();  // before the source it forwards to is replaced
         (void)s.cut.disarm();
+        s.token = {};
         if (j > 0) s.stop = std::stop_source(std::nostopstate);
       }
       answer.reset();
@@ -728,6 +736,7 @@ class hedge {
       classifier.reset();
       clock.reset();
       plan = {};
+      caller_stop = {};
       owner = nullptr;
       spare& s = thread_spare();
       if (s.block == nullptr) {
@@ -761,6 +770,7 @@ class hedge {
     std::optional<Ctx> ctx;  // attempts run with this: own_call and the copies above
     std::optional<Next> next;
     attempt_plan plan;
+    std::stop_token caller_stop;  // plan.stop refers to it
     std::mutex mu;
     std::condition_variable done;
     std::array<slot, hedge_options::max_hedges_limit + 1> slots;

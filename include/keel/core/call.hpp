@@ -31,11 +31,17 @@
 //
 // Labels are string_views: the strings they name must outlive the call.
 //
-// Thread-safety: a call belongs to one request. Its counters (attempts,
-// retries, cost, missing) may be updated from several threads at once (hedges
-// and fan-out workers do); served_by/degraded/replayed are set by the thread
-// that runs the request's pipeline. Reading record() while attempts run gives
-// a consistent-enough snapshot of each counter, not of all together.
+// Thread-safety: a call belongs to one request, run by one thread at a time.
+// Its counters (attempts, retries, cost, missing, deposits) may be updated
+// from several threads at once only after share_across_threads(): until then
+// each update is a plain load and store (a locked read-modify-write costs
+// ~6 ns, and a call that never leaves its thread, the common case, makes
+// several), after it each is atomic. keel::hedge and keel::fan_out share the
+// calls they hand to other threads; code of yours that runs attempts of one
+// call on several threads at once must share it first, before the hand-off.
+// served_by/degraded/replayed are set by the thread that runs the request's
+// pipeline. Reading record() while attempts run gives a consistent-enough
+// snapshot of each counter, not of all together.
 #pragma once
 
 #include <atomic>
@@ -112,12 +118,12 @@ class call {
  public:
   // Throws keel::invalid_options if `o` is invalid.
   call(time_point now, const call_options& o)
-      : end_(o.timeout > duration::zero() ? o.deadline.within(now, o.timeout) : o.deadline),
+      : stop_(o.stop),
         reserve_(o.response_reserve),
-        stop_(o.stop),
+        end_(o.timeout > duration::zero() ? o.deadline.within(now, o.timeout) : o.deadline),
         labels_(copy(o.labels)),
-        operation_(o.operation),
-        max_attempts_(o.max_attempts) {
+        max_attempts_(o.max_attempts),
+        operation_(o.operation) {
     // Checked inline and reported out of line, from the fields alone: the
     // options' address never escapes, so a call built from a designated
     // initializer compiles to a few register moves (no copy through memory).
@@ -167,6 +173,11 @@ class call {
   // its 1-based number, or 0 when the cap is reached (nothing is reserved).
   [[nodiscard]] int begin_attempt() noexcept {
     int n = attempts_.load(std::memory_order_relaxed);
+    if (!shared()) {
+      if (n >= max_attempts_) return 0;
+      attempts_.store(n + 1, std::memory_order_relaxed);
+      return n + 1;
+    }
     while (n < max_attempts_) {
       if (attempts_.compare_exchange_weak(n, n + 1, std::memory_order_relaxed)) return n + 1;
     }
@@ -184,6 +195,10 @@ class call {
     for (std::atomic<const void*>& slot : deposited_) {
       // Slots fill in order and never empty, so a budget sits in one slot.
       const void* seen = slot.load(std::memory_order_relaxed);
+      if (seen == nullptr && !shared()) {
+        slot.store(budget, std::memory_order_relaxed);
+        return true;
+      }
       if (seen == nullptr && slot.compare_exchange_strong(seen, budget, std::memory_order_relaxed)) return true;
       if (seen == budget) return false;
     }
@@ -200,10 +215,16 @@ class call {
     }
   }
 
+  // Lets other threads update the counters while this one does: every
+  // update from now on is atomic. Call it before handing the call over (the
+  // hand-off, a mutex or an executor's queue, publishes it). Idempotent.
+  void share_across_threads() noexcept { shared_.store(true, std::memory_order_relaxed); }
+  [[nodiscard]] bool shared() const noexcept { return shared_.load(std::memory_order_relaxed); }
+
   // Record keeping, for policies and providers.
-  void charge(std::int64_t units) noexcept { cost_.fetch_add(units, std::memory_order_relaxed); }
-  void note_retry() noexcept { retries_.fetch_add(1, std::memory_order_relaxed); }
-  void note_missing(int units = 1) noexcept { missing_.fetch_add(units, std::memory_order_relaxed); }
+  void charge(std::int64_t units) noexcept { add(cost_, units); }
+  void note_retry() noexcept { add(retries_, 1); }
+  void note_missing(int units = 1) noexcept { add(missing_, units); }
   void set_served_by(std::string_view path) noexcept { served_by_ = path; }
   void mark_degraded() noexcept { degraded_ = true; }
   void mark_replayed() noexcept { replayed_ = true; }
@@ -227,19 +248,34 @@ class call {
     return {word(l.tenant), word(l.model), word(l.endpoint), word(l.region), word(l.work_class)};
   }
 
+  template <class T>
+  void add(std::atomic<T>& counter, T n) noexcept {
+    if (shared()) {
+      counter.fetch_add(n, std::memory_order_relaxed);
+    } else {
+      counter.store(counter.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+    }
+  }
+
   [[noreturn, gnu::cold, gnu::noinline]] static void refuse(duration timeout, duration reserve, int max_attempts) {
     detail::require_valid(call_options{.timeout = timeout, .response_reserve = reserve, .max_attempts = max_attempts}.validate());
     std::abort();  // unreachable: the inline check and validate() agree
   }
 
-  keel::deadline end_;
+  // Ordered so that what may start zeroed (a call without a request, stop
+  // token, reserve, labels or operation) comes in runs of at most 80 bytes,
+  // split by the two fields that are never zero (end_, max_attempts_): GCC
+  // zeroes a longer run with `rep stos`, whose start-up alone costs ~6 ns.
+  static constexpr int kDepositSlots = 4;
   const void* request_ = nullptr;
   const void* request_type_ = nullptr;  // &detail::request_tag<Request>
-  duration reserve_;
+  std::atomic<const void*> deposited_[kDepositSlots] = {};
   std::stop_token stop_;
+  duration reserve_;
+  keel::deadline end_;
   keel::labels labels_;
-  keel::operation operation_;
   int max_attempts_;
+  keel::operation operation_;
   std::atomic<int> attempts_{0};
   std::atomic<int> retries_{0};
   std::atomic<int> missing_{0};
@@ -247,8 +283,7 @@ class call {
   std::string_view served_by_;
   bool degraded_ = false;
   bool replayed_ = false;
-  static constexpr int kDepositSlots = 4;
-  std::atomic<const void*> deposited_[kDepositSlots] = {};
+  std::atomic<bool> shared_{false};  // counters updated atomically (share_across_threads)
 };
 
 // What a provider sees of one attempt.

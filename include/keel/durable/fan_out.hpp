@@ -389,6 +389,7 @@ class fan_out {
 
     session(fan_out& o, const E& e, keel::call& c, std::span<const unit> u, Worker& w)
         : owner(o), env(e), call(c), units(u), worker(w), slots(u.size()) {
+      call.share_across_threads();  // workers charge it through unit_context::parent
       report.rule = o.options_.complete_when;
       report.require_complete = o.options_.require_complete;
       report.units.resize(u.size());

@@ -21,7 +21,12 @@
 //
 // Thread-safety: record() and percentile() are lock-free and may be called
 // from any thread. The window's contents are relaxed: a refresh racing with
-// recordings sees each slot's old or new value, never a torn one.
+// recordings sees each slot's old or new value, never a torn one. record()
+// takes its slot with a plain load and store of the count, not a locked
+// increment (~6 ns of a ~60 ns call): two threads recording in the same few
+// nanoseconds may take the same slot, and then one of their two latencies
+// is not kept and recorded() counts them once. A window of recent samples
+// estimates the same percentile without it.
 #pragma once
 
 #include <algorithm>
@@ -85,11 +90,12 @@ class latency_tracker {
     return duration(p);
   }
 
-  // Latencies recorded so far.
+  // Latencies recorded so far (concurrent recordings that shared a slot count once).
   [[nodiscard]] std::uint64_t recorded() const noexcept { return written_.load(std::memory_order_relaxed); }
 
   void record(duration latency) noexcept {
-    const std::uint64_t i = written_.fetch_add(1, std::memory_order_relaxed);
+    const std::uint64_t i = written_.load(std::memory_order_relaxed);
+    written_.store(i + 1, std::memory_order_relaxed);
     // A power-of-two window (the usual case) takes a mask, not a division.
     ring_[samples_mask_ != 0 ? i & samples_mask_ : i % samples_].store(std::max<std::int64_t>(0, latency.count()),
                                                                         std::memory_order_relaxed);
