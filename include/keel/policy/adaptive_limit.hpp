@@ -14,13 +14,18 @@
 //   or timed out shrinks by at least that: limit *= min(gradient, 1 - f/2).
 //   The limit stays within [min_limit, max_limit].
 //
-// The baseline. Between probes it only falls (the lowest window mean seen).
-// Every `probe_interval` the limiter re-measures it as Envoy does: it lowers
-// the limit to `probe_limit`, takes the mean of the next `probe_samples`
-// calls admitted at that concurrency (calls admitted before the probe do not
-// count: their latency carries the old queue), sets the baseline from it and
-// restores the limit. So a baseline that fell too far on noise comes back,
-// and queueing of our own making is never mistaken for the provider's speed.
+// The baseline is measured, never inferred from the latency under load: at
+// the start and every `probe_interval` the limiter lowers the limit to
+// `probe_limit`, as Envoy's filter does, takes the mean of the next
+// `probe_samples` calls admitted at that concurrency (calls admitted before
+// the probe do not count: their latency carries the old queue), sets the
+// baseline from it and restores the limit. So queueing of our own making is
+// never mistaken for the provider's speed. (Between probes the baseline
+// stays put: a running minimum of window means, as in Vegas, sinks below
+// the true mean when latency varies as much as a model's does, and the
+// limit then shrinks for no reason.) A probe costs about
+// probe_samples / probe_limit call latencies at low concurrency per
+// interval: with the defaults and 1 s calls, 8 s in every 60.
 //
 // The failure this guards against: in a long incident the baseline drifts
 // up to the incident's latency, the limit stops shrinking, and the limiter
@@ -108,15 +113,17 @@ struct adaptive_limit_options {
   int min_limit = 1;       // in [1, max_limit]
   int max_limit = 1000;    // in [1, 1000000]
   // Latency up to baseline * tolerance counts as "near the baseline"; in [1, 100].
-  double tolerance = 1.5;
+  // 2 suits latencies as variable as an exponential's; steadier ones can take less.
+  double tolerance = 2.0;
   // Completed calls per limit update; in [4, 255].
   int window = 32;
   // How often the baseline is re-measured at low concurrency; in [1ms, 24h].
-  duration probe_interval = std::chrono::seconds(30);
+  duration probe_interval = std::chrono::seconds(60);
   // The limit while re-measuring; in [1, max_limit].
-  int probe_limit = 2;
-  // Calls measured per probe; in [1, 255].
-  int probe_samples = 8;
+  int probe_limit = 4;
+  // Calls measured per probe; in [1, 255]. Their mean is the baseline, so
+  // fewer than about 30 make it as noisy as the latency.
+  int probe_samples = 32;
   // A probe raises the baseline to at most max_drift times the floor (the
   // lowest probe of the last one to two drift_horizons); >= 1, or infinity
   // to let it follow any probe.
@@ -463,7 +470,6 @@ class adaptive_limit {
       if (probing_) {
         end_probe_locked(mean, now);
       } else {
-        if (baseline_ == duration::zero() || mean < baseline_) baseline_ = mean;
         const double limit = limit_;
         const double near = static_cast<double>(baseline_.count()) * options_.tolerance;
         double gradient = std::clamp(near / static_cast<double>(mean.count()), 0.5, 1.0);
