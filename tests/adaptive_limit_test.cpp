@@ -301,7 +301,7 @@ struct phase_figures {
 };
 
 std::vector<phase_figures> run_incident(keel::adaptive_limit& lim, const std::vector<phase>& phases,
-                                        int clients = 50, keel::duration think = 250ms) {
+                                        int clients = 50, keel::duration think = 500ms) {
   manual_clock clock;
   const keel::time_point t0 = clock.now();
   std::vector<keel::time_point> phase_end;
@@ -387,6 +387,7 @@ TEST_CASE("adaptive limit: a provider that loses capacity for 30 minutes is shed
   CHECK(g[2].max_limit >= 20);
   CHECK(g[2].mean_latency() < 200ms);
 
+#ifndef KEEL_PROTECTION_STRESS_OPS  // sanitizer legs: the guarded run only (single-threaded; g++ runs all)
   // Beside it, what re-measuring at low concurrency prevents: probes that
   // keep the limit up (probe_limit = max_limit) and no drift bound measure
   // our own queue as the provider's speed.
@@ -396,6 +397,7 @@ TEST_CASE("adaptive limit: a provider that loses capacity for 30 minutes is shed
   keel::adaptive_limit naive(drifting);
   const std::vector<phase_figures> n = run_incident(naive, phases);
   CHECK(n[1].max_baseline > 2 * g[1].max_baseline);
+#endif
 }
 
 TEST_CASE("adaptive limit: a provider ten times slower for 30 minutes stays shed; after two horizons it is normal",
@@ -412,6 +414,7 @@ TEST_CASE("adaptive limit: a provider ten times slower for 30 minutes stays shed
   CHECK(g[2].max_limit >= 20);
   CHECK(g[2].mean_latency() < 200ms);
 
+#ifndef KEEL_PROTECTION_STRESS_OPS  // sanitizer legs: the guarded run only (single-threaded; g++ runs all)
   // With no bound the baseline follows the probe to 1 s and the limiter
   // stops shedding: the limit climbs to the provider's 20 and beyond.
   keel::adaptive_limit_options unbounded = incident_options();
@@ -430,6 +433,7 @@ TEST_CASE("adaptive limit: a provider ten times slower for 30 minutes stays shed
   const std::vector<phase_figures> s = run_incident(follows, phases);
   CHECK(s[1].max_baseline >= 900ms);
   CHECK(s[1].max_limit >= 20);
+#endif
 }
 
 TEST_CASE("adaptive limit: under contention the limit is never exceeded and every permit comes back",
