@@ -77,7 +77,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -348,7 +347,8 @@ class adaptive_limit {
   auto execute(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     const std::string_view label = ctx.call.labels().work_class;
-    const std::optional<std::size_t> cls = label.empty() || options_.classes.empty() ? default_class_ : class_index(label);
+    const std::optional<std::size_t> cls =
+        label.empty() || options_.classes.empty() ? default_class_ : class_index(label);
     if (!cls) [[unlikely]] {
       observe(ctx.listener, events::adaptive_limit_rejected{ctx.call, options_.name, label, limit(), in_flight()});
       return R(unknown_class(label));
@@ -436,7 +436,8 @@ class adaptive_limit {
     constexpr std::int64_t kMaxUs = (std::int64_t{1} << 32) - 1;  // 71 minutes per sample
     const auto us = static_cast<std::uint64_t>(
         std::clamp<std::int64_t>(std::chrono::duration_cast<std::chrono::microseconds>(latency).count(), 0, kMaxUs));
-    const std::uint64_t add = (std::uint64_t{1} << 48) | (kind == limit_sample::dropped ? std::uint64_t{1} << 40 : 0) | us;
+    const std::uint64_t drop = kind == limit_sample::dropped ? std::uint64_t{1} << 40 : 0;
+    const std::uint64_t add = (std::uint64_t{1} << 48) | drop | us;
     std::uint64_t w = window_.load(std::memory_order_relaxed);
     for (;;) {
       if (tag_of(w) != (current & 0xffu)) return;  // the window belongs to another epoch
@@ -520,7 +521,8 @@ class adaptive_limit {
     duration cap = duration::max();
     if (std::isfinite(options_.max_drift)) {
       const double c = static_cast<double>(floor.count()) * options_.max_drift;
-      cap = c >= static_cast<double>(duration::max().count()) ? duration::max() : duration(static_cast<duration::rep>(c));
+      cap = c >= static_cast<double>(duration::max().count()) ? duration::max()
+                                                              : duration(static_cast<duration::rep>(c));
     }
     baseline_ = std::min(measured, cap);
     ++probes_;

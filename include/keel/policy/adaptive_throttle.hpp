@@ -63,7 +63,6 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -238,7 +237,8 @@ class adaptive_throttle {
   [[nodiscard]] bool allow(std::size_t cls, time_point now) {
     class_state& c = classes_[cls];
     const std::uint32_t e = counts_.epoch(now);
-    const double p = probability(c.k, detail::window_counts::sum(requests_, e), detail::window_counts::sum(accepts_, e));
+    const double p =
+        probability(c.k, detail::window_counts::sum(requests_, e), detail::window_counts::sum(accepts_, e));
     if (p > 0.0 && static_cast<double>(random_.uniform(0, kScale - 1)) < p * static_cast<double>(kScale)) {
       detail::window_counts::add(requests_, e);
       c.rejected.fetch_add(1, std::memory_order_relaxed);

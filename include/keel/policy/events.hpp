@@ -1,5 +1,6 @@
 // keel/policy/events.hpp — the events keel's policies report (retry, admission,
-// bulkhead, circuit breaker, adaptive limit and throttle), and the small enums and values they carry.
+// bulkhead, circuit breaker, adaptive limit and throttle), and the small enums
+// and values they carry.
 //
 // A light header: a listener or a metrics backend (keel/observe/telemetry_metrics.hpp)
 // includes this, not the policies. The policies include it and report these
