@@ -29,13 +29,14 @@
 //
 // The failure this guards against: in a long incident the baseline drifts
 // up to the incident's latency, the limit stops shrinking, and the limiter
-// stops shedding just when it is needed (reported of limits that learn the
-// baseline as a long moving average of latency, Netflix's Gradient2). Here
-// the baseline moves only by a probe at low concurrency, and a probe may
-// raise it to at most `max_drift` times the floor: the lowest probe
-// measurement of the last one to two `drift_horizon`s. An incident slower
-// than that keeps being shed for the horizon; a latency that lasts longer
-// is the provider's new normal, and the limit follows it then.
+// stops shedding just when it is needed (reported of Netflix's Gradient2,
+// which learns its baseline as a long average of latency: concurrency-limits
+// issue #137, pull request #88). Here the baseline moves only by a probe at
+// low concurrency, and a probe may raise it to at most `max_drift` times the
+// floor: the lowest probe measurement of the last one to two
+// `drift_horizon`s. A provider more than max_drift times slower than its
+// floor keeps being shed for the horizon; a latency that lasts longer is the
+// provider's new normal, and the limit follows it then.
 //
 // Work classes shed in order: each class may fill only its `share` of the
 // limit (for example interactive 1.0, batch 0.5). As the limit shrinks,
@@ -69,6 +70,9 @@
 //
 // Thread-safety: every operation may be called from any thread; a permit
 // may be released on another thread than the one that acquired it.
+// try_acquire, limit and in_flight are lock-free; a release with a sample
+// is too, except for the thread that completes a window (it takes the
+// mutex to move the limit); figures() takes the mutex.
 #pragma once
 
 #include <algorithm>
