@@ -188,6 +188,10 @@ enum class limit_sample : std::uint8_t {
   dropped,  // throttled, unavailable or timed out: counts, and as a sign of overload
 };
 
+[[nodiscard]] constexpr std::string_view to_string(limit_sample k) noexcept {
+  return k == limit_sample::ok ? "ok" : "dropped";
+}
+
 // The limiter at one moment (each value exact; the set is not one atomic
 // snapshot while calls run).
 struct adaptive_limit_figures {
