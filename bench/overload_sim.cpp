@@ -120,7 +120,7 @@ struct static_limit final : strategy {
 
 keel::adaptive_limit_options limit_options() {
   return {.name = "llm", .initial_limit = 20, .min_limit = 2, .max_limit = 1000, .tolerance = 2.0, .window = 32,
-          .probe_interval = 30s, .probe_limit = 4, .probe_samples = 32, .max_drift = 2,
+          .probe_interval = 30s, .probe_jitter = 0, .probe_limit = 4, .probe_samples = 32, .max_drift = 2,
           .classes = {{.name = "interactive"}, {.name = "batch", .share = 0.5}}};
 }
 keel::adaptive_throttle_options throttle_options() {

@@ -122,7 +122,7 @@ TEST_CASE("adaptive limit: a probe lowers the limit, ignores calls admitted befo
           "[adaptive_limit]") {
   manual_clock clock;
   keel::adaptive_limit lim({.initial_limit = 8, .tolerance = 1.5, .window = 4, .probe_interval = 30s,
-                            .probe_limit = 1, .probe_samples = 2, .max_drift = 100});
+                            .probe_jitter = 0, .probe_limit = 1, .probe_samples = 2, .max_drift = 100});
   finish_probe(lim, clock, 100ms);
   REQUIRE(lim.figures().baseline == 100ms);
   // Between probes the baseline stays put, whether windows are slow or fast.
@@ -155,7 +155,7 @@ TEST_CASE("adaptive limit: a probe lowers the limit, ignores calls admitted befo
 TEST_CASE("adaptive limit: a probe raises the baseline to at most max_drift times the floor, for the horizon",
           "[adaptive_limit]") {
   manual_clock clock;
-  keel::adaptive_limit lim({.initial_limit = 8, .window = 4, .probe_interval = 1min, .probe_limit = 1,
+  keel::adaptive_limit lim({.initial_limit = 8, .window = 4, .probe_interval = 1min, .probe_jitter = 0, .probe_limit = 1,
                             .probe_samples = 1, .max_drift = 2, .drift_horizon = 10min});
   finish_probe(lim, clock, 100ms);
   auto probe_at = [&](keel::duration latency) {
@@ -181,6 +181,33 @@ TEST_CASE("adaptive limit: a probe raises the baseline to at most max_drift time
   f = probe_at(120ms);
   CHECK(f.baseline == 120ms);
   CHECK(f.floor == 120ms);
+}
+
+TEST_CASE("adaptive limit: probes are jittered within probe_jitter of the interval, reproducibly by seed",
+          "[adaptive_limit]") {
+  // When does the second probe start? Windows of four 10 ms calls end every
+  // 10 ms; the probe starts with the first window ending past the interval.
+  auto second_probe_after = [](std::uint64_t seed, double jitter) {
+    manual_clock clock;
+    keel::adaptive_limit lim({.initial_limit = 8, .window = 4, .probe_interval = 10s, .probe_jitter = jitter,
+                              .jitter_seed = seed, .probe_limit = 4, .probe_samples = 4});
+    finish_probe(lim, clock, 10ms);
+    const keel::time_point first = clock.now();
+    while (!lim.figures().probing) run_batch(lim, clock, 4, 10ms);
+    return clock.now() - first;
+  };
+  CHECK(second_probe_after(1, 0.0) == 10s);
+  std::vector<keel::duration> seen;
+  for (std::uint64_t seed = 1; seed <= 8; ++seed) {
+    const keel::duration d = second_probe_after(seed, 0.5);
+    CHECK(d >= 10s);
+    CHECK(d <= 15s + 10ms);
+    CHECK(second_probe_after(seed, 0.5) == d);  // the same seed, the same jitter
+    seen.push_back(d);
+  }
+  std::sort(seen.begin(), seen.end());
+  CHECK(std::unique(seen.begin(), seen.end()) - seen.begin() >= 6);  // spread, not one instant
+  CHECK(seen.back() - seen.front() >= 1s);
 }
 
 TEST_CASE("adaptive limit: classes shed in order, batch within its share of the limit", "[adaptive_limit]") {
@@ -361,7 +388,8 @@ std::vector<phase_figures> run_incident(keel::adaptive_limit& lim, const std::ve
 
 keel::adaptive_limit_options incident_options() {
   return {.initial_limit = 20, .min_limit = 1, .max_limit = 500, .tolerance = 1.5, .window = 32,
-          .probe_interval = 30s, .probe_limit = 2, .probe_samples = 8, .max_drift = 2, .drift_horizon = 1h};
+          .probe_interval = 30s, .jitter_seed = 1, .probe_limit = 2, .probe_samples = 8, .max_drift = 2,
+          .drift_horizon = 1h};
 }
 
 }  // namespace
@@ -505,6 +533,7 @@ TEST_CASE("adaptive limit options: refused at construction with the field and ru
   CHECK(message({.tolerance = 0.9}) == "adaptive_limit_options.tolerance must be in [1, 100] (got 0.9)");
   CHECK(message({.window = 3}) == "adaptive_limit_options.window must be in [4, 255] (got 3)");
   CHECK(message({.probe_interval = 0s}) == "adaptive_limit_options.probe_interval must be in [1ms, 24h] (got 0s)");
+  CHECK(message({.probe_jitter = 1.5}) == "adaptive_limit_options.probe_jitter must be in [0, 1] (got 1.5)");
   CHECK(message({.probe_limit = 0}) == "adaptive_limit_options.probe_limit must be in [1, max_limit] (got 0)");
   CHECK(message({.probe_samples = 256}) == "adaptive_limit_options.probe_samples must be in [1, 255] (got 256)");
   CHECK(message({.max_drift = 0.5}) == "adaptive_limit_options.max_drift must be >= 1 (got 0.5)");

@@ -15,8 +15,9 @@
 //   The limit stays within [min_limit, max_limit].
 //
 // The baseline is measured, never inferred from the latency under load: at
-// the start and every `probe_interval` the limiter lowers the limit to
-// `probe_limit`, as Envoy's filter does, takes the mean of the next
+// the start and every `probe_interval` (stretched by up to `probe_jitter`
+// of itself, so replicas do not probe in step) the limiter lowers the limit
+// to `probe_limit`, as Envoy's filter does, takes the mean of the next
 // `probe_samples` calls admitted at that concurrency (calls admitted before
 // the probe do not count: their latency carries the old queue), sets the
 // baseline from it and restores the limit. So queueing of our own making is
@@ -122,6 +123,12 @@ struct adaptive_limit_options {
   int window = 32;
   // How often the baseline is re-measured at low concurrency; in [1ms, 24h].
   duration probe_interval = std::chrono::seconds(60);
+  // Each interval is stretched by a random share of itself up to this, so
+  // that replicas started together do not all probe at once (Envoy's filter
+  // jitters its probes too); in [0, 1]. 0: exactly probe_interval.
+  double probe_jitter = 0.1;
+  // Seeds the jitter; 0: a seed of its own per limiter.
+  std::uint64_t jitter_seed = 0;
   // The limit while re-measuring; in [1, max_limit].
   int probe_limit = 4;
   // Calls measured per probe; in [1, 255]. Their mean is the baseline, so
@@ -153,6 +160,8 @@ struct adaptive_limit_options {
     if (window < 4 || window > 255) return detail::invalid_field(who, "window", "be in [4, 255]", window);
     if (probe_interval < std::chrono::milliseconds(1) || probe_interval > std::chrono::hours(24))
       return detail::invalid_field(who, "probe_interval", "be in [1ms, 24h]", probe_interval);
+    if (!(probe_jitter >= 0.0 && probe_jitter <= 1.0))
+      return detail::invalid_field(who, "probe_jitter", "be in [0, 1]", probe_jitter);
     if (probe_limit < 1 || probe_limit > max_limit)
       return detail::invalid_field(who, "probe_limit", "be in [1, max_limit]", probe_limit);
     if (probe_samples < 1 || probe_samples > 255)
@@ -269,6 +278,8 @@ class adaptive_limit {
     for (std::size_t i = 0; i < options_.classes.size(); ++i) classes_[i].share = options_.classes[i].share;
     if (!options_.default_class.empty()) default_class_ = class_index(options_.default_class);
     if (options_.classes.empty()) default_class_ = 0;
+    rng_ = options_.jitter_seed != 0 ? options_.jitter_seed
+                                     : reinterpret_cast<std::uintptr_t>(this) ^ (next_seed().fetch_add(1) << 32);
     // Start with a probe: the first baseline is measured at low concurrency.
     saved_limit_ = limit_;
     start_probe_locked();
@@ -397,6 +408,11 @@ class adaptive_limit {
   friend class adaptive_limit_permit;
 
   // state_: epoch (31 bits) << 33 | probing << 32 | limit (32 bits).
+  static std::atomic<std::uint64_t>& next_seed() noexcept {
+    static std::atomic<std::uint64_t> seed{0x5eed};
+    return seed;
+  }
+
   static constexpr int limit_of(std::uint64_t s) noexcept { return static_cast<int>(s & 0xffffffffu); }
   static constexpr bool probing_of(std::uint64_t s) noexcept { return ((s >> 32) & 1u) != 0; }
   static constexpr std::uint32_t epoch_of(std::uint64_t s) noexcept { return static_cast<std::uint32_t>(s >> 33); }
@@ -536,10 +552,23 @@ class adaptive_limit {
     ++probes_;
     probing_ = false;
     limit_ = saved_limit_;
-    next_probe_ = now + options_.probe_interval;
+    next_probe_ = now + options_.probe_interval + jitter_locked();
     epoch_ = (epoch_ + 1) & 0x7fffffffu;
     publish_locked();
     window_.store(empty_window(epoch_), std::memory_order_release);
+  }
+
+  // A random share of the interval up to probe_jitter (splitmix64: no
+  // dependency, and reproducible from jitter_seed).
+  duration jitter_locked() {
+    if (options_.probe_jitter <= 0.0) return duration::zero();
+    std::uint64_t z = (rng_ += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    z ^= z >> 31;
+    const double u = static_cast<double>(z >> 11) * 0x1.0p-53;  // [0, 1)
+    return duration(static_cast<duration::rep>(
+        u * options_.probe_jitter * static_cast<double>(options_.probe_interval.count())));
   }
 
   void publish_locked() {
@@ -569,6 +598,7 @@ class adaptive_limit {
   time_point horizon_start_{};
   bool horizon_started_ = false;
   time_point next_probe_{};
+  std::uint64_t rng_ = 0;
   std::int64_t updates_ = 0;
   std::int64_t probes_ = 0;
 };
