@@ -129,7 +129,7 @@ struct adaptive_limit_options {
   double probe_jitter = 0.1;
   // Seeds the jitter; 0: a seed of its own per limiter.
   std::uint64_t jitter_seed = 0;
-  // The limit while re-measuring; in [1, max_limit].
+  // The limit while re-measuring (never above max_limit); in [1, 1000000].
   int probe_limit = 4;
   // Calls measured per probe; in [1, 255]. Their mean is the baseline, so
   // fewer than about 30 make it as noisy as the latency.
@@ -162,8 +162,8 @@ struct adaptive_limit_options {
       return detail::invalid_field(who, "probe_interval", "be in [1ms, 24h]", probe_interval);
     if (!(probe_jitter >= 0.0 && probe_jitter <= 1.0))
       return detail::invalid_field(who, "probe_jitter", "be in [0, 1]", probe_jitter);
-    if (probe_limit < 1 || probe_limit > max_limit)
-      return detail::invalid_field(who, "probe_limit", "be in [1, max_limit]", probe_limit);
+    if (probe_limit < 1 || probe_limit > 1000000)
+      return detail::invalid_field(who, "probe_limit", "be in [1, 1000000]", probe_limit);
     if (probe_samples < 1 || probe_samples > 255)
       return detail::invalid_field(who, "probe_samples", "be in [1, 255]", probe_samples);
     if (!(max_drift >= 1.0)) return detail::invalid_field(who, "max_drift", "be >= 1", max_drift);
@@ -573,7 +573,8 @@ class adaptive_limit {
 
   void publish_locked() {
     const int l = std::clamp(static_cast<int>(limit_), options_.min_limit, options_.max_limit);
-    state_.store(make_state(epoch_, probing_, probing_ ? options_.probe_limit : l), std::memory_order_release);
+    const int published = probing_ ? std::min(options_.probe_limit, options_.max_limit) : l;
+    state_.store(make_state(epoch_, probing_, published), std::memory_order_release);
   }
 
   adaptive_limit_options options_;
