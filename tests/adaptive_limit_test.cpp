@@ -535,7 +535,7 @@ TEST_CASE("adaptive limit options: refused at construction with the field and ru
   CHECK(message({.probe_interval = 0s}) == "adaptive_limit_options.probe_interval must be in [1ms, 24h] (got 0s)");
   CHECK(message({.probe_jitter = 1.5}) == "adaptive_limit_options.probe_jitter must be in [0, 1] (got 1.5)");
   CHECK(message({.probe_limit = 0}) == "adaptive_limit_options.probe_limit must be in [1, 1000000] (got 0)");
-  CHECK(message({.max_limit = 2}).empty());  // probe_limit 4 is then 2
+  CHECK(message({.initial_limit = 2, .max_limit = 2}).empty());  // probe_limit 4 is then 2
   CHECK(message({.probe_samples = 256}) == "adaptive_limit_options.probe_samples must be in [1, 255] (got 256)");
   CHECK(message({.max_drift = 0.5}) == "adaptive_limit_options.max_drift must be >= 1 (got 0.5)");
   CHECK(message({.probe_interval = 2min, .drift_horizon = 1min}) ==
