@@ -1,5 +1,6 @@
 // The protection components' costs: the closed breaker's allow + record,
-// a bulkhead slot beside a bare std::counting_semaphore, the token bucket,
+// a bulkhead slot beside a bare std::counting_semaphore, an adaptive limit's
+// permit and the adaptive throttle's decision, the token bucket,
 // admission across two levels, and the full protection pipeline around a
 // trivial provider. Names are stable; see docs/benchmarks.md.
 #include <chrono>
@@ -12,6 +13,8 @@
 #include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/core/call.hpp"
+#include "keel/policy/adaptive_limit.hpp"
+#include "keel/policy/adaptive_throttle.hpp"
 #include "keel/policy/adaptive_timeout.hpp"
 #include "keel/policy/admission.hpp"
 #include "keel/policy/breaker_registry.hpp"
@@ -72,6 +75,45 @@ void BM_Bulkhead_AcquireRelease(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_Bulkhead_AcquireRelease)->Threads(1)->Threads(2);
+
+// An adaptive limit's permit taken and given back with a latency sample
+// (fixed latency and time, so no clock read): one load and one CAS to take,
+// a decrement and a CAS on the window to give back, and once per 32 samples
+// the limit's update under its mutex. Compare with BM_Bulkhead_AcquireRelease.
+void BM_AdaptiveLimiter_AcquireRelease(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  static keel::adaptive_limit limit({.initial_limit = 64, .max_limit = 1000});
+  const keel::time_point now = keel::real_clock{}.now();
+  for (auto _ : state) {
+    keel::adaptive_limit_permit p = limit.try_acquire(0);
+    benchmark::DoNotOptimize(p);
+    p.release(1ms, now, keel::limit_sample::ok);
+  }
+}
+BENCHMARK(BM_AdaptiveLimiter_AcquireRelease)->Threads(1)->Threads(2);
+
+// The throttle's decision for a healthy provider (probability 0: no draw):
+// the sum of the window's buckets.
+void BM_AdaptiveThrottle_Allow(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  static keel::adaptive_throttle throttle({});
+  const keel::time_point now = keel::real_clock{}.now();
+  for (auto _ : state) benchmark::DoNotOptimize(throttle.allow(0, now));
+}
+BENCHMARK(BM_AdaptiveThrottle_Allow)->Threads(1)->Threads(2);
+
+// The same and the outcome recorded: the throttle's whole cost per call.
+void BM_AdaptiveThrottle_AllowRecord(benchmark::State& state) {
+  keel_bench::count_allocations allocs(state);
+  static keel::adaptive_throttle throttle({});
+  const keel::time_point now = keel::real_clock{}.now();
+  for (auto _ : state) {
+    const bool ok = throttle.allow(0, now);
+    benchmark::DoNotOptimize(ok);
+    throttle.record(now, true);
+  }
+}
+BENCHMARK(BM_AdaptiveThrottle_AllowRecord)->Threads(1)->Threads(2);
 
 // One token from a bucket that always has one (one CAS).
 void BM_RateLimiter_TryAcquire(benchmark::State& state) {

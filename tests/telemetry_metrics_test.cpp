@@ -25,6 +25,8 @@
 #include "keel/durable/once.hpp"
 #include "keel/observe/metrics.hpp"
 #include "keel/observe/prometheus.hpp"
+#include "keel/policy/adaptive_limit.hpp"
+#include "keel/policy/adaptive_throttle.hpp"
 #include "keel/policy/admission.hpp"
 #include "keel/policy/backoff.hpp"
 #include "keel/policy/bulkhead.hpp"
@@ -34,6 +36,7 @@
 #include "keel/store/memory.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_provider.hpp"
+#include "keel/testing/seeded_random.hpp"
 #include "support/alloc_counter.hpp"
 #include "support/catch.hpp"
 
@@ -627,4 +630,43 @@ TEST_CASE("job attempts are counted by queue and where the job went; full-queue 
   STATIC_REQUIRE(keel::wants<keel::metrics_listener, keel::events::job_finished>);
   STATIC_REQUIRE(keel::wants<keel::metrics_listener, keel::events::job_lost>);
   STATIC_REQUIRE(keel::wants<keel::metrics_listener, keel::events::job_rejected>);
+}
+
+TEST_CASE("adaptive limits: the limit as a gauge, refusals by limiter or throttle and class",
+          "[telemetry][adaptive]") {
+  manual_clock clock;
+  keel::metrics_registry registry;
+  const keel::metrics_listener listener(registry);
+  keel::adaptive_limit limit({.name = "llm", .initial_limit = 3, .window = 4, .probe_limit = 1, .probe_samples = 1,
+                              .classes = {{.name = "interactive"}, {.name = "batch", .share = 0.5}},
+                              .default_class = "interactive"});
+  keel::adaptive_throttle throttle({.name = "llm", .window = 1min}, keel::testing::seeded_random(4));
+  auto pipe = keel::pipeline(throttle, limit).on(clock).observe(listener);
+  auto run = [&](std::string_view cls, absl::Status result) {
+    keel::call call(clock.now(), {.timeout = 10s, .labels = {.work_class = cls}});
+    return pipe.run(call, [&](const keel::attempt&) -> absl::Status {
+      clock.advance(100ms);
+      return result;
+    });
+  };
+  REQUIRE(run("", absl::OkStatus()).ok());  // the first probe ends: the limit goes 1 -> 3
+  CHECK(value(registry.snapshot(), "keel_adaptive_limit", {"llm"}) == 3);
+  // Batch may fill one of the three: with one held, a batch call is refused.
+  keel::adaptive_limit_permit held = limit.try_acquire(0);
+  CHECK(keel::refused_by(run("batch", absl::OkStatus())) == "adaptive_limit:llm:batch");
+  held.release();
+  // A provider that throttles everything: the throttle starts rejecting.
+  int rejected = 0;
+  for (int i = 0; i < 40; ++i) {
+    const absl::Status s = run("interactive", absl::ResourceExhaustedError("429"));
+    if (keel::refused_by(s) == "adaptive_throttle:llm:default") ++rejected;
+  }
+  REQUIRE(rejected > 0);
+  const auto s = registry.snapshot();
+  CHECK(value(s, "keel_adaptive_limit_rejections_total", {"llm", "batch"}) == 1);
+  CHECK(value(s, "keel_adaptive_throttle_rejections_total", {"llm", "default"}) == rejected);
+  // The throttled windows shrank the limit: the gauge followed.
+  CHECK(value(s, "keel_adaptive_limit", {"llm"}) == limit.limit());
+  CHECK(limit.limit() < 3);
+  CHECK(keel::to_prometheus_text(s).ok());
 }

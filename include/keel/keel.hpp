@@ -24,6 +24,8 @@
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
 
+#include "keel/policy/adaptive_limit.hpp"
+#include "keel/policy/adaptive_throttle.hpp"
 #include "keel/policy/adaptive_timeout.hpp"
 #include "keel/policy/admission.hpp"
 #include "keel/policy/backoff.hpp"

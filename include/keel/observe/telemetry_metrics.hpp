@@ -29,6 +29,10 @@
 //                                             name, limit rate/in_flight/queued/compute/table_full
 //     keel_bulkhead_rejections_total{class,reason}        queue_full, queue_timeout,
 //                                             deadline, cancelled, unknown_class
+//   adaptive limits (keel/policy/adaptive_limit.hpp, keel/policy/adaptive_throttle.hpp)
+//     keel_adaptive_limit{limiter}            gauge: the limit after its latest change
+//     keel_adaptive_limit_rejections_total{limiter,class}
+//     keel_adaptive_throttle_rejections_total{throttle,class}   rejected locally
 //   circuit breakers (keel/policy/circuit_breaker.hpp)
 //     keel_breaker_transitions_total{breaker,from,to}
 //     keel_breaker_rejections_total{breaker,state}   calls refused, and in which state
@@ -228,6 +232,18 @@ class metrics_listener {
                                               .help = "Calls a bulkhead refused, by work class and reason.",
                                               .labels = {"class", "reason"}});
 
+    adaptive_limit_ = &registry.gauge({.name = p + "adaptive_limit",
+                                       .help = "An adaptive concurrency limit, after its latest change.",
+                                       .labels = {"limiter"}});
+    adaptive_limit_rejections_ = &registry.counter({.name = p + "adaptive_limit_rejections_total",
+                                                    .help = "Calls an adaptive concurrency limit refused, by "
+                                                            "work class.",
+                                                    .labels = {"limiter", "class"}});
+    adaptive_throttle_rejections_ = &registry.counter({.name = p + "adaptive_throttle_rejections_total",
+                                                       .help = "Calls an adaptive throttle rejected locally, by "
+                                                               "work class.",
+                                                       .labels = {"throttle", "class"}});
+
     transitions_ = &registry.counter({.name = p + "breaker_transitions_total",
                                       .help = "Circuit breaker state changes.",
                                       .labels = {"breaker", "from", "to"}});
@@ -317,6 +333,20 @@ class metrics_listener {
     named(*bulkhead_rejections_, labels, 0b01).inc();
   }
 
+  // --- adaptive limits (looked up by name: the family's lock, no allocation once seen)
+  void operator()(const events::adaptive_limit_changed& e) const {
+    std::string_view labels[] = {e.limiter};
+    named(*adaptive_limit_, labels, 0b1).set(static_cast<double>(e.to));
+  }
+  void operator()(const events::adaptive_limit_rejected& e) const {
+    std::string_view labels[] = {e.limiter, e.work_class};
+    named(*adaptive_limit_rejections_, labels, 0b11).inc();
+  }
+  void operator()(const events::adaptive_throttle_rejected& e) const {
+    std::string_view labels[] = {e.throttle, e.work_class};
+    named(*adaptive_throttle_rejections_, labels, 0b11).inc();
+  }
+
   // --- circuit breakers (looked up by name: the family's lock, no allocation once seen)
   void operator()(const events::breaker_state_changed& e) const {
     std::string_view labels[] = {e.breaker, to_string(e.change.from), to_string(e.change.to)};
@@ -386,8 +416,9 @@ class metrics_listener {
 
   // The series for `labels`; the values whose bit is set in `named` are
   // names from outside, which become "_other" once the family is full.
-  counter_metric& named(counter_family& f, std::span<std::string_view> labels, unsigned named) const {
-    if (counter_metric* c = f.with_at_most(labels, max_series_)) return *c;
+  template <class Metric>
+  Metric& named(metric_family<Metric>& f, std::span<std::string_view> labels, unsigned named) const {
+    if (Metric* c = f.with_at_most(labels, max_series_)) return *c;
     for (std::size_t i = 0; i < labels.size(); ++i) {
       if ((named >> i) & 1u) labels[i] = detail::other_label;
     }
@@ -400,6 +431,9 @@ class metrics_listener {
   std::array<counter_metric*, detail::retry_stop_reasons> retry_stops_{};
   counter_family* admission_rejections_ = nullptr;
   counter_family* bulkhead_rejections_ = nullptr;
+  gauge_family* adaptive_limit_ = nullptr;
+  counter_family* adaptive_limit_rejections_ = nullptr;
+  counter_family* adaptive_throttle_rejections_ = nullptr;
   counter_family* transitions_ = nullptr;
   counter_family* breaker_rejections_ = nullptr;
   counter_metric* hedges_started_ = nullptr;

@@ -1,5 +1,6 @@
 // keel/policy/events.hpp — the events keel's policies report (retry, admission,
-// bulkhead, circuit breaker), and the small enums and values they carry.
+// bulkhead, circuit breaker, adaptive limit and throttle), and the small enums
+// and values they carry.
 //
 // A light header: a listener or a metrics backend (keel/observe/telemetry_metrics.hpp)
 // includes this, not the policies. The policies include it and report these
@@ -141,6 +142,37 @@ struct breaker_rejected {
   const keel::call& call;
   std::string_view breaker;
   breaker_state state;
+};
+
+// --- adaptive limits (keel/policy/adaptive_limit.hpp, adaptive_throttle.hpp)
+
+// An adaptive concurrency limit refused a pass: its class's share of the
+// current limit was taken.
+struct adaptive_limit_rejected {
+  const keel::call& call;
+  std::string_view limiter;
+  std::string_view work_class;
+  int limit;      // the whole limit at the moment
+  int in_flight;  // calls holding a permit at the moment
+};
+
+// An adaptive concurrency limit moved, or started or ended a baseline probe.
+struct adaptive_limit_changed {
+  std::string_view limiter;
+  int from;
+  int to;
+  duration baseline;  // the latency the limit compares against
+  duration sample;    // the window's mean latency that caused the change
+  bool probing;       // true while the limit is lowered to re-measure the baseline
+};
+
+// An adaptive throttle rejected a pass locally, with probability
+// `reject_probability`.
+struct adaptive_throttle_rejected {
+  const keel::call& call;
+  std::string_view throttle;
+  std::string_view work_class;
+  double reject_probability;
 };
 
 }  // namespace events
