@@ -3,6 +3,8 @@
 #include "keel/policy/adaptive_timeout.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <chrono>
 #include <string>
 #include <thread>
@@ -202,4 +204,42 @@ TEST_CASE("a refused attempt says how much time was left in units people read", 
   CHECK(describe(-1500ms) == "-1.5s");
   CHECK(describe(0s) == "0s");
   CHECK(describe(2h) == "7200s");
+}
+
+// Every refresh is exact (nearest rank over the window), whatever the last
+// one left: heavy tails, ties, and a window that jumps up and then down
+// below everything it held, for a small top k (p99 of 256: the heap) and a
+// large one (p50 and p95 of 512: the candidates above the last floor).
+TEST_CASE("a latency_tracker's every refresh is the exact percentile of its window", "[timeout][tracker]") {
+  for (const double q : {0.99, 0.95, 0.5}) {
+    const int samples = q == 0.99 ? 256 : 512;
+    keel::latency_tracker t({.percentile = q, .samples = samples, .min_samples = samples, .refresh_every = 1});
+    std::vector<long long> window;
+    std::uint64_t x = 88172645463325252ull;  // xorshift: the same sequence every run
+    auto next = [&] {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      return static_cast<long long>(x % 1000);
+    };
+    int checked = 0;
+    for (int i = 0; i < 6 * samples; ++i) {
+      const int phase = i / samples;
+      long long v = next();
+      if (phase == 1) v = v % 4;                   // ties: four values
+      if (phase == 2) v = 1'000'000 + v * v * v;   // far above, heavy-tailed
+      if (phase == 3) v = v % 7;                   // below everything the last floor saw
+      t.record(std::chrono::nanoseconds(v));
+      window.push_back(v);
+      if (window.size() > static_cast<std::size_t>(samples)) window.erase(window.begin());
+      if (window.size() < static_cast<std::size_t>(samples)) continue;
+      std::vector<long long> sorted = window;
+      std::sort(sorted.begin(), sorted.end());
+      const auto rank = static_cast<std::size_t>(std::ceil(q * static_cast<double>(samples)));
+      const long long truth = sorted[rank - 1];
+      if (t.percentile()->count() != truth) FAIL("q " << q << ", sample " << i << ": " << t.percentile()->count() << " != " << truth);
+      ++checked;
+    }
+    CHECK(checked == 5 * samples + 1);
+  }
 }

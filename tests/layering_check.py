@@ -14,6 +14,7 @@ import sys
 LAYERS = ["core", "policy", "compose", "provider", "durable", "observe", "store", "testing"]
 DETAIL = {
     "boundary": "core",
+    "thread_slot": "core",
     "short_key": "policy",
     "keyed_table": "policy",
     "client_pool": "store",

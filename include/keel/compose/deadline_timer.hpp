@@ -432,17 +432,17 @@ class stop_source_lease {
 // when plan.stop is): the body of keel::cut_at_deadline, also used by
 // fallback for its primary and alternatives.
 template <class Ctx, class Fn>
-auto run_cut(deadline_timer_base& timer, Ctx& ctx, attempt_plan plan, Fn&& fn) -> decltype(fn(ctx, plan)) {
+auto run_cut(deadline_timer_base& timer, Ctx& ctx, const attempt_plan& plan, Fn&& fn) -> decltype(fn(ctx, plan)) {
   using R = decltype(fn(ctx, plan));
-  if (plan.deadline.is_infinite()) return fn(ctx, std::move(plan));
+  if (plan.deadline.is_infinite()) return fn(ctx, plan);
   stop_source_lease lease;
   std::stop_source& mine = lease.source();
   std::optional<std::stop_callback<forward_stop_to>> link;
   if (plan.stop.stop_possible()) link.emplace(plan.stop, forward_stop_to{&mine});
   deadline_cut cut(timer, plan.deadline, mine);
   const std::stop_token mine_token = mine.get_token();  // what plan.stop refers to below
-  const stop_ref caller = std::exchange(plan.stop, stop_ref(mine_token));
-  R r = fn(ctx, std::move(plan));
+  const stop_ref caller = plan.stop;
+  R r = fn(ctx, attempt_plan{.now = plan.now, .deadline = plan.deadline, .stop = mine_token, .hedge = plan.hedge});
   if (cut.disarm() && cut_reads_cancelled(status_of(r), caller, [&](const absl::Status& s) {
         return ctx.classify(s);
       })) {
@@ -461,8 +461,8 @@ class cut_at_deadline {
   explicit cut_at_deadline(deadline_timer_base& timer) noexcept : timer_(&timer) {}
 
   template <class Ctx, class Next>
-  auto execute(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
-    return detail::run_cut(*timer_, ctx, std::move(plan), next);
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) const -> decltype(next(ctx, plan)) {
+    return detail::run_cut(*timer_, ctx, plan, next);
   }
 
  private:

@@ -243,7 +243,7 @@ class fallback {
   [[nodiscard]] const std::vector<gate>& gates() const noexcept { return gates_; }
 
   template <class Ctx, class Next>
-  auto execute(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) const -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     R primary = run_primary(ctx, plan, next);
     const absl::Status& failure = status_of(primary);
@@ -258,10 +258,10 @@ class fallback {
 
  private:
   template <class Ctx, class Next>
-  auto run_primary(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
-    plan.deadline = plan.deadline.within(plan.now, options_.primary_at_most);
-    if (options_.cut == nullptr) return next(ctx, std::move(plan));
-    return detail::run_cut(*options_.cut, ctx, std::move(plan), next);
+  auto run_primary(Ctx& ctx, const attempt_plan& plan, Next& next) const -> decltype(next(ctx, plan)) {
+    const attempt_plan primary = plan.narrowed(plan.deadline.within(plan.now, options_.primary_at_most));
+    if (options_.cut == nullptr) return next(ctx, primary);
+    return detail::run_cut(*options_.cut, ctx, primary, next);
   }
 
   template <class Ctx>

@@ -371,7 +371,7 @@ class hedge {
   }
 
   template <class Ctx, class Next>
-  auto execute(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     static_assert(std::is_same_v<std::remove_cvref_t<decltype(ctx.clock)>, Clock>,
                   "keel::hedge<..., Clock> must run in a pipeline on the same clock type (pipeline.on(clock))");

@@ -123,7 +123,7 @@ class call {
         end_(o.timeout > duration::zero() ? o.deadline.within(now, o.timeout) : o.deadline),
         labels_(copy(o.labels)),
         max_attempts_(o.max_attempts),
-        operation_(o.operation) {
+        operation_{o.operation.effect, o.operation.idempotent} {  // by field: see copy()
     // Checked inline and reported out of line, from the fields alone: the
     // options' address never escapes, so a call built from a designated
     // initializer compiles to a few register moves (no copy through memory).

@@ -363,7 +363,7 @@ class adaptive_limit {
   // the pass; the pass's latency is a sample unless it was refused further
   // in or cancelled.
   template <class Ctx, class Next>
-  auto execute(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     const std::string_view label = ctx.call.labels().work_class;
     const std::optional<std::size_t> cls =

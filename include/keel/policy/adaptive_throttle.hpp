@@ -295,7 +295,7 @@ class adaptive_throttle {
   // allowed or rejected at plan.now; its classified outcome is recorded at
   // the time it ended.
   template <class Ctx, class Next>
-  auto execute(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     const std::string_view label = ctx.call.labels().work_class;
     const std::optional<std::size_t> cls =

@@ -127,7 +127,7 @@ class adaptive_timeout {
   }
 
   template <class Ctx, class Next>
-  auto execute(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     const duration left = plan.deadline.remaining(plan.now);
     // attempt_timeout() without its std::optional: copying one through the
@@ -135,8 +135,7 @@ class adaptive_timeout {
     if (left < options_.lower) [[unlikely]] return R(too_little_left(left));
     const duration timeout = std::min(left, current());
     const time_point start = plan.now;
-    plan.deadline = plan.deadline.within(start, timeout);
-    R r = next(ctx, plan);
+    R r = next(ctx, plan.narrowed(plan.deadline.within(start, timeout)));
     const absl::Status& s = status_of(r);
     if (s.ok()) [[likely]] {
       record(ctx.attempt_end(start) - start);

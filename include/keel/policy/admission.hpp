@@ -626,12 +626,12 @@ class admission {
 
   // The policy: admit the pass (estimate 0), run it, release.
   template <class Ctx, class Next>
-  auto execute(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
-    return run(ctx, std::move(plan), next, 0);
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) -> decltype(next(ctx, plan)) {
+    return run(ctx, plan, next, 0);
   }
 
   template <class Ctx, class Next>
-  auto run(Ctx& ctx, attempt_plan plan, Next& next, std::int64_t estimate, const admission_key* model = nullptr,
+  auto run(Ctx& ctx, const attempt_plan& plan, Next& next, std::int64_t estimate, const admission_key* model = nullptr,
            const admission_key* tenant = nullptr) -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     const labels& l = ctx.call.labels();
@@ -939,14 +939,14 @@ class admission_policy {
   }
 
   template <class Ctx, class Next>
-  auto execute(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) const -> decltype(next(ctx, plan)) {
     std::int64_t estimate = 0;
     if constexpr (!std::is_same_v<Estimator, no_estimate>) {
       estimate = static_cast<std::int64_t>(estimate_(std::as_const(ctx.call)));
     }
     const admission_key* tenant = nullptr;
     if constexpr (!std::is_same_v<TenantKey, no_tenant_key>) tenant = tenant_(std::as_const(ctx.call));
-    return admission_->run(ctx, std::move(plan), next, estimate, model_, tenant);
+    return admission_->run(ctx, plan, next, estimate, model_, tenant);
   }
 
  private:

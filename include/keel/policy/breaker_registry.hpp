@@ -217,8 +217,8 @@ class breaker_registry {
 
   // The policy: the call's domain breaker gates, runs and counts the pass.
   template <class Ctx, class Next>
-  auto execute(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
-    return breaker_for(ctx.call.labels()).execute(ctx, std::move(plan), next);
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) -> decltype(next(ctx, plan)) {
+    return breaker_for(ctx.call.labels()).execute(ctx, plan, next);
   }
 
   // A policy that refuses attempts while the call's domain breaker is open,
@@ -228,8 +228,8 @@ class breaker_registry {
    public:
     explicit gate(breaker_registry& r) noexcept : registry_(&r) {}
     template <class Ctx, class Next>
-    auto execute(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
-      return registry_->breaker_for(ctx.call.labels()).attempt_gate().execute(ctx, std::move(plan), next);
+    auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) const -> decltype(next(ctx, plan)) {
+      return registry_->breaker_for(ctx.call.labels()).attempt_gate().execute(ctx, plan, next);
     }
 
    private:

@@ -419,7 +419,7 @@ class bulkhead {
   // The policy: a slot of the call's work_class (or default_class) for the
   // pass, waiting within the plan's deadline and stop token.
   template <class Ctx, class Next>
-  auto execute(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     const std::string_view label = ctx.call.labels().work_class;
     std::optional<std::size_t> cls = label.empty() ? default_class_ : class_index(label);
@@ -431,7 +431,7 @@ class bulkhead {
                           "bulkhead"),
           outcome_kind::permanent));
     }
-    return run_in(*cls, ctx, std::move(plan), next);
+    return run_in(*cls, ctx, plan, next);
   }
 
  private:
@@ -440,7 +440,7 @@ class bulkhead {
   friend class bulkhead_class_ref;
 
   template <class Ctx, class Next>
-  auto run_in(std::size_t cls, Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
+  auto run_in(std::size_t cls, Ctx& ctx, const attempt_plan& plan, Next& next) -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     if (bulkhead_permit p = try_acquire(cls)) return next(ctx, plan);
     grant a = acquire_or_refuse(cls, ctx.clock, plan.now, plan.deadline, plan.stop);
@@ -448,7 +448,7 @@ class bulkhead {
       observe(ctx.listener, events::bulkhead_rejected{ctx.call, class_name(cls), a.why});
       return R(refusal(cls, a.why));
     }
-    if (a.permit.waited()) plan.now = ctx.clock.now();  // time passed in the queue
+    if (a.permit.waited()) return next(ctx, plan.from(ctx.clock.now()));  // time passed in the queue
     return next(ctx, plan);
   }
 
@@ -717,8 +717,8 @@ class bulkhead_class_ref {
   [[nodiscard]] std::size_t work_class() const noexcept { return cls_; }
 
   template <class Ctx, class Next>
-  auto execute(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
-    return bulkhead_->run_in(cls_, ctx, std::move(plan), next);
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) const -> decltype(next(ctx, plan)) {
+    return bulkhead_->run_in(cls_, ctx, plan, next);
   }
 
  private:

@@ -544,7 +544,7 @@ class circuit_breaker {
 
   // The policy: gate the pass, run it, count its outcome.
   template <class Ctx, class Next>
-  auto execute(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     detail::breaker_changes changes;
     breaker_permit permit = acquire(plan.now, &changes);
@@ -878,7 +878,7 @@ class breaker_attempt_gate {
   explicit breaker_attempt_gate(Breaker& b) noexcept : breaker_(&b) {}
 
   template <class Ctx, class Next>
-  auto execute(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) const -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     const breaker_state s = breaker_->state();
     if (s == breaker_state::open || s == breaker_state::forced_open) {

@@ -26,7 +26,10 @@
 // increment (~6 ns of a ~60 ns call): two threads recording in the same few
 // nanoseconds may take the same slot, and then one of their two latencies
 // is not kept and recorded() counts them once. A window of recent samples
-// estimates the same percentile without it.
+// estimates the same percentile without it. A refresh for the top k <= 8
+// keeps a heap of them; for more, it selects among the samples above the
+// last refresh's top k plus a margin (a pass without branches, then a
+// selection among a few more than k).
 #pragma once
 
 #include <algorithm>
@@ -36,6 +39,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string_view>
@@ -121,30 +125,62 @@ class latency_tracker {
     const auto rank =
         std::max<std::size_t>(1, static_cast<std::size_t>(std::ceil(options_.percentile * static_cast<double>(n))));
     const std::size_t k = n - rank + 1;
-    std::int64_t result = 0;
-    if (k <= 32) {
-      // A high percentile needs only the top k: one pass with a small min-heap.
-      auto first = scratch_.begin();
-      auto last = first;
-      for (std::size_t j = 0; j < n; ++j) {
+    if (k <= 8) {
+      // A high percentile of a small window needs only the top k: one pass
+      // with a min-heap of the largest k so far, its least in a register.
+      // A new entrant is rare (about k ln(n / k) of n, fewer with ties), so
+      // the scan is a load and a compare per sample.
+      std::int64_t* const first = scratch_.data();
+      std::int64_t* const last = first + k;
+      for (std::size_t j = 0; j < k; ++j) first[j] = ring_[j].load(std::memory_order_relaxed);
+      std::make_heap(first, last, std::greater<>());
+      std::int64_t least = *first;
+      for (std::size_t j = k; j < n; ++j) {
         const std::int64_t v = ring_[j].load(std::memory_order_relaxed);
-        if (static_cast<std::size_t>(last - first) < k) {
-          *last++ = v;
-          std::push_heap(first, last, std::greater<>());
-        } else if (v > *first) {
+        if (v > least) [[unlikely]] {
           std::pop_heap(first, last, std::greater<>());
           *(last - 1) = v;
           std::push_heap(first, last, std::greater<>());
+          least = *first;
         }
       }
-      result = *first;
-    } else {
-      for (std::size_t j = 0; j < n; ++j) scratch_[j] = ring_[j].load(std::memory_order_relaxed);
-      const auto nth = scratch_.begin() + static_cast<std::ptrdiff_t>(rank - 1);
-      std::nth_element(scratch_.begin(), nth, scratch_.begin() + static_cast<std::ptrdiff_t>(n));
-      result = *nth;
+      publish(least);
+      return;
     }
-    percentile_ns_.store(result, std::memory_order_relaxed);
+    // Larger k: the candidates are the samples at or above the floor the last refresh
+    // left, which held its top k plus a margin; usually a few more than k.
+    // If at least k samples are at or above it, the k-th largest is one of
+    // them, so the answer stays exact. The scan is a load, a store and a
+    // compare per sample, without a branch (a heap of the top k costs a
+    // mispredicted branch and a heap update per new entrant).
+    const std::int64_t floor = floor_;
+    std::int64_t* const c0 = scratch_.data();
+    std::size_t c = 0;
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::int64_t v = ring_[j].load(std::memory_order_relaxed);
+      c0[c] = v;
+      c += v >= floor ? 1 : 0;
+    }
+    if (c < k) {  // the window moved below the floor: all of it
+      for (std::size_t j = 0; j < n; ++j) c0[j] = ring_[j].load(std::memory_order_relaxed);
+      c = n;
+    }
+    // Ascending order: the k-th largest of c sits at c - k.
+    std::nth_element(c0, c0 + (c - k), c0 + c);
+    const std::int64_t result = c0[c - k];
+    // The next floor: the (k + margin)-th largest, below which lies [0, c - k).
+    const std::size_t want = std::min(c, k + std::max<std::size_t>(8, k / 2));
+    if (c - want < c - k) {
+      std::nth_element(c0, c0 + (c - want), c0 + (c - k));
+      floor_ = c0[c - want];
+    } else {
+      floor_ = result;
+    }
+    publish(result);
+  }
+
+  void publish(std::int64_t percentile) noexcept {
+    percentile_ns_.store(percentile, std::memory_order_relaxed);
     refreshing_.store(false, std::memory_order_release);
   }
 
@@ -159,6 +195,7 @@ class latency_tracker {
   std::atomic<std::uint64_t> written_{0};
   std::atomic<std::int64_t> percentile_ns_{-1};
   std::atomic<bool> refreshing_{false};
+  std::int64_t floor_ = std::numeric_limits<std::int64_t>::min();  // guarded by refreshing_
 };
 
 }  // namespace keel

@@ -89,37 +89,43 @@ class retry {
   [[nodiscard]] const retry_options& options() const noexcept { return options_; }
 
   template <class Ctx, class Next>
-  auto execute(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
-    using R = decltype(next(ctx, plan));
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) const -> decltype(next(ctx, plan)) {
     // Once per call: an outer layer or a hedge sharing the budget may have paid.
     if (options_.budget != nullptr) options_.budget->record_request(ctx.call, plan.now);
+    // The first attempt inline, the retries out of line: one return of one
+    // local, so the result is built in place (no move of a StatusOr).
+    decltype(next(ctx, plan)) r = next(ctx, plan);
+    if (!status_of(r).ok()) [[unlikely]] after_failure(ctx, plan, next, r);
+    return r;
+  }
+
+ private:
+  // Decides on `r`, the failed result of an attempt that started at
+  // first.now, and retries while it may: `r` ends as the answer.
+  template <class Ctx, class Next, class R>
+  [[gnu::noinline]] void after_failure(Ctx& ctx, const attempt_plan& first, Next& next, R& r) const {
+    attempt_plan plan = first;
     duration previous = duration::zero();
     using stop = events::retry_stopped::reason;
-    auto stopped = [&](stop why, R r) -> R {
-      observe(ctx.listener, events::retry_stopped{ctx.call, why, status_of(r)});
-      return r;
-    };
+    auto stopped = [&](stop why) { observe(ctx.listener, events::retry_stopped{ctx.call, why, status_of(r)}); };
     for (int k = 0;; ++k) {
-      R r = next(ctx, plan);
       const absl::Status& s = status_of(r);
-      if (s.ok()) return r;
+      if (s.ok()) return;
       const outcome_kind kind = ctx.classify(s);
-      if (kind == outcome_kind::cancelled) return stopped(stop::cancelled, std::move(r));
-      if (kind == outcome_kind::refused && !options_.wait_out_refusals)
-        return stopped(stop::not_retryable, std::move(r));
-      if (!retryable(s, kind, ctx.call.operation())) return stopped(stop::not_retryable, std::move(r));
-      if (k + 1 >= options_.max_attempts) return stopped(stop::layer_attempts, std::move(r));
-      if (ctx.call.attempts_exhausted()) return stopped(stop::call_attempts, std::move(r));
-      if (plan.stop.stop_requested()) return stopped(stop::cancelled, std::move(r));
+      if (kind == outcome_kind::cancelled) return stopped(stop::cancelled);
+      if (kind == outcome_kind::refused && !options_.wait_out_refusals) return stopped(stop::not_retryable);
+      if (!retryable(s, kind, ctx.call.operation())) return stopped(stop::not_retryable);
+      if (k + 1 >= options_.max_attempts) return stopped(stop::layer_attempts);
+      if (ctx.call.attempts_exhausted()) return stopped(stop::call_attempts);
+      if (plan.stop.stop_requested()) return stopped(stop::cancelled);
 
       // A refusal is retried only by its own hint (retryable() checked it has one).
       std::optional<duration> hint =
           options_.honour_retry_after || kind == outcome_kind::refused ? retry_after(s) : std::nullopt;
       if (hint && *hint > options_.max_retry_after) {
-        return stopped(stop::hint_too_long,
-                       R(annotate(s, absl::StrCat("keel: not retrying: asked to wait ", detail::describe(*hint),
-                                                  ", more than max_retry_after ",
-                                                  detail::describe(options_.max_retry_after)))));
+        r = R(annotate(s, absl::StrCat("keel: not retrying: asked to wait ", detail::describe(*hint),
+                                       ", more than max_retry_after ", detail::describe(options_.max_retry_after))));
+        return stopped(stop::hint_too_long);
       }
       const duration wait = hint ? *hint : backoff_.delay(k, previous, random_);
       previous = wait;
@@ -127,29 +133,30 @@ class retry {
       const time_point now = ctx.attempt_end(plan.now);  // read once, shared with the policies inside
       const duration left = plan.deadline.remaining(now);
       if (left <= wait || left - wait < options_.min_attempt_time) {
-        return stopped(stop::deadline,
-                       R(annotate(s, absl::StrCat("keel: retry not started: waiting ", detail::describe(wait),
-                                                  " would leave too little of the ", detail::describe(left),
-                                                  " left for an attempt"))));
+        r = R(annotate(s, absl::StrCat("keel: retry not started: waiting ", detail::describe(wait),
+                                       " would leave too little of the ", detail::describe(left),
+                                       " left for an attempt")));
+        return stopped(stop::deadline);
       }
       if (options_.budget != nullptr && !options_.budget->try_acquire_retry(now)) {
-        return stopped(stop::budget, R(with_refused_by(annotate(s, "keel: retry budget exhausted, not retrying"),
-                                                       "retry_budget")));
+        r = R(with_refused_by(annotate(s, "keel: retry budget exhausted, not retrying"), "retry_budget"));
+        return stopped(stop::budget);
       }
       observe(ctx.listener, events::retry_scheduled{ctx.call, k + 1, wait, hint.has_value(), s});
       if (wait > duration::zero()) {
         if (!ctx.clock.sleep_until(now + wait, plan.stop)) {
-          return stopped(stop::cancelled, R(annotate(s, "keel: call cancelled while waiting to retry")));
+          r = R(annotate(s, "keel: call cancelled while waiting to retry"));
+          return stopped(stop::cancelled);
         }
         plan.now = ctx.clock.now();
       } else {
         plan.now = now;
       }
       ctx.call.note_retry();
+      r = next(ctx, plan);
     }
   }
 
- private:
   retry_options options_;
   Backoff backoff_;
   Random random_;

@@ -29,6 +29,10 @@
 //
 // keel::retry and keel::hedge do both when their options name a budget.
 //
+// Requests are counted in per-thread cells (keel/detail/thread_slot.hpp):
+// a deposit is a plain load and store on its thread's own cache line, and
+// reading the requests (a retry, figures()) sums every thread's cells.
+//
 // Thread-safety: every operation is lock-free and may be called from any
 // thread. try_acquire_retry never admits more than the budget allows, even
 // under contention (it may briefly refuse one retry too many when two
@@ -47,6 +51,7 @@
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
 #include "keel/core/status.hpp"
+#include "keel/detail/thread_slot.hpp"
 
 namespace keel {
 
@@ -86,7 +91,7 @@ class retry_budget {
  public:
   // Throws keel::invalid_options if `o` is invalid.
   explicit retry_budget(const retry_budget_options& o = {})
-      : ratio_(o.ratio), per_bucket_ns_(static_cast<double>(kBuckets) / static_cast<double>(o.window.count())) {
+      : ratio_(o.ratio), per_bucket_(reciprocal(o.window / kBuckets)) {
     detail::require_valid(o.validate());
     if (o.min_per_second > 0.0) {
       // The floor as a GCRA: one retry every `interval_`, up to `burst_`
@@ -117,7 +122,14 @@ class retry_budget {
 
   // Deposits one request, whatever deposited before: for callers without a
   // keel::call, which must call it once per request themselves.
-  void record_request(time_point now) noexcept { add(requests_, epoch(now)); }
+  void record_request(time_point now) noexcept {
+    const int slot = detail::my_thread_slot();
+    if (slot == detail::kSharedSlot) [[unlikely]] {
+      add(requests_[slot].b, epoch(now));
+    } else {
+      add_own(requests_[slot].b, epoch(now));
+    }
+  }
 
   // Withdraws one retry if the budget allows it: from the floor when it has
   // a retry to give, otherwise from the ratio.
@@ -138,25 +150,38 @@ class retry_budget {
   [[nodiscard]] retry_budget_figures figures(time_point now) const noexcept {
     const std::uint32_t e = epoch(now);
     const std::int64_t from_floor = sum(floor_retries_, e);
-    return {sum(requests_, e), sum(retries_, e) + from_floor, ratio_allows(e) + from_floor + floor_holds(now)};
+    return {requests(e), sum(retries_, e) + from_floor, ratio_allows(e) + from_floor + floor_holds(now)};
   }
 
  private:
-  static constexpr int kBuckets = 10;
+  static constexpr int kBuckets = 16;  // a power of two: the bucket of an epoch is a mask
   // Each bucket packs (epoch << 32 | count) in one word, so rolling a bucket
   // over to a new epoch and counting in it is a single CAS.
   using buckets = std::array<std::atomic<std::uint64_t>, kBuckets>;
+  struct alignas(64) thread_buckets {
+    buckets b{};
+  };
   enum class floor_kind : std::uint8_t { none, rate, unlimited };
 
-  // A multiply, not a 64-bit division (~40-90 cycles, a third of a
-  // deposit's cost): monotone in `now`, so buckets stay in order, and within
-  // a nanosecond of window / kBuckets wide.
+  // now / (window / kBuckets) as a multiply by a 64.64 fixed-point
+  // reciprocal: not a 64-bit division (~40-90 cycles, a third of a
+  // deposit's cost), nor a floating-point one (a 12-cycle chain of
+  // conversions); monotone in `now`, so buckets stay in order.
+  __extension__ using wide = __int128;
+  [[nodiscard]] static std::uint64_t reciprocal(duration bucket) noexcept {
+    return static_cast<std::uint64_t>((wide{1} << 64) / std::max<std::int64_t>(1, bucket.count()));
+  }
   [[nodiscard]] std::uint32_t epoch(time_point now) const noexcept {
     return static_cast<std::uint32_t>(
-        static_cast<std::int64_t>(static_cast<double>(now.time_since_epoch().count()) * per_bucket_ns_));
+        static_cast<std::int64_t>((wide{now.time_since_epoch().count()} * wide{per_bucket_}) >> 64));
   }
   [[nodiscard]] std::int64_t ratio_allows(std::uint32_t e) const noexcept {
-    return static_cast<std::int64_t>(std::floor(ratio_ * static_cast<double>(sum(requests_, e))));
+    return static_cast<std::int64_t>(std::floor(ratio_ * static_cast<double>(requests(e))));
+  }
+  [[nodiscard]] std::int64_t requests(std::uint32_t e) const noexcept {
+    std::int64_t total = 0;
+    for (const thread_buckets& t : requests_) total += sum(t.b, e);
+    return total;
   }
 
   // GCRA: `tat_` is when the floor is next empty-handed (the theoretical
@@ -180,7 +205,7 @@ class retry_budget {
   }
 
   static void add(buckets& b, std::uint32_t e) noexcept {
-    std::atomic<std::uint64_t>& slot = b[e % kBuckets];
+    std::atomic<std::uint64_t>& slot = b[e & (kBuckets - 1)];
     std::uint64_t v = slot.load(std::memory_order_relaxed);
     std::uint64_t next = 0;
     do {
@@ -191,8 +216,17 @@ class retry_budget {
     } while (!slot.compare_exchange_weak(v, next, std::memory_order_relaxed));
   }
 
+  // add() for the one thread that writes `b`: no read-modify-write.
+  static void add_own(buckets& b, std::uint32_t e) noexcept {
+    std::atomic<std::uint64_t>& slot = b[e & (kBuckets - 1)];
+    const std::uint64_t v = slot.load(std::memory_order_relaxed);
+    const auto slot_epoch = static_cast<std::uint32_t>(v >> 32);
+    slot.store(static_cast<std::int32_t>(e - slot_epoch) > 0 ? (std::uint64_t{e} << 32) | 1u : v + 1,
+               std::memory_order_relaxed);
+  }
+
   static void remove(buckets& b, std::uint32_t e) noexcept {
-    std::atomic<std::uint64_t>& slot = b[e % kBuckets];
+    std::atomic<std::uint64_t>& slot = b[e & (kBuckets - 1)];
     std::uint64_t v = slot.load(std::memory_order_relaxed);
     while (static_cast<std::uint32_t>(v >> 32) == e && static_cast<std::uint32_t>(v) > 0) {
       if (slot.compare_exchange_weak(v, v - 1, std::memory_order_relaxed)) return;
@@ -210,13 +244,13 @@ class retry_budget {
   }
 
   double ratio_;
-  double per_bucket_ns_;  // kBuckets / window, in 1/ns
+  std::uint64_t per_bucket_;  // 2^64 / (window / kBuckets in ns)
   floor_kind floor_ = floor_kind::none;
   std::int64_t interval_ = 0;  // ns between floor retries
   std::int64_t burst_ = 0;     // ns the floor may run ahead of now
   std::int64_t capacity_ = 0;  // floor retries held at most, for figures()
   alignas(64) std::atomic<std::int64_t> tat_{std::numeric_limits<std::int64_t>::min() / 2};
-  buckets requests_{};
+  std::array<thread_buckets, detail::kThreadSlots + 1> requests_{};  // by thread slot
   buckets retries_{};        // drawn from the ratio
   buckets floor_retries_{};  // drawn from the floor, for figures()
 };

@@ -39,13 +39,12 @@ class time_limit {
   explicit time_limit(const time_limit_options& o) : at_most_(o.at_most) { detail::require_valid(o.validate()); }
 
   template <class Ctx, class Next>
-  auto execute(Ctx& ctx, attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) const -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     if (plan.deadline.expired(plan.now)) {
       return R(refusal(absl::DeadlineExceededError("keel: stage not started: deadline passed"), "time_limit"));
     }
-    plan.deadline = plan.deadline.within(plan.now, at_most_);
-    return next(ctx, plan);
+    return next(ctx, plan.narrowed(plan.deadline.within(plan.now, at_most_)));
   }
 
  private:

@@ -262,7 +262,7 @@ class shared_quota {
   // attempt begun and no cost charged (a level further in refused it)
   // refunds its unit.
   template <class Ctx, class Next>
-  auto execute(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     const call_record before = ctx.call.record();
     if (!options_.charge_replays && before.replayed) return next(ctx, plan);
