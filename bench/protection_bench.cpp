@@ -167,9 +167,13 @@ BENCHMARK(BM_Pipeline_Protection_Success)->Threads(1)->Threads(2);
 // BM_Pipeline_RetryTimeout_Success (keel_bench_core), the same without the
 // three protection policies.
 //
-// The model and the work class are resolved once, where the pipeline is
-// built (a call site serves one model and one class); the tenant is looked
-// up by the call's label. _ByLabel looks up all three per call.
+// Every level is resolved by handle, as the issue asks ("labels resolved
+// once per call site, not per call"): the model and the work class where
+// the pipeline is built (a call site serves one model and one class), the
+// tenant once per client session (admission::tenant_key), carried by the
+// service's request and read by the admission stage. _TenantByLabel looks
+// the tenant up by the call's label (this benchmark's form until the fourth
+// pass); _ByLabel looks up all three per call.
 // What a service's request might carry: its tenant resolved once per
 // client session (admission::tenant_key), read by the admission stage.
 struct session_request {
@@ -215,14 +219,14 @@ void run_full_pipeline(benchmark::State& state) {
                         keel::retry({.max_attempts = 3, .budget = &budget}), timeouts));
   }
 }
-void BM_Pipeline_Full_Success(benchmark::State& state) { run_full_pipeline<resolved::at_call_site>(state); }
+void BM_Pipeline_Full_Success(benchmark::State& state) { run_full_pipeline<resolved::with_session>(state); }
 BENCHMARK(BM_Pipeline_Full_Success)->Threads(1)->Threads(2);
+void BM_Pipeline_Full_Success_TenantByLabel(benchmark::State& state) {
+  run_full_pipeline<resolved::at_call_site>(state);
+}
+BENCHMARK(BM_Pipeline_Full_Success_TenantByLabel)->Threads(1)->Threads(2);
 void BM_Pipeline_Full_Success_ByLabel(benchmark::State& state) { run_full_pipeline<resolved::by_label>(state); }
 BENCHMARK(BM_Pipeline_Full_Success_ByLabel)->Threads(1)->Threads(2);
-void BM_Pipeline_Full_Success_SessionTenant(benchmark::State& state) {
-  run_full_pipeline<resolved::with_session>(state);
-}
-BENCHMARK(BM_Pipeline_Full_Success_SessionTenant)->Threads(1)->Threads(2);
 
 // The seed's whole plan, built once, outer to inner: fallback (a small model
 // behind a residency gate, then cached feedback) + admission + bulkhead +

@@ -237,7 +237,8 @@ TEST_CASE("a latency_tracker's every refresh is the exact percentile of its wind
       std::sort(sorted.begin(), sorted.end());
       const auto rank = static_cast<std::size_t>(std::ceil(q * static_cast<double>(samples)));
       const long long truth = sorted[rank - 1];
-      if (t.percentile()->count() != truth) FAIL("q " << q << ", sample " << i << ": " << t.percentile()->count() << " != " << truth);
+      if (t.percentile()->count() != truth)
+        FAIL("q " << q << ", sample " << i << ": " << t.percentile()->count() << " != " << truth);
       ++checked;
     }
     CHECK(checked == 5 * samples + 1);

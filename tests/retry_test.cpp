@@ -12,6 +12,7 @@
 #include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/core/call.hpp"
+#include "keel/detail/thread_slot.hpp"
 #include "keel/policy/backoff.hpp"
 #include "keel/policy/retry_budget.hpp"
 #include "keel/testing/manual_clock.hpp"
@@ -485,4 +486,42 @@ TEST_CASE("invalid retry options are refused with the field named", "[retry][opt
   CHECK(contains(message([] { keel::retry_budget b({.min_per_second = -1}); }), "min_per_second"));
   CHECK(contains(message([] { keel::retry_budget b({.window = 1ms}); }), "window"));
   CHECK(message([] { keel::retry r({.max_attempts = 2}); }) == "accepted");
+}
+
+// Requests are counted in per-thread cells (keel/detail/thread_slot.hpp):
+// more threads than there are cells, some alive at once and some after
+// others have exited, all deposit, and the cells go back when threads end.
+TEST_CASE("the retry budget counts the requests of more threads than it has cells", "[budget][concurrency]") {
+  keel::retry_budget budget({.ratio = 1.0, .min_per_second = 0.0, .window = 10s});
+  keel::testing::manual_clock clock;
+  const int before = keel::detail::thread_slot_pool::taken();
+  constexpr int kThreads = keel::detail::kThreadSlots + 16;
+  constexpr int kEach = 500;
+  std::atomic<int> started{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&] {
+      started.fetch_add(1);
+      while (!go.load()) std::this_thread::yield();
+      for (int i = 0; i < kEach; ++i) budget.record_request(clock.now());
+    });
+  }
+  while (started.load() < kThreads) std::this_thread::yield();
+  go.store(true);
+  for (auto& t : threads) t.join();
+  threads.clear();
+  // A second wave on slots the first gave back.
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < kEach; ++i) budget.record_request(clock.now());
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(budget.figures(clock.now()).requests == std::int64_t{kThreads + 8} * kEach);
+  CHECK(budget.figures(clock.now()).allowed == std::int64_t{kThreads + 8} * kEach);
+  CHECK(keel::detail::thread_slot_pool::taken() <= before);  // threads of earlier tests may have ended since
+  // And they age out with the window, as the shared count did.
+  clock.advance(11s);
+  CHECK(budget.figures(clock.now()).requests == 0);
 }

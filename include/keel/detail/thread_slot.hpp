@@ -13,6 +13,7 @@
 // release/acquire pair, so the next owner sees the previous one's writes).
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <bit>
 #include <cstdint>
@@ -72,5 +73,32 @@ struct thread_slot_holder {
   const int i = thread_slot_index;
   return i >= 0 ? i : take_thread_slot();
 }
+
+// A count that many threads add to and few read (completed calls): each
+// thread adds to its own cell with a plain load and store; read() sums
+// the cells. 4 KiB.
+class sharded_count {
+ public:
+  void add(std::int64_t n = 1) noexcept {
+    const int slot = my_thread_slot();
+    std::atomic<std::int64_t>& c = cells_[static_cast<std::size_t>(slot)].value;
+    if (slot == kSharedSlot) [[unlikely]] {
+      c.fetch_add(n, std::memory_order_relaxed);
+    } else {
+      c.store(c.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+    }
+  }
+  [[nodiscard]] std::int64_t read() const noexcept {
+    std::int64_t total = 0;
+    for (const cell& c : cells_) total += c.value.load(std::memory_order_relaxed);
+    return total;
+  }
+
+ private:
+  struct alignas(64) cell {
+    std::atomic<std::int64_t> value{0};
+  };
+  std::array<cell, kThreadSlots + 1> cells_{};
+};
 
 }  // namespace keel::detail

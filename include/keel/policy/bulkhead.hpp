@@ -52,7 +52,7 @@
 // test's manual clock drives queue ages and deadlines.
 //
 // Cost: taking and giving back a slot without waiting is lock-free — one
-// CAS each, plus one relaxed increment for the completed count.
+// CAS each; the completed count is kept per thread (a plain store).
 //
 // Thread-safety: every operation may be called from any thread. A permit
 // may be released on a thread other than the one that acquired it.
@@ -85,6 +85,7 @@
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
 #include "keel/detail/short_key.hpp"
+#include "keel/detail/thread_slot.hpp"
 #include "keel/policy/events.hpp"
 
 namespace keel {
@@ -392,7 +393,7 @@ class bulkhead {
     f.active = static_cast<int>(own_of(w)) + borrowed;
     f.lent = static_cast<int>(lent_of(w));
     f.queued = static_cast<int>(queued_of(w));
-    f.completed = c.completed.load(std::memory_order_relaxed);
+    f.completed = c.completed.read();
     f.admitted = f.completed + f.active;
     f.rejected = c.rejected.load(std::memory_order_relaxed);
     f.timed_out = c.timed_out.load(std::memory_order_relaxed);
@@ -474,7 +475,7 @@ class bulkhead {
     // the borrower's queue) and a borrower joining its queue (write its
     // word, read the lender's) must not both miss each other.
     alignas(64) std::atomic<std::uint64_t> word{0};
-    alignas(64) std::atomic<std::int64_t> completed{0};
+    detail::sharded_count completed;  // bumped by every call: per-thread cells
     std::atomic<std::int64_t> rejected{0}, timed_out{0}, cancelled{0};
     std::array<std::atomic<std::int64_t>, bulkhead_figures::delay_bounds.size() + 1> delay{};
     int capacity = 0, guaranteed = 0, max_queue = 0;
@@ -649,7 +650,7 @@ class bulkhead {
 
   void release(std::size_t cls, std::uint16_t lender_index, std::int32_t rule) noexcept {
     class_state& c = classes_[cls];
-    c.completed.fetch_add(1, std::memory_order_relaxed);
+    c.completed.add();
     if (rule < 0) {
       give_back(c, kOwnOne, static_cast<std::uint16_t>(cls));
     } else {

@@ -83,7 +83,9 @@
 //
 // Cost: the closed path is lock-free — one load to admit; to record, one
 // load, one fetch_add and, when the outcome differs from the sample it
-// replaces, one exchange. Transitions take a mutex (they are rare).
+// replaces, one exchange. A success while the count window holds only
+// successes writes nothing at all (three loads). Transitions take a mutex
+// (they are rare).
 //
 // Thread-safety: every operation may be called from any thread.
 // on_state_change is called with the breaker's transition lock held, in
@@ -309,6 +311,13 @@ class count_window {
         slots_(std::make_unique<std::atomic<std::uint8_t>[]>(static_cast<std::size_t>(n))) {}
 
   void add(bool failed, bool slow) noexcept {
+    // A success into a window of successes only: it stays one whichever
+    // slot it replaces, so skip the slot's claim (a locked increment shared
+    // by every thread) and the write. A concurrent failure may then replace
+    // a success as if it had come just after this one.
+    if (!failed && !slow && calls_.load(std::memory_order_relaxed) == static_cast<int>(n_) &&
+        failures_.load(std::memory_order_relaxed) == 0 && slow_.load(std::memory_order_relaxed) == 0)
+      return;
     const auto v = static_cast<std::uint8_t>(1u | (failed ? 2u : 0u) | (slow ? 4u : 0u));
     const auto i = next_.fetch_add(1, std::memory_order_relaxed);
     std::atomic<std::uint8_t>& slot = slots_[index(i)];
@@ -545,6 +554,50 @@ class circuit_breaker {
   // The policy: gate the pass, run it, count its outcome.
   template <class Ctx, class Next>
   auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) -> decltype(next(ctx, plan)) {
+    // The healthy path: closed, and slowness not judged, so a success needs
+    // no time and no permit; it changes nothing but the window.
+    const std::uint64_t w = word_.load(std::memory_order_acquire);
+    if (state_of(w) == breaker_state::closed && !slow_tracked_) [[likely]] {
+      decltype(next(ctx, plan)) r = next(ctx, plan);
+      if (status_of(r).ok()) [[likely]] {
+        closed_success(gen_of(w), plan.now);
+      } else {
+        finish_closed(ctx, plan, status_of(r), gen_of(w));
+      }
+      return r;
+    }
+    return execute_any(ctx, plan, next);
+  }
+
+  // Internals from here on.
+ private:
+  friend class breaker_permit;
+
+  template <class Ctx>
+  [[gnu::noinline]] void finish_closed(Ctx& ctx, const attempt_plan& plan, const absl::Status& s,
+                                       std::uint32_t gen) noexcept {
+    // As finish() for a closed breaker's permit (see execute_any()).
+    const outcome_kind kind = ctx.classify(s);
+    if (kind == outcome_kind::refused) return;
+    const breaker_verdict v = verdict(kind);
+    if (v == breaker_verdict::ignore) return;
+    detail::breaker_changes changes;
+    closed_result(gen, v == breaker_verdict::failure, false, ctx.attempt_end(plan.now), &changes);
+    report(ctx, changes);
+  }
+
+  void closed_success(std::uint32_t gen, time_point now) noexcept {
+    const std::uint64_t w = word_.load(std::memory_order_acquire);
+    if (state_of(w) != breaker_state::closed || gen_of(w) != gen) return;  // a result from an earlier period
+    if (count_) {
+      count_->add(false, false);
+    } else {
+      time_->add(now, false, false);
+    }
+  }
+
+  template <class Ctx, class Next>
+  auto execute_any(Ctx& ctx, const attempt_plan& plan, Next& next) -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
     detail::breaker_changes changes;
     breaker_permit permit = acquire(plan.now, &changes);
@@ -574,10 +627,6 @@ class circuit_breaker {
     report(ctx, changes);
     return r;
   }
-
-  // Internals from here on.
- private:
-  friend class breaker_permit;
 
   // The internals behind try_acquire / breaker_permit::record, with the
   // transitions they cause reported to `changes`.
