@@ -234,8 +234,15 @@ class chaos_fault {
 
   template <class Ctx, class Next>
   auto execute(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
-    using R = decltype(next(ctx, plan));
     if (!switch_.enabled()) [[likely]] return next(ctx, plan);
+    return drill(ctx, plan, next);
+  }
+
+ private:
+  // Out of line, so that the off path above inlines to a load and a branch.
+  template <class Ctx, class Next>
+  [[gnu::noinline, gnu::cold]] auto drill(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
+    using R = decltype(next(ctx, plan));
     if (!switch_.hit(ctx.call.labels())) return next(ctx, plan);
     observe(ctx.listener, events::chaos_injected{.call = ctx.call,
                                                  .stage = switch_.name(),
@@ -245,6 +252,7 @@ class chaos_fault {
     return R(fault_);  // a copy shares the status's representation: no allocation
   }
 
+ public:
   void enable() noexcept { switch_.set_enabled(true); }
   void disable() noexcept { switch_.set_enabled(false); }
   void set_enabled(bool on) noexcept { switch_.set_enabled(on); }
@@ -293,8 +301,15 @@ class chaos_latency {
 
   template <class Ctx, class Next>
   auto execute(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
-    using R = decltype(next(ctx, plan));
     if (!switch_.enabled()) [[likely]] return next(ctx, plan);
+    return drill(ctx, plan, next);
+  }
+
+ private:
+  // Out of line, so that the off path above inlines to a load and a branch.
+  template <class Ctx, class Next>
+  [[gnu::noinline, gnu::cold]] auto drill(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
+    using R = decltype(next(ctx, plan));
     if (!switch_.hit(ctx.call.labels())) return next(ctx, plan);
     const duration delay = this->delay();
     observe(ctx.listener, events::chaos_injected{.call = ctx.call,
@@ -315,6 +330,7 @@ class chaos_latency {
     return next(ctx, plan);
   }
 
+ public:
   void enable() noexcept { switch_.set_enabled(true); }
   void disable() noexcept { switch_.set_enabled(false); }
   void set_enabled(bool on) noexcept { switch_.set_enabled(on); }
@@ -361,10 +377,16 @@ class chaos_outcome {
 
   template <class Ctx, class Next>
   auto execute(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
-    using R = decltype(next(ctx, plan));
-    static_assert(std::is_constructible_v<R, const T&>,
+    static_assert(std::is_constructible_v<decltype(next(ctx, plan)), const T&>,
                   "keel: a chaos_outcome<T> must be convertible to the pipeline's result type");
     if (!switch_.enabled()) [[likely]] return next(ctx, plan);
+    return drill(ctx, plan, next);
+  }
+
+ private:
+  template <class Ctx, class Next>
+  [[gnu::noinline, gnu::cold]] auto drill(Ctx& ctx, attempt_plan plan, Next& next) -> decltype(next(ctx, plan)) {
+    using R = decltype(next(ctx, plan));
     if (!switch_.hit(ctx.call.labels())) return next(ctx, plan);
     observe(ctx.listener, events::chaos_injected{.call = ctx.call,
                                                  .stage = switch_.name(),
@@ -374,6 +396,7 @@ class chaos_outcome {
     return R(outcome_);
   }
 
+ public:
   void enable() noexcept { switch_.set_enabled(true); }
   void disable() noexcept { switch_.set_enabled(false); }
   void set_enabled(bool on) noexcept { switch_.set_enabled(on); }
