@@ -273,6 +273,16 @@ void BM_Chaos_Off(benchmark::State& state) {
 }
 BENCHMARK(BM_Chaos_Off)->Threads(1)->Threads(2);
 
+// The same two stages, off, outermost instead of next to the provider.
+void BM_Chaos_Off_Outermost(benchmark::State& state) {
+  static keel::chaos_fault fault({.name = "drill-fault", .rate = 0.05});
+  static keel::chaos_latency slow({.name = "drill-latency", .rate = 0.05, .delay = 800ms});
+  run_chaos_bench(state, keel::pipeline(fault, slow, keel::time_limit({.at_most = 2s}), chaos_bench_breaker(),
+                                        keel::retry({.max_attempts = 3, .budget = &chaos_bench_budget()}),
+                                        chaos_bench_timeouts()));
+}
+BENCHMARK(BM_Chaos_Off_Outermost)->Threads(1)->Threads(2);
+
 void BM_Chaos_On_Fault(benchmark::State& state) {
   static keel::chaos_fault fault({.name = "drill-fault", .enabled = true, .rate = 1.0,
                                   .when = {.tenant = "acme", .model = "m-large"}});
