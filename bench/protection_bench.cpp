@@ -18,6 +18,7 @@
 #include "keel/policy/adaptive_timeout.hpp"
 #include "keel/policy/admission.hpp"
 #include "keel/policy/breaker_registry.hpp"
+#include "keel/policy/chaos.hpp"
 #include "keel/policy/bulkhead.hpp"
 #include "keel/policy/circuit_breaker.hpp"
 #include "keel/policy/rate_limiter.hpp"
@@ -227,6 +228,73 @@ void BM_Pipeline_Full_Success_TenantByLabel(benchmark::State& state) {
 BENCHMARK(BM_Pipeline_Full_Success_TenantByLabel)->Threads(1)->Threads(2);
 void BM_Pipeline_Full_Success_ByLabel(benchmark::State& state) { run_full_pipeline<resolved::by_label>(state); }
 BENCHMARK(BM_Pipeline_Full_Success_ByLabel)->Threads(1)->Threads(2);
+
+// Chaos stages (keel/policy/chaos.hpp) as a drill leaves them between
+// drills: a fault and a latency stage next to the provider, switched off.
+// BM_Chaos_Without is the same pipeline without them, in the same run: the
+// difference is what "off" costs (one relaxed load per stage).
+// BM_Chaos_On_Fault is a fault injected on every call, outermost: the
+// labels checked, one draw, the status copied (its representation shared),
+// nothing inward run.
+keel::circuit_breaker& chaos_bench_breaker() {
+  static keel::circuit_breaker breaker({.name = "chaos-bench"});
+  return breaker;
+}
+keel::retry_budget& chaos_bench_budget() {
+  static keel::retry_budget budget({.ratio = 0.1});
+  return budget;
+}
+keel::adaptive_timeout& chaos_bench_timeouts() {
+  static keel::adaptive_timeout timeouts;
+  return timeouts;
+}
+
+template <class Pipe>
+void run_chaos_bench(benchmark::State& state, const Pipe& pipe) {
+  keel_bench::count_allocations allocs(state);
+  const keel::labels labels{.tenant = "acme", .model = "m-large", .work_class = "interactive"};
+  for (auto _ : state) {
+    const keel::time_point now = keel::real_clock{}.now();
+    keel::call call(now, {.timeout = 3s, .response_reserve = 200ms, .labels = labels});
+    absl::StatusOr<int> r = pipe.run(call, now, provider{});
+    benchmark::DoNotOptimize(r);
+  }
+}
+
+void BM_Chaos_Without(benchmark::State& state) {
+  run_chaos_bench(state, keel::pipeline(keel::time_limit({.at_most = 2s}), chaos_bench_breaker(),
+                                        keel::retry({.max_attempts = 3, .budget = &chaos_bench_budget()}),
+                                        chaos_bench_timeouts()));
+}
+BENCHMARK(BM_Chaos_Without)->Threads(1)->Threads(2);
+
+void BM_Chaos_Off(benchmark::State& state) {
+  static keel::chaos_fault fault({.name = "drill-fault", .rate = 0.05});
+  static keel::chaos_latency slow({.name = "drill-latency", .rate = 0.05, .delay = 800ms});
+  run_chaos_bench(state, keel::pipeline(keel::time_limit({.at_most = 2s}), chaos_bench_breaker(),
+                                        keel::retry({.max_attempts = 3, .budget = &chaos_bench_budget()}),
+                                        chaos_bench_timeouts(), fault, slow));
+}
+BENCHMARK(BM_Chaos_Off)->Threads(1)->Threads(2);
+
+// The same two stages, off, outermost instead of next to the provider.
+void BM_Chaos_Off_Outermost(benchmark::State& state) {
+  static keel::chaos_fault fault({.name = "drill-fault", .rate = 0.05});
+  static keel::chaos_latency slow({.name = "drill-latency", .rate = 0.05, .delay = 800ms});
+  run_chaos_bench(state, keel::pipeline(fault, slow, keel::time_limit({.at_most = 2s}), chaos_bench_breaker(),
+                                        keel::retry({.max_attempts = 3, .budget = &chaos_bench_budget()}),
+                                        chaos_bench_timeouts()));
+}
+BENCHMARK(BM_Chaos_Off_Outermost)->Threads(1)->Threads(2);
+
+void BM_Chaos_On_Fault(benchmark::State& state) {
+  static keel::chaos_fault fault({.name = "drill-fault", .enabled = true, .rate = 1.0,
+                                  .when = {.tenant = "acme", .model = "m-large"}});
+  run_chaos_bench(state, keel::pipeline(fault, keel::time_limit({.at_most = 2s}), chaos_bench_breaker(),
+                                        keel::retry({.max_attempts = 3, .budget = &chaos_bench_budget()}),
+                                        chaos_bench_timeouts()));
+}
+BENCHMARK(BM_Chaos_On_Fault)->Threads(1)->Threads(2);
 
 // The seed's whole plan, built once, outer to inner: fallback (a small model
 // behind a residency gate, then cached feedback) + admission + bulkhead +

@@ -31,6 +31,7 @@
 #include "keel/policy/backoff.hpp"
 #include "keel/policy/breaker_registry.hpp"
 #include "keel/policy/bulkhead.hpp"
+#include "keel/policy/chaos.hpp"
 #include "keel/policy/circuit_breaker.hpp"
 #include "keel/policy/events.hpp"
 #include "keel/policy/latency_tracker.hpp"

@@ -4,7 +4,7 @@
 //
 // Every statement is sent with PQsendQueryPrepared / PQsendQueryParams on a
 // non-blocking socket and awaited with poll() until the command timeout; a
-// statement that runs past it is cancelled and its connection discarded.
+// statement that runs past it is abandoned and its connection discarded.
 // Values always travel as parameters (binary format); only the schema name,
 // validated and quoted with PQescapeIdentifier, appears in statement text.
 //
@@ -229,6 +229,27 @@ class pg_connection {
         },
         effect, timeout, "setup");
   }
+  // The server-side backstops for a statement whose client gave up:
+  // `statement_timeout`, and (server 14 and later) a check every 500 ms that
+  // the client is still there, so a statement abandoned at the client's
+  // timeout stops soon after. Each setting is bounded by `command_timeout`.
+  [[nodiscard]] absl::Status set_backstops(duration statement_timeout, duration command_timeout) {
+    const std::string timeout =
+        absl::StrCat(std::chrono::duration_cast<std::chrono::milliseconds>(statement_timeout).count(), "ms");
+    pg_params<1> t;
+    t.add(timeout);
+    if (auto r = exec("SELECT set_config('statement_timeout', $1::text, false)", t, pg_effect::read, command_timeout);
+        !r.ok())
+      return r.status();
+    if (PQserverVersion(c_.get()) >= 140000) {
+      if (auto r = exec("SELECT set_config('client_connection_check_interval', '500ms', false)", pg_effect::read,
+                        command_timeout);
+          !r.ok())
+        return r.status();
+    }
+    return absl::OkStatus();
+  }
+
   [[nodiscard]] absl::StatusOr<pg_result> exec(std::string_view sql, pg_effect effect, duration timeout) {
     return exec(sql, pg_params<1>{}, effect, timeout);
   }
@@ -354,13 +375,13 @@ class pg_connection {
   }
 
   absl::Status timed_out(pg_effect effect, std::string_view what, duration timeout) {
-    // Ask the server to stop the statement, and never reuse this session:
-    // its state (and any late cancel) is unknown.
-    if (PGcancel* k = PQgetCancel(c_.get())) {
-      char err[256];
-      (void)PQcancel(k, err, sizeof err);
-      PQfreeCancel(k);
-    }
+    // Never reuse this session: its state is unknown. No PQcancel: it opens
+    // a connection and waits for the server's answer without any bound, so
+    // against a frozen server (SIGSTOP, a hung host) the caller would hang
+    // past its timeout (tests/scaleout_faults_test.cpp). The session is
+    // closed instead; the server ends the abandoned statement when it sees
+    // the client gone (client_connection_check_interval, set by the stores
+    // where the server has it) or at statement_timeout, one second later.
     return failed(absl::StatusCode::kDeadlineExceeded, effect, what,
                   absl::StrCat("no answer within the command timeout of ", describe(timeout)));
   }

@@ -22,12 +22,15 @@
 #include <climits>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include <fcntl.h>
 #include <sqlite3.h>
 #include <unistd.h>
 
@@ -62,13 +65,28 @@ struct sqlite_options {
   std::string vfs{};
   // The check run when an existing file is opened. A damaged file is refused
   // (DataLoss, naming the file and what the check found) and never written.
+  // Unless off, the write-ahead log left beside it (by a crash, or by a
+  // process that has it open) is read first, the way SQLite's recovery
+  // reads it: a damaged header, or a damaged frame with frames of the same
+  // log after it, is refused the same way (recovery would silently drop
+  // committed transactions there). A bad last frame is a torn write, which
+  // SQLite discards with the unfinished transaction it belonged to.
   sqlite_integrity_check integrity_check = sqlite_integrity_check::quick;
   // The check's time limit, in (0, 24h]. A check that runs longer refuses the
   // file unverified (DeadlineExceeded): raise it, or turn the check off, for a
   // file that big (quick_check reads on the order of 1 GB/s).
   duration integrity_check_timeout = std::chrono::seconds(30);
+  // The most the database file may grow to, in bytes (PRAGMA max_page_count,
+  // rounded down to whole pages); 0: no limit but the disk's. An operation
+  // that would grow it further is refused (Unavailable, not started:
+  // nothing was written) and the file keeps what was committed. A file
+  // already larger is not shrunk; it just stops growing. 0 or >= 64 KiB.
+  std::int64_t max_size_bytes = 0;
 
   [[nodiscard]] absl::Status validate() const {
+    if (max_size_bytes != 0 && max_size_bytes < 65536)
+      return detail::invalid_field("sqlite_options", "max_size_bytes", "be 0 (no limit) or at least 65536",
+                                   max_size_bytes);
     if (busy_timeout < duration::zero() || busy_timeout > std::chrono::hours(24))
       return detail::invalid_field("sqlite_options", "busy_timeout", "be in [0, 24h]", busy_timeout);
     if (integrity_check != sqlite_integrity_check::quick && integrity_check != sqlite_integrity_check::full &&
@@ -106,7 +124,8 @@ inline constexpr std::int64_t sqlite_mark_granularity_ns = 10'000'000;
     case SQLITE_PERM:
     case SQLITE_AUTH:
       return absl::StatusCode::kPermissionDenied;
-    case SQLITE_FULL:
+    case SQLITE_FULL:  // the size limit or the disk: the transaction was rolled back
+      return absl::StatusCode::kUnavailable;
     case SQLITE_NOMEM:
       return absl::StatusCode::kResourceExhausted;
     case SQLITE_CANTOPEN:
@@ -191,6 +210,103 @@ struct sqlite_closer {
 
 namespace keel::detail {
 
+// What a look at a WAL file found (see wal_damage below).
+struct wal_scan {
+  bool damaged = false;
+  std::string what;  // why, when damaged
+};
+
+// Reads the write-ahead log `wal` (the -wal file beside a database) the way
+// SQLite's recovery does, to find damage that recovery would hide. SQLite
+// replays frames up to the first one whose salts or checksum fail and
+// silently drops everything from there on: a damaged frame in the middle,
+// or a damaged header, would lose transactions that were reported
+// committed, and the next write would overwrite them for good. So:
+//   - a header with a wrong magic, version, page size or checksum, on a
+//     file that holds frames, is damage;
+//   - a frame that fails its checksum followed by a frame of the same log
+//     generation (the header's salts) is damage: a torn write (a crash
+//     mid-append) only ever leaves the log's last frames bad.
+// A bad last frame is indistinguishable from a torn write and is left to
+// SQLite (it drops that last, unfinished transaction). Read-only.
+[[nodiscard]] inline wal_scan scan_wal(const std::string& wal) {
+  const int fd = ::open(wal.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return {};  // no log: nothing to lose
+  struct closer {
+    int fd;
+    ~closer() { ::close(fd); }
+  } close_it{fd};
+  auto read_at = [fd](std::vector<unsigned char>& buf, std::size_t n, off_t at) {
+    buf.resize(n);
+    std::size_t got = 0;
+    while (got < n) {
+      const ssize_t r = ::pread(fd, buf.data() + got, n - got, at + static_cast<off_t>(got));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) break;
+      got += static_cast<std::size_t>(r);
+    }
+    return got == n;
+  };
+  auto be32 = [](const unsigned char* p) {
+    return (std::uint32_t{p[0]} << 24) | (std::uint32_t{p[1]} << 16) | (std::uint32_t{p[2]} << 8) | p[3];
+  };
+  const off_t size = ::lseek(fd, 0, SEEK_END);
+  constexpr std::size_t header_size = 32, frame_header_size = 24;
+  std::vector<unsigned char> header;
+  if (size <= static_cast<off_t>(header_size) || !read_at(header, header_size, 0)) return {};
+  const std::uint32_t magic = be32(&header[0]);
+  const std::uint32_t page = be32(&header[8]);
+  const bool page_ok = page >= 512 && page <= 65536 && (page & (page - 1)) == 0;
+  if ((magic != 0x377f0682u && magic != 0x377f0683u) || be32(&header[4]) != 3007000u || !page_ok) {
+    return {true, "its header is not a valid SQLite write-ahead log header"};
+  }
+  const bool big_endian = (magic & 1u) != 0;
+  auto word = [&](const unsigned char* p) {
+    return big_endian ? be32(p)
+                      : (std::uint32_t{p[3]} << 24) | (std::uint32_t{p[2]} << 16) | (std::uint32_t{p[1]} << 8) | p[0];
+  };
+  auto sum = [&](const unsigned char* p, std::size_t n, std::uint32_t& s1, std::uint32_t& s2) {
+    for (std::size_t i = 0; i + 8 <= n; i += 8) {
+      s1 += word(p + i) + s2;
+      s2 += word(p + i + 4) + s1;
+    }
+  };
+  std::uint32_t s1 = 0, s2 = 0;
+  sum(header.data(), 24, s1, s2);
+  if (s1 != be32(&header[24]) || s2 != be32(&header[28])) {
+    return {true, "its header fails its checksum"};
+  }
+  const std::uint32_t salt1 = be32(&header[16]), salt2 = be32(&header[20]);
+  const std::size_t frame_size = frame_header_size + page;
+  const auto frames = static_cast<std::size_t>((size - static_cast<off_t>(header_size)) / static_cast<off_t>(frame_size));
+  std::vector<unsigned char> frame;
+  std::optional<std::size_t> first_bad;
+  std::size_t later = 0;
+  for (std::size_t i = 0; i < frames; ++i) {
+    if (!read_at(frame, frame_size, static_cast<off_t>(header_size + i * frame_size))) break;
+    const bool ours = be32(&frame[8]) == salt1 && be32(&frame[12]) == salt2;
+    if (first_bad) {
+      if (ours) ++later;
+      continue;
+    }
+    if (!ours) break;  // the end of this generation: older frames follow, ignored by SQLite too
+    std::uint32_t f1 = s1, f2 = s2;
+    sum(frame.data(), 8, f1, f2);
+    sum(frame.data() + frame_header_size, page, f1, f2);
+    if (f1 != be32(&frame[16]) || f2 != be32(&frame[20]) || be32(&frame[0]) == 0) {
+      first_bad = i;
+      continue;
+    }
+    s1 = f1;
+    s2 = f2;
+  }
+  if (first_bad && later > 0) {
+    return {true, absl::StrCat("frame ", *first_bad + 1, " of ", frames, " fails its checksum and ", later,
+                               " later frame(s) of the same log follow it")};
+  }
+  return {};
+}
+
 // Store time inside a transaction: `check` decides what has expired,
 // `grant` is the base of new expiries (see docs/stores.md, "Time").
 struct sqlite_times {
@@ -237,6 +353,9 @@ class sqlite_db {
   }
 
   absl::Status connect() {
+    // Before SQLite reads the file: its recovery would drop what follows a
+    // damaged frame of the log, and the first write would overwrite it.
+    if (absl::Status s = check_wal_frames(); !s.ok()) return s;
     sqlite3* raw = nullptr;
     const int flags = SQLITE_OPEN_READWRITE | (options_.create ? SQLITE_OPEN_CREATE : 0) | SQLITE_OPEN_NOMUTEX |
                       SQLITE_OPEN_EXRESCODE;
@@ -264,6 +383,13 @@ class sqlite_db {
                               "setting synchronous");
         !s.ok())
       return s;
+    if (options_.max_size_bytes > 0) {
+      absl::StatusOr<std::int64_t> page = pragma_int("PRAGMA page_size");
+      if (!page.ok()) return page.status();
+      const std::string limit =
+          absl::StrCat("PRAGMA max_page_count = ", std::max<std::int64_t>(1, options_.max_size_bytes / *page));
+      if (absl::Status s = exec(limit.c_str(), "limiting the file's size"); !s.ok()) return s;
+    }
     if (*kind == file_kind::empty) {
       if (absl::Status s = create_schema(); !s.ok()) return s;
     }
@@ -305,8 +431,14 @@ class sqlite_db {
 
   // A failure inside a transaction: the caller rolls back, so nothing was applied.
   absl::Status failure(int rc, std::string_view what) const {
+    const std::string full =
+        (rc & 0xff) != SQLITE_FULL ? std::string()
+        : options_.max_size_bytes > 0
+            ? absl::StrCat(" (the file reached sqlite_options.max_size_bytes = ", options_.max_size_bytes,
+                           ", or the disk is full; nothing was written)")
+            : std::string(" (the disk is full; nothing was written)");
     absl::Status s(detail::sqlite_code(rc), absl::StrCat("keel: sqlite store '", path_, "': ", detail::to_absl(what), ": ",
-                                                         sqlite3_errmsg(db_.get())));
+                                                         sqlite3_errmsg(db_.get()), full));
     return s.code() == absl::StatusCode::kUnavailable ? mark_not_started(std::move(s)) : s;
   }
 
@@ -441,6 +573,24 @@ class sqlite_db {
     rc = u.step();
     if (rc != SQLITE_ROW) return open_error(rc, "reading the file header");
     return u.i64(0);
+  }
+
+  // scan_wal on the file's log; damage is looked at twice more, a moment
+  // apart, before it is believed: another process appending to a live log
+  // can look torn in the middle to a reader that does not take its locks.
+  absl::Status check_wal_frames() const {
+    if (options_.integrity_check == sqlite_integrity_check::off) return absl::OkStatus();
+    const std::string wal = path_ + "-wal";
+    wal_scan scan = scan_wal(wal);
+    for (int again = 0; scan.damaged && again < 2; ++again) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      scan = scan_wal(wal);
+    }
+    if (!scan.damaged) return absl::OkStatus();
+    return absl::DataLossError(absl::StrCat(
+        "keel: sqlite store '", path_, "' has a damaged write-ahead log '", wal, "': ", scan.what,
+        "; opening it would drop transactions that were committed, so keel refuses to open it and has not changed "
+        "either file (restore both from a backup, or move them aside)"));
   }
 
   absl::Status check_wal() {

@@ -33,6 +33,8 @@
 //     keel_adaptive_limit{limiter}            gauge: the limit after its latest change
 //     keel_adaptive_limit_rejections_total{limiter,class}
 //     keel_adaptive_throttle_rejections_total{throttle,class}   rejected locally
+//   chaos drills (keel/policy/chaos.hpp)
+//     keel_chaos_injections_total{stage,kind} passes a chaos stage hit: fault, latency, outcome
 //   circuit breakers (keel/policy/circuit_breaker.hpp)
 //     keel_breaker_transitions_total{breaker,from,to}
 //     keel_breaker_rejections_total{breaker,state}   calls refused, and in which state
@@ -244,6 +246,10 @@ class metrics_listener {
                                                                "work class.",
                                                        .labels = {"throttle", "class"}});
 
+    chaos_injections_ = &registry.counter({.name = p + "chaos_injections_total",
+                                           .help = "Passes a chaos stage hit, by stage and what it injected.",
+                                           .labels = {"stage", "kind"}});
+
     transitions_ = &registry.counter({.name = p + "breaker_transitions_total",
                                       .help = "Circuit breaker state changes.",
                                       .labels = {"breaker", "from", "to"}});
@@ -347,6 +353,12 @@ class metrics_listener {
     named(*adaptive_throttle_rejections_, labels, 0b11).inc();
   }
 
+  // --- chaos drills (looked up by stage name: the family's lock, no allocation once seen)
+  void operator()(const events::chaos_injected& e) const {
+    std::string_view labels[] = {e.stage, to_string(e.kind)};
+    named(*chaos_injections_, labels, 0b01).inc();
+  }
+
   // --- circuit breakers (looked up by name: the family's lock, no allocation once seen)
   void operator()(const events::breaker_state_changed& e) const {
     std::string_view labels[] = {e.breaker, to_string(e.change.from), to_string(e.change.to)};
@@ -434,6 +446,7 @@ class metrics_listener {
   gauge_family* adaptive_limit_ = nullptr;
   counter_family* adaptive_limit_rejections_ = nullptr;
   counter_family* adaptive_throttle_rejections_ = nullptr;
+  counter_family* chaos_injections_ = nullptr;
   counter_family* transitions_ = nullptr;
   counter_family* breaker_rejections_ = nullptr;
   counter_metric* hedges_started_ = nullptr;

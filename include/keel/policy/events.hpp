@@ -1,5 +1,5 @@
 // keel/policy/events.hpp — the events keel's policies report (retry, admission,
-// bulkhead, circuit breaker, adaptive limit and throttle), and the small enums
+// bulkhead, circuit breaker, adaptive limit and throttle, chaos), and the small enums
 // and values they carry.
 //
 // A light header: a listener or a metrics backend (keel/observe/telemetry_metrics.hpp)
@@ -67,6 +67,18 @@ enum class breaker_state : std::uint8_t { closed, open, half_open, forced_open, 
     case breaker_state::half_open: return "half-open";
     case breaker_state::forced_open: return "forced-open";
     case breaker_state::forced_closed: return "forced-closed";
+  }
+  return "unknown";
+}
+
+// What a chaos stage injects (keel/policy/chaos.hpp).
+enum class chaos_kind : std::uint8_t { fault, latency, outcome };
+
+[[nodiscard]] constexpr std::string_view to_string(chaos_kind k) noexcept {
+  switch (k) {
+    case chaos_kind::fault: return "fault";
+    case chaos_kind::latency: return "latency";
+    case chaos_kind::outcome: return "outcome";
   }
   return "unknown";
 }
@@ -173,6 +185,18 @@ struct adaptive_throttle_rejected {
   std::string_view throttle;
   std::string_view work_class;
   double reject_probability;
+};
+
+// --- chaos (keel/policy/chaos.hpp)
+
+// A chaos stage hit a pass of `call`: it returns `fault` (kind fault), waits
+// `delay` (latency) or returns its chosen result (outcome).
+struct chaos_injected {
+  const keel::call& call;
+  std::string_view stage;      // the stage's name
+  chaos_kind kind;
+  duration delay;              // latency: the wait; otherwise zero
+  const absl::Status& fault;   // fault: the status injected; otherwise OK
 };
 
 }  // namespace events

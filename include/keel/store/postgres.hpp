@@ -29,10 +29,11 @@
 //     created on first open (serialised by an advisory lock), checked on
 //     every open: another keel schema version, or a schema holding tables
 //     that are not keel's, is refused and left untouched;
-//   - a client-side command timeout on every statement (the client cancels
-//     the statement and drops the session), with the server's
-//     statement_timeout one second longer as a backstop for a client that
-//     vanished.
+//   - a client-side command timeout on every statement (the client drops
+//     the session; it sends no cancel request, which would block against a
+//     frozen server), with the server's statement_timeout one second longer
+//     and, on PostgreSQL 14 and later, client_connection_check_interval as
+//     backstops that stop a statement whose client gave up or vanished.
 //
 // Values always travel as bound parameters (binary format); the only text
 // put into a statement is the schema name, validated ([a-z_][a-z0-9_]*, at
@@ -552,16 +553,11 @@ class postgres_store {
         detail::pg_connection::connect(options_.conninfo, options_.connect_timeout, application_name(), who_);
     if (!c.ok()) return c.status();
     detail::pg_connection& conn = **c;
-    // The client's timeout fires first (it cancels and knows why); the
-    // server's stops statements whose client has gone.
-    const std::string timeout = absl::StrCat(
-        std::chrono::duration_cast<std::chrono::milliseconds>(options_.command_timeout).count() + 1000, "ms");
-    detail::pg_params<1> t;
-    t.add(timeout);
-    if (auto r = conn.exec("SELECT set_config('statement_timeout', $1::text, false)", t, detail::pg_effect::read,
-                           options_.command_timeout);
-        !r.ok())
-      return r.status();
+    // The client's timeout fires first (it gives up and knows why); the
+    // server's stop statements whose client has gone.
+    if (absl::Status s = conn.set_backstops(options_.command_timeout + std::chrono::seconds(1), options_.command_timeout);
+        !s.ok())
+      return s;
     const std::string schema = conn.quote_identifier(options_.schema);
     using S = detail::pg_sql;
     constexpr unsigned b = detail::pg_bytea_oid, i = detail::pg_int8_oid;

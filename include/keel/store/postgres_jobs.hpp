@@ -487,14 +487,7 @@ class postgres_job_store {
         detail::pg_connection::connect(options_.conninfo, options_.connect_timeout, application_name(), who_);
     if (!c.ok()) return c.status();
     detail::pg_connection& conn = **c;
-    const std::string timeout =
-        absl::StrCat(std::chrono::duration_cast<std::chrono::milliseconds>(options_.command_timeout).count(), "ms");
-    detail::pg_params<1> t;
-    t.add(timeout);
-    if (auto r = conn.exec("SELECT set_config('statement_timeout', $1::text, false)", t, detail::pg_effect::read,
-                           options_.command_timeout);
-        !r.ok())
-      return r.status();
+    if (absl::Status s = conn.set_backstops(options_.command_timeout, options_.command_timeout); !s.ok()) return s;
     const std::string schema = conn.quote_identifier(options_.schema);
     using S = detail::pg_job_sql;
     constexpr unsigned b = detail::pg_bytea_oid, i = detail::pg_int8_oid;
