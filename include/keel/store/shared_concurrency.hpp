@@ -258,7 +258,8 @@ struct shared_permit_lost {
 namespace detail {
 
 // KEYS[1] the permits (a sorted set: "<id>:<owner>" -> expiry, us), KEYS[2]
-// the id counter. ARGV: 1 test offset (us), 2 limit, 3 ttl (us), 4 owner,
+// the id counter (ids pass 1e15: formatted with %.0f, never tostring's 14
+// digits, or ids would collide). ARGV: 1 test offset (us), 2 limit, 3 ttl (us), 4 owner,
 // 5 forget (us). Reply: {1, id, held} granted; {0, held, retry after (us)}.
 inline constexpr const char* redis_lua_permit_acquire = R"lua(
 local t = redis.call('TIME')
@@ -275,7 +276,7 @@ local id = redis.call('INCR', KEYS[2])
 local forget = tonumber(ARGV[5])
 redis.call('PEXPIRE', KEYS[2], math.ceil(forget / 1000))
 local expiry = now + tonumber(ARGV[3])
-redis.call('ZADD', KEYS[1], num(expiry), id .. ':' .. ARGV[4])
+redis.call('ZADD', KEYS[1], num(expiry), num(id) .. ':' .. ARGV[4])
 local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
 redis.call('PEXPIRE', KEYS[1], math.ceil((tonumber(last[2]) - now) / 1000) + 1000)
 return {1, id, held + 1}

@@ -25,7 +25,7 @@
 // Before a pass it reads the domain's state (cached, see staleness) and
 // refuses while the fleet's breaker is open or a cooldown runs; fleet
 // half-open, a pass goes ahead only with one of `max_probes` probe tokens
-// per `probe_window` (one INCR in Redis, so the fleet, not each replica,
+// per `probe_window` (counted in the domain's hash, so the fleet, not each replica,
 // sends that many). After the pass:
 //
 //   - a probe that succeeded closes the fleet's breaker (one round trip);
@@ -200,9 +200,10 @@ struct fleet_state_unavailable {
 
 namespace detail {
 
-// The scripts take KEYS[1] the domain's hash, KEYS[2] its probe counter;
-// ARGV[1] the test offset (us). Lua numbers go to Redis formatted with %.0f
-// (they pass 1e15 us, beyond tostring's 14 digits).
+// The scripts take KEYS[1] the domain's hash and ARGV[1] the test offset
+// (us). Lua numbers go to Redis formatted with %.0f (they pass 1e15 us,
+// beyond tostring's 14 digits). Probe windows live in the hash too (pw its
+// start, pn probes taken), on the server's clock, not as a key expiry.
 inline constexpr const char* redis_lua_fleet_prelude = R"lua(
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(ARGV[1])
@@ -220,12 +221,12 @@ return out
 
 // ARGV: 2 field ('b' or 'c'), 3 for (us), 4 owner, 5 forget (us). Sets the
 // field to the later of what it holds and now + for; a breaker period ends
-// the previous half-open period's probes. Reply: until - now (us).
+// the previous half-open period's probe window. Reply: until - now (us).
 inline constexpr const char* redis_lua_fleet_publish = R"lua(
 local f = ARGV[2]
 local u = now + tonumber(ARGV[3])
 local cur = tonumber(redis.call('HGET', KEYS[1], f))
-if f == 'b' then redis.call('DEL', KEYS[2]) end
+if f == 'b' then redis.call('HDEL', KEYS[1], 'pw', 'pn') end
 if cur and cur > u then u = cur end
 redis.call('HSET', KEYS[1], f, num(u), 'o' .. f, ARGV[4])
 local r = redis.call('HMGET', KEYS[1], 'b', 'c')
@@ -240,22 +241,23 @@ inline constexpr const char* redis_lua_fleet_close = R"lua(
 local b = tonumber(redis.call('HGET', KEYS[1], 'b'))
 if not b then return 0 end
 if b > now then return -1 end
-redis.call('HDEL', KEYS[1], 'b', 'ob')
-redis.call('DEL', KEYS[2])
+redis.call('HDEL', KEYS[1], 'b', 'ob', 'pw', 'pn')
 return 1
 )lua";
 
 // ARGV: 2 max probes, 3 window (us). Reply: {1, 0} a probe; {0, retry
 // after (us)} refused; {2, 0} closed.
 inline constexpr const char* redis_lua_fleet_probe = R"lua(
-local b = tonumber(redis.call('HGET', KEYS[1], 'b'))
+local r = redis.call('HMGET', KEYS[1], 'b', 'pw', 'pn')
+local b = tonumber(r[1])
 if not b then return {2, 0} end
 if b > now then return {0, b - now} end
-local n = redis.call('INCR', KEYS[2])
-if n == 1 then redis.call('PEXPIRE', KEYS[2], math.max(1, math.ceil(tonumber(ARGV[3]) / 1000))) end
-if n <= tonumber(ARGV[2]) then return {1, 0} end
-local left = redis.call('PTTL', KEYS[2])
-return {0, math.max(0, left) * 1000}
+local window = tonumber(ARGV[3])
+local pw, pn = tonumber(r[2]), tonumber(r[3]) or 0
+if not pw or now >= pw + window then pw = now; pn = 0 end
+if pn >= tonumber(ARGV[2]) then return {0, pw + window - now} end
+redis.call('HSET', KEYS[1], 'pw', num(pw), 'pn', pn + 1)
+return {1, 0}
 )lua";
 
 inline const redis_script& fleet_script(int which) {
@@ -382,9 +384,8 @@ class shared_provider_state {
   struct entry {
     entry(std::string d, const std::string& prefix)
         : domain(std::move(d)),
-          state_key(absl::StrCat(prefix, "fleet:{", domain, "}")),
-          probe_key(absl::StrCat(state_key, ":probe")) {}
-    std::string domain, state_key, probe_key;
+          state_key(absl::StrCat(prefix, "fleet:{", domain, "}")) {}
+    std::string domain, state_key;
     std::atomic<std::int64_t> fresh_until{none};     // local clock: the cached state is good until
     std::atomic<std::int64_t> breaker_until{none};   // local clock: the fleet's breaker open until (none: closed)
     std::atomic<std::int64_t> cooldown_until{none};  // local clock
@@ -431,7 +432,7 @@ class shared_provider_state {
     return detail::redis_connection::connect(redis_.endpoint(), who_);
   }
 
-  // One script on the domain's two keys; a failure holds Redis off.
+  // One script on the domain's key; a failure holds Redis off.
   template <std::size_t N>
   absl::StatusOr<detail::redis_reply> run(int which, entry& e, const std::array<std::string_view, N>& argv,
                                           time_point now, detail::redis_effect effect) {
@@ -446,9 +447,9 @@ class shared_provider_state {
         const std::int64_t offset =
             redis_.testing_clock_offset ? redis_.testing_clock_offset->load(std::memory_order_relaxed) / 1000 : 0;
         const detail::redis_num off(offset);
-        std::array<std::string_view, N + 3> args{e.state_key, e.probe_key, off.view()};
-        std::copy(argv.begin(), argv.end(), args.begin() + 3);
-        r = (*h)->eval(detail::fleet_script(which), args, effect, "fleet state", 2);
+        std::array<std::string_view, N + 2> args{e.state_key, off.view()};
+        std::copy(argv.begin(), argv.end(), args.begin() + 2);
+        r = (*h)->eval(detail::fleet_script(which), args, effect, "fleet state");
         if ((*h)->broken()) h->mark_broken();
       }
     }
