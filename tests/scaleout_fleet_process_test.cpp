@@ -49,6 +49,7 @@ struct provider_side {
   std::atomic<int> in_flight;
   std::atomic<int> max_in_flight[phases];
   std::atomic<int> phase;
+  std::atomic<int> ready;  // children set up and waiting
   std::atomic<long> calls[replicas];
   std::atomic<long> shared_grants[replicas][phases];
   std::atomic<long> local_grants[replicas][phases];
@@ -106,6 +107,14 @@ void raise_max(std::atomic<int>& max, int v) {
 }
 
 // ---- child roles ------------------------------------------------------------
+
+// In a child: says it is set up, then waits (bounded) for the parent's go.
+void ready_then_wait(provider_side& side) {
+  side.ready.fetch_add(1);
+  const auto limit = std::chrono::steady_clock::now() + 120s;
+  while (side.phase.load() == 0 && std::chrono::steady_clock::now() < limit) std::this_thread::sleep_for(1ms);
+}
+
 
 // THREADS threads take permits until the phase reaches the last one, hold
 // each for ~1 ms while counting themselves in the provider's in-flight count.
@@ -185,6 +194,7 @@ int child_state(provider_side& side, int me) {
     }
     out << keel::to_string(breakers.breaker_for(llm).state()) << "\n";
   } else if (mode == "follow") {
+    ready_then_wait(side);
     long breaker = 0, probing = 0, other = 0;
     const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::stoi(env("MILLIS")));
     while (std::chrono::steady_clock::now() < end) {
@@ -205,6 +215,7 @@ int child_state(provider_side& side, int me) {
     keel::call c(keel::real_clock{}.now(), {.labels = llm});
     out << (pipe.run(c, throttled).status().code() == absl::StatusCode::kResourceExhausted ? "throttled" : "?") << "\n";
   } else {
+    ready_then_wait(side);
     keel::call first(keel::real_clock{}.now(), {.labels = llm});
     const absl::Status s = pipe.run(first, healthy).status();
     const keel::duration wait = keel::retry_after(s).value_or(keel::duration::zero());
@@ -215,6 +226,19 @@ int child_state(provider_side& side, int me) {
         << " " << (served ? "served" : "refused") << "\n";
   }
   return 0;
+}
+
+// In the parent: waits (in real time, bounded) until `done` holds. Children
+// start slowly under sanitizers on a loaded machine: the test waits for what
+// it needs to have happened instead of guessing how long it takes.
+template <class Done>
+bool await(Done done, std::chrono::seconds limit = 120s) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(2ms);
+  }
+  return true;
 }
 
 std::vector<long> numbers(const std::string& text) {
@@ -258,7 +282,13 @@ TEST_CASE("K processes share one concurrency limit: the provider never sees more
                                          {"TTL_MS", "10000"},
                                          {"THREADS", "4"},
                                          {"OUT", keel_scaleout::temp_path("fleet-out")}}));
-  std::this_thread::sleep_for(1500ms);  // how long they hammer (not a correctness wait)
+  const bool all_started = await([&] {
+    for (int i = 0; i < replicas; ++i)
+      if (side->calls[i].load() == 0) return false;
+    return true;
+  });
+  CHECK(all_started);
+  std::this_thread::sleep_for(1000ms);  // how long they hammer together (not a correctness wait)
   side->phase.store(phases - 1);
   for (pid_t pid : children) CHECK(keel_scaleout::wait_child(pid) == 0);
   long calls = 0, local = 0;
@@ -305,16 +335,10 @@ TEST_CASE("a breaker opened in one replica stops the others; the fleet sends max
   const std::string side_path = keel_scaleout::temp_path("fleet-side");
   shared_file side(side_path, true);
   const std::string prefix = keel_scaleout::fresh_name("fleet") + ":";
-  const std::string trip_out = keel_scaleout::temp_path("fleet-trip");
-  const pid_t tripper =
-      spawn("state", {{"PREFIX", prefix}, {"SIDE", side_path}, {"INDEX", "0"}, {"MODE", "trip"}, {"OUT", trip_out}});
-  REQUIRE(keel_scaleout::wait_child(tripper) == 0);
-  CHECK(keel_scaleout::read_file(trip_out) == "open\n");
-  std::remove(trip_out.c_str());
-  CHECK(side->calls[0].load() == 5);
-  // The others run from now until past the tripper's open period (2 s): every
-  // call is refused by the fleet's breaker, then, fleet half-open, one probe
-  // (it fails: the provider is still down) reopens it for 30 s.
+  // The others start first and wait; once the tripper's breaker is open they
+  // run until past its open period (2 s): every call is refused by the
+  // fleet's breaker, then, fleet half-open, one probe (it fails: the
+  // provider is still down) reopens it for 30 s.
   std::vector<pid_t> followers;
   std::vector<std::string> outs;
   for (int i = 1; i < replicas; ++i) {
@@ -326,6 +350,15 @@ TEST_CASE("a breaker opened in one replica stops the others; the fleet sends max
                                         {"MILLIS", "3500"},
                                         {"OUT", outs.back()}}));
   }
+  CHECK(await([&] { return side->ready.load() == replicas - 1; }));
+  const std::string trip_out = keel_scaleout::temp_path("fleet-trip");
+  const pid_t tripper =
+      spawn("state", {{"PREFIX", prefix}, {"SIDE", side_path}, {"INDEX", "0"}, {"MODE", "trip"}, {"OUT", trip_out}});
+  REQUIRE(keel_scaleout::wait_child(tripper) == 0);
+  CHECK(keel_scaleout::read_file(trip_out) == "open\n");
+  std::remove(trip_out.c_str());
+  CHECK(side->calls[0].load() == 5);
+  side->phase.store(1);  // go
   for (pid_t pid : followers) CHECK(keel_scaleout::wait_child(pid) == 0);
   long probes = 0, refused_breaker = 0;
   for (int i = 1; i < replicas; ++i) {
@@ -348,12 +381,6 @@ TEST_CASE("a cooldown hint one replica got is honoured by every replica until it
   const std::string side_path = keel_scaleout::temp_path("fleet-side");
   shared_file side(side_path, true);
   const std::string prefix = keel_scaleout::fresh_name("fleet") + ":";
-  const std::string out0 = keel_scaleout::temp_path("fleet-throttle");
-  const pid_t first =
-      spawn("state", {{"PREFIX", prefix}, {"SIDE", side_path}, {"INDEX", "0"}, {"MODE", "throttle"}, {"OUT", out0}});
-  REQUIRE(keel_scaleout::wait_child(first) == 0);
-  CHECK(keel_scaleout::read_file(out0) == "throttled\n");
-  std::remove(out0.c_str());
   std::vector<pid_t> others;
   std::vector<std::string> outs;
   for (int i = 1; i < replicas; ++i) {
@@ -364,6 +391,14 @@ TEST_CASE("a cooldown hint one replica got is honoured by every replica until it
                                      {"MODE", "after-cooldown"},
                                      {"OUT", outs.back()}}));
   }
+  CHECK(await([&] { return side->ready.load() == replicas - 1; }));  // set up before the hint arrives
+  const std::string out0 = keel_scaleout::temp_path("fleet-throttle");
+  const pid_t first =
+      spawn("state", {{"PREFIX", prefix}, {"SIDE", side_path}, {"INDEX", "0"}, {"MODE", "throttle"}, {"OUT", out0}});
+  REQUIRE(keel_scaleout::wait_child(first) == 0);
+  CHECK(keel_scaleout::read_file(out0) == "throttled\n");
+  std::remove(out0.c_str());
+  side->phase.store(1);  // go
   for (pid_t pid : others) CHECK(keel_scaleout::wait_child(pid) == 0);
   for (int i = 1; i < replicas; ++i) {
     const std::string said = keel_scaleout::read_file(outs[i - 1]);
@@ -400,18 +435,27 @@ TEST_CASE("Redis killed: every replica takes its local share, so the fleet stays
                                          {"OUT", keel_scaleout::temp_path("fleet-out")}}));
   // Phases: 0 Redis up; 1 just killed (shared permits still out finish);
   // 2 the outage; 3 just restarted (local permits still out finish); 4 back.
-  // Every wait below is a phase's length, not a correctness wait.
-  std::this_thread::sleep_for(700ms);
+  // Each phase lasts until every replica has done what the phase is about.
+  auto every = [&](std::atomic<long> (&grants)[replicas][phases], int phase) {
+    return [&grants, phase] {
+      for (int i = 0; i < replicas; ++i)
+        if (grants[i][phase].load() == 0) return false;
+      return true;
+    };
+  };
+  CHECK(await(every(side->shared_grants, 0)));
   side->phase.store(1);
   REQUIRE(redis.kill());
-  std::this_thread::sleep_for(400ms);
+  std::this_thread::sleep_for(400ms);  // shared permits still out finish (~1 ms calls)
   side->phase.store(2);
-  std::this_thread::sleep_for(800ms);
+  CHECK(await(every(side->local_grants, 2)));
+  std::this_thread::sleep_for(300ms);
   side->phase.store(3);
   REQUIRE(redis.restart());
-  std::this_thread::sleep_for(1500ms);  // the permits restored from the AOF expire (1 s)
+  std::this_thread::sleep_for(1500ms);  // local permits finish; those restored from the AOF expire (1 s)
   side->phase.store(4);
-  std::this_thread::sleep_for(800ms);
+  CHECK(await(every(side->shared_grants, 4)));
+  std::this_thread::sleep_for(300ms);
   side->phase.store(phases - 1);
   for (pid_t pid : children) CHECK(keel_scaleout::wait_child(pid) == 0);
   std::string seen;

@@ -346,7 +346,7 @@ class shared_concurrency {
     s.local_share = share_;
     s.local_in_flight = local_.load(std::memory_order_relaxed);
     std::lock_guard lock(mu_);
-    s.redis_error = last_error_;
+    s.redis_error = last_error();
     return s;
   }
 
@@ -375,13 +375,14 @@ class shared_concurrency {
       failures_.fetch_add(1, std::memory_order_relaxed);
       hold_until_.store((now + options_.fallback_hold).time_since_epoch().count(), std::memory_order_release);
       std::lock_guard lock(mu_);
-      last_error_ = r.status();
+      last_code_ = r.status().code();
+      last_message_ = std::string(r.status().message());
     }
     locals_.fetch_add(1, std::memory_order_relaxed);
     p.source_ = concurrency_source::local_share;
     {
       std::lock_guard lock(mu_);
-      p.redis_error_ = last_error_;
+      p.redis_error_ = last_error();
     }
     int n = local_.load(std::memory_order_relaxed);
     while (n < share_ && !local_.compare_exchange_weak(n, n + 1, std::memory_order_acq_rel)) {
@@ -492,8 +493,15 @@ class shared_concurrency {
   std::atomic<std::int64_t> hold_until_{INT64_MIN};
   std::atomic<int> local_{0};
   std::atomic<std::uint64_t> shared_{0}, locals_{0}, failures_{0}, lost_{0};
+  // The last Redis failure, kept as code and text: every permit gets its own
+  // absl::Status, never a copy sharing one across threads (Debian's abseil is
+  // not built for TSan, which then cannot see the shared count's ordering).
+  [[nodiscard]] absl::Status last_error() const {
+    return last_code_ == absl::StatusCode::kOk ? absl::OkStatus() : absl::Status(last_code_, last_message_);
+  }
   mutable std::mutex mu_;
-  absl::Status last_error_;
+  absl::StatusCode last_code_ = absl::StatusCode::kOk;
+  std::string last_message_;
 };
 
 inline absl::StatusOr<permit_release> shared_permit::release() {
