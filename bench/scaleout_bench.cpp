@@ -11,6 +11,11 @@
 //   BM_Baseline_Redis_RawHset             one HSET of comparable fields with raw hiredis
 //   BM_SharedQuota_Acquire_Redis          one shared-quota decision: 1 EVALSHA
 //   BM_Baseline_Redis_RawIncr             one INCR with raw hiredis
+//   BM_SharedConcurrency_AcquireRelease_Redis  take + return one fleet-wide permit: 2 EVALSHA
+//   BM_Baseline_Redis_RawSetDel           SET + DEL of one key with raw hiredis: 2 round trips
+//   BM_SharedProviderState_HealthyPass    a pipeline pass through the shared provider state
+//                                         and a breaker registry, the state's cache fresh
+//   BM_Baseline_BreakerRegistry_Pass      the same pass through the breaker registry alone
 //
 // Counters: round_trips/op counted in keel's client layer (statements or
 // commands sent per iteration), server_cmds/op from Redis's own INFO
@@ -50,6 +55,10 @@
 #include "keel/durable/lease.hpp"
 #include "keel/store/postgres.hpp"
 #include "keel/store/redis.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/policy/breaker_registry.hpp"
+#include "keel/store/shared_concurrency.hpp"
+#include "keel/store/shared_provider_state.hpp"
 #include "keel/store/shared_quota.hpp"
 #include "support/alloc_counter.hpp"
 
@@ -406,5 +415,105 @@ void BM_Baseline_Redis_RawIncr(benchmark::State& state) {
   state.counters["round_trips/op"] = 1;
 }
 BENCHMARK(BM_Baseline_Redis_RawIncr)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+// ---- fleet-wide concurrency and provider state ------------------------------
+
+void BM_SharedConcurrency_AcquireRelease_Redis(benchmark::State& state) {
+  keel::shared_concurrency c({.port = servers::get().redis_port(), .key_prefix = fresh("bench") + ":", .pool_size = 2},
+                             {.name = "provider:m-large", .limit = 64});
+  const keel::time_point now = keel::real_clock{}.now();
+  {
+    server_commands cmds(state, scripts);
+    keel_bench::count_allocations allocs(state);
+    for (auto _ : state) {
+      keel::shared_permit p = c.try_acquire(now);
+      if (!p || p.local_share()) {
+        state.SkipWithError("acquire refused or on the local share");
+        break;
+      }
+      absl::StatusOr<keel::permit_release> r = p.release();
+      if (!r.ok() || *r != keel::permit_release::released) {
+        state.SkipWithError("release failed");
+        break;
+      }
+    }
+  }
+  state.counters["round_trips/op"] = benchmark::Counter(static_cast<double>(2 * c.shared_decisions()),
+                                                        benchmark::Counter::kAvgIterations);
+}
+BENCHMARK(BM_SharedConcurrency_AcquireRelease_Redis)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+// Two round trips of the simplest kind: SET a key, DEL it.
+void BM_Baseline_Redis_RawSetDel(benchmark::State& state) {
+  redis_raw raw;
+  const std::string key = fresh("raw") + ":permit";
+  {
+    server_commands cmds(state, {"set", "del"});
+    keel_bench::count_allocations allocs(state);
+    for (auto _ : state) {
+      const char* set[] = {"SET", key.data(), "1"};
+      const std::size_t set_lens[] = {3, key.size(), 1};
+      auto* r = static_cast<redisReply*>(redisCommandArgv(raw.get(), 3, set, set_lens));
+      bool ok = r != nullptr && r->type == REDIS_REPLY_STATUS;
+      if (r) freeReplyObject(r);
+      const char* del[] = {"DEL", key.data()};
+      const std::size_t del_lens[] = {3, key.size()};
+      r = static_cast<redisReply*>(redisCommandArgv(raw.get(), 2, del, del_lens));
+      ok = ok && r != nullptr && r->type == REDIS_REPLY_INTEGER;
+      if (r) freeReplyObject(r);
+      if (!ok) {
+        state.SkipWithError("raw SET/DEL failed");
+        break;
+      }
+    }
+  }
+  state.counters["round_trips/op"] = 2;
+}
+BENCHMARK(BM_Baseline_Redis_RawSetDel)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+struct trivial_provider {
+  absl::StatusOr<int> operator()(const keel::attempt&) const { return 1; }
+};
+
+// The healthy path: the state's cache is fresh (refresh_every 1 min: one
+// read at the first pass), so a pass costs the lookup and a few loads.
+void BM_SharedProviderState_HealthyPass(benchmark::State& state) {
+  keel::breaker_registry breakers({});
+  keel::shared_provider_state fleet({.port = servers::get().redis_port(), .key_prefix = fresh("bench") + ":"},
+                                    {.refresh_every = 1min}, &breakers);
+  auto pipe = keel::pipeline(fleet, breakers);
+  const keel::labels labels{.model = "m-large", .endpoint = "api.provider", .region = "eu"};
+  const keel::time_point now = keel::real_clock{}.now();
+  {
+    keel::call warm(now, {.timeout = 24h, .labels = labels});
+    (void)pipe.run(warm, trivial_provider{});
+  }
+  const std::uint64_t trips = fleet.round_trips();
+  {
+    keel_bench::count_allocations allocs(state);
+    for (auto _ : state) {
+      keel::call call(now, {.timeout = 24h, .labels = labels});
+      absl::StatusOr<int> r = pipe.run(call, trivial_provider{});
+      benchmark::DoNotOptimize(r);
+    }
+  }
+  state.counters["round_trips/op"] = benchmark::Counter(static_cast<double>(fleet.round_trips() - trips),
+                                                        benchmark::Counter::kAvgIterations);
+}
+BENCHMARK(BM_SharedProviderState_HealthyPass);
+
+void BM_Baseline_BreakerRegistry_Pass(benchmark::State& state) {
+  keel::breaker_registry breakers({});
+  auto pipe = keel::pipeline(breakers);
+  const keel::labels labels{.model = "m-large", .endpoint = "api.provider", .region = "eu"};
+  const keel::time_point now = keel::real_clock{}.now();
+  keel_bench::count_allocations allocs(state);
+  for (auto _ : state) {
+    keel::call call(now, {.timeout = 24h, .labels = labels});
+    absl::StatusOr<int> r = pipe.run(call, trivial_provider{});
+    benchmark::DoNotOptimize(r);
+  }
+}
+BENCHMARK(BM_Baseline_BreakerRegistry_Pass);
 
 }  // namespace

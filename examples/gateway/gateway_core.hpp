@@ -20,9 +20,10 @@
 //              runs nothing further in; only a model answer is recorded
 //   bulkhead   a slot of the interactive class (queued at most the admit stage)
 //   retrieve   the rubric from the database, within its stage
-//   model      time_limit -> retry (budgeted) -> the provider's breaker ->
-//              adaptive attempt timeout -> the provider; a failed read
-//              attempt is closed within the cancel window
+//   model      time_limit -> retry (budgeted) -> [with a Redis: the fleet's
+//              view of the provider and a fleet-wide permit, gateway/fleet.hpp]
+//              -> the provider's breaker -> adaptive attempt timeout -> the
+//              provider; a failed read attempt is closed within the cancel window
 //   respond    the reply, the response reserve intact
 //
 // A request carries an Idempotency-Key: the feedback is a decision recorded
@@ -570,6 +571,18 @@ class gateway_core {
                           {"fault", std::string(to_string(provider_.current_fault().kind))},
                           {"bulkheads", pools},
                           {"batch_queue", batch_queue}};
+      if (fleet_ != nullptr) {
+        const keel::shared_concurrency_status c = fleet_->concurrency().status(now);
+        out["fleet"] = {{"redis", fleet_->redis()},
+                        {"concurrency", {{"source", std::string(keel::to_string(c.source))},
+                                         {"limit", fleet_->concurrency().options().limit},
+                                         {"local_share", c.local_share},
+                                         {"shared_decisions", fleet_->concurrency().shared_decisions()},
+                                         {"local_share_decisions", fleet_->concurrency().local_share_decisions()}}},
+                        {"provider_state", {{"deciding_alone", fleet_->state().deciding_alone(now)},
+                                            {"round_trips", fleet_->state().round_trips()},
+                                            {"redis_failures", fleet_->state().redis_failures()}}}};
+      }
       detail::json slos = detail::json::object();
       for (const keel::slo_report& s : slos_.report(now)) {
         slos[s.work_class] = {{"target", s.availability.target},
@@ -604,6 +617,8 @@ class gateway_core {
   simulated_provider<Clock>& provider() noexcept { return provider_; }
   keel::breaker_registry& breakers() noexcept { return breakers_; }
   keel::circuit_breaker& provider_breaker() { return breakers_.breaker_for(provider_domain()); }
+  // What the replicas share through Redis; null without one.
+  fleet_sharing* fleet() noexcept { return fleet_.get(); }
   keel::bulkhead& bulkheads() noexcept { return pools_; }
   keel::admission& quotas() noexcept { return quotas_; }
   keel::slo_tracker& slos() noexcept { return slos_; }
@@ -694,6 +709,7 @@ class gateway_core {
         queue_(*jobs_, report_queue_options(options_),
                env()),
         effects_(std::move(effects)) {
+    if (options_.fleet.enabled()) fleet_ = std::make_unique<fleet_sharing>(options_.fleet, breakers_, provider_.name());
     const keel::time_point now = clock_.now();
     // Every configured tenant and model is an override in the quota tables,
     // never reclaimed, so resolving its key cannot be refused.
@@ -787,7 +803,7 @@ class gateway_core {
                          .budget = &budget_,
                          .min_attempt_time = m.interactive_timeout.options().lower},
                         options_.backoff),
-            breakers_, m.interactive_timeout)
+            fleet_gate{fleet_.get()}, breakers_, m.interactive_timeout)
             .in(env());
     return [pipe = std::move(pipe), provider = model_call<Clock>{&provider_}](keel::call& call, keel::time_point now) {
       return pipe.run(call, now, provider);
@@ -1070,6 +1086,7 @@ class gateway_core {
   simulated_provider<Clock> provider_;
   rubric_store<Clock> rubrics_;
   keel::breaker_registry breakers_;
+  std::unique_ptr<fleet_sharing> fleet_;  // with a Redis only; after breakers_, which it refers to
   keel::retry_budget budget_;
   keel::bulkhead pools_;
   keel::admission quotas_;

@@ -35,6 +35,7 @@
 #include "keel/policy/backoff.hpp"
 #include "keel/policy/circuit_breaker.hpp"
 #include "keel/policy/retry_budget.hpp"
+#include "fleet.hpp"
 #include "simulated_provider.hpp"
 
 namespace gateway {
@@ -167,6 +168,10 @@ struct gateway_options {
   provider_options provider{.capacity = 40};
   keel::duration rubric_latency = 5ms;
 
+  // Replicas: with fleet.redis set ("host:port"), the provider's concurrency
+  // and state are shared through that Redis (gateway/fleet.hpp).
+  fleet_config fleet{};
+
   // HTTP.
   int http_threads = 96;
   std::size_t max_body_bytes = 64 * 1024;
@@ -202,6 +207,7 @@ struct gateway_options {
     if (!(batch_target > 0 && batch_target < 1))
       return keel::detail::invalid_field(who, "batch_target", "be in (0, 1)", batch_target);
     if (absl::Status s = provider.validate(); !s.ok()) return s;
+    if (absl::Status s = fleet.validate(); !s.ok()) return s;
     if (absl::Status s = model_timeout.validate(); !s.ok()) return keel::annotate(s, "gateway_options.model_timeout");
     if (absl::Status s = batch_timeout.validate(); !s.ok()) return keel::annotate(s, "gateway_options.batch_timeout");
     if (absl::Status s = backoff.validate(); !s.ok()) return keel::annotate(s, "gateway_options.backoff");

@@ -6,6 +6,8 @@
 //
 //   gateway                      the demo (about 35 s)
 //   gateway --serve PORT [DIR]   serve on 127.0.0.1:PORT until Ctrl-C (data in DIR, or a temporary one)
+//   ... --redis HOST:PORT        share the provider's concurrency limit and state with other replicas
+//                                through that Redis (gateway/fleet.hpp)
 //   gateway --work DIR           a batch worker process for a gateway serving DIR, until Ctrl-C
 //
 // docs/gateway.md explains the endpoints and how the policies compose.
@@ -64,10 +66,14 @@ void on_signals() {
   std::signal(SIGTERM, [](int) { interrupted = 1; });
 }
 
+// --redis host:port: replicas share the provider's concurrency and state (gateway/fleet.hpp).
+std::string redis_flag;
+
 int serve(int port, const char* data_dir) {
   temp_dir dir;
   gateway::gateway_options o;
   o.data_dir = data_dir != nullptr ? std::string(data_dir) : dir.path;
+  o.fleet.redis = redis_flag;
   auto svc = gateway::service::open(o);
   if (!svc.ok()) {
     std::fprintf(stderr, "gateway: %s\n", std::string(svc.status().message()).c_str());
@@ -106,10 +112,21 @@ int work(const char* data_dir) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    if (std::string(argv[i]) == "--redis" && i + 1 < argc) {
+      redis_flag = argv[++i];
+      continue;
+    }
+    args.push_back(argv[i]);
+  }
+  args.push_back(nullptr);
+  argc = static_cast<int>(args.size()) - 1;
+  argv = args.data();
   if ((argc == 3 || argc == 4) && std::string(argv[1]) == "--serve") return serve(std::atoi(argv[2]), argv[3]);
   if (argc == 3 && std::string(argv[1]) == "--work") return work(argv[2]);
   if (argc != 1) {
-    std::fprintf(stderr, "usage: gateway | gateway --serve PORT [DIR] | gateway --work DIR\n");
+    std::fprintf(stderr, "usage: gateway [--redis HOST:PORT] | gateway --serve PORT [DIR] [--redis HOST:PORT] | gateway --work DIR\n");
     return 2;
   }
 
@@ -117,6 +134,7 @@ int main(int argc, char** argv) {
   event_log log;
   gateway::gateway_options o;
   o.data_dir = dir.path;
+  o.fleet.redis = redis_flag;
   o.batch_max_depth = 80;  // small enough that the outage's backlog meets it: rejections you can see
   o.breaker.on_state_change = [&log](const keel::breaker_transition& t) {
     log.add(gateway::cat("breaker ", keel::to_string(t.from), " -> ", keel::to_string(t.to)));

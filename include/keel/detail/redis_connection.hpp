@@ -233,17 +233,20 @@ class redis_connection {
 
   // EVALSHA, and EVAL with the source when the server does not have the
   // script (NOSCRIPT: nothing ran, so re-sending is safe). `args` are
-  // {key, argv...}; one key. Error replies come back as statuses.
+  // {keys..., argv...}: `keys` keys (1-9, one by default; several only when
+  // they share a hash tag, so a Redis Cluster keeps them in one slot).
+  // Error replies come back as statuses.
   template <std::size_t N>
   [[nodiscard]] absl::StatusOr<redis_reply> eval(const redis_script& s, const std::array<std::string_view, N>& args,
-                                                 redis_effect effect, std::string_view what) {
+                                                 redis_effect effect, std::string_view what, int keys = 1) {
+    static constexpr const char* counts[] = {"0", "1", "2", "3", "4", "5", "6", "7", "8", "9"};
     std::array<const char*, N + 3> argv{};
     std::array<std::size_t, N + 3> lens{};
     argv[0] = "EVALSHA";
     lens[0] = 7;
     argv[1] = s.sha().data();
     lens[1] = s.sha().size();
-    argv[2] = "1";
+    argv[2] = counts[keys >= 1 && keys <= 9 ? keys : 1];
     lens[2] = 1;
     for (std::size_t i = 0; i < N; ++i) {
       argv[i + 3] = args[i].data() == nullptr ? "" : args[i].data();
