@@ -11,6 +11,7 @@ keel_packages=(
   libcurl4-openssl-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   python3 python3-prometheus-client
+  prometheus
 )
 
 keel_missing_packages() {
