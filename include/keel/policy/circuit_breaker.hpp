@@ -574,8 +574,10 @@ class circuit_breaker {
   friend class breaker_permit;
 
   template <class Ctx>
+  // Not noexcept: the classifier and the listener are the user's and may
+  // throw, as they may on execute_any()'s path.
   [[gnu::noinline]] void finish_closed(Ctx& ctx, const attempt_plan& plan, const absl::Status& s,
-                                       std::uint32_t gen) noexcept {
+                                       std::uint32_t gen) {
     // As finish() for a closed breaker's permit (see execute_any()).
     const outcome_kind kind = ctx.classify(s);
     if (kind == outcome_kind::refused) return;
