@@ -1023,3 +1023,70 @@ TEST_CASE("a crash between the decision and its learner-history row: the retry r
   CHECK(metric(c.get("/metrics").text, "gateway_effects_replayed_total") == 1);
   svc->stop();
 }
+
+TEST_CASE("the front door's request framing: the same outcome however the bytes are split",
+          "[service][http][hostile][parser]") {
+  using parser = gateway::detail::request_parser;
+  struct expected {
+    std::string what, bytes;
+    parser::state state;
+    int status;             // for a refusal
+    std::string body = {};  // for a request
+  };
+  const std::vector<expected> cases = {
+      {"content-length", "POST /v1/feedback HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello", parser::state::done, 0, "hello"},
+      {"chunked with an extension and a trailer",
+       "POST /v1/batch HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5;x=1\r\nhello\r\n6\r\n world\r\n0\r\nT: x\r\n\r\n",
+       parser::state::done, 0, "hello world"},
+      {"chunked past the limit", "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n500\r\n", parser::state::failed, 413},
+      {"chunks adding up past the limit",
+       "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n200\r\n" + std::string(512, 'x') + "\r\n200\r\n" +
+           std::string(512, 'x') + "\r\n1\r\n",
+       parser::state::failed, 413},
+      {"content-length past the limit", "POST / HTTP/1.1\r\nContent-Length: 1025\r\n\r\n", parser::state::failed, 413},
+      {"gzip", "POST / HTTP/1.1\r\nContent-Encoding: gzip\r\nContent-Length: 2\r\n\r\nxx", parser::state::failed, 415},
+      {"a NUL in a header", std::string("GET / HTTP/1.1\r\nIdempotency-Key: u1\0AAA\r\n\r\n", 43), parser::state::failed,
+       400},
+      {"a bare LF", "GET / HTTP/1.1\nHost: x\r\n\r\n", parser::state::failed, 400},
+      {"an obsolete fold", "GET / HTTP/1.1\r\nA: b\r\n c\r\n\r\n", parser::state::failed, 400},
+      {"both framings", "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 1\r\n\r\n",
+       parser::state::failed, 400},
+      {"lengths that disagree", "POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+       parser::state::failed, 400},
+      {"a head past the limit", "GET / HTTP/1.1\r\nX: " + std::string(600, 'a') + "\r\n\r\n", parser::state::failed,
+       431},
+      {"HTTP/2 preface", "PRI * HTTP/2.0\r\n\r\n", parser::state::failed, 400},
+      {"an unknown version", "GET / HTTP/3.0\r\n\r\n", parser::state::failed, 505},
+      {"blank lines first", "\r\n\r\nGET /healthz HTTP/1.1\r\n\r\n", parser::state::done, 0, ""},
+      {"a head still coming", "GET /healthz HTTP/1.1\r\nHost: x\r\n", parser::state::head, 0},
+  };
+  for (const expected& e : cases) {
+    for (std::size_t step : {e.bytes.size() + 1, std::size_t{1}, std::size_t{3}, std::size_t{7}}) {
+      INFO(e.what << ", fed " << step << " bytes at a time");
+      parser p(1024, 512);
+      std::size_t used = 0;
+      while (used < e.bytes.size() && (p.current() == parser::state::head || p.current() == parser::state::body)) {
+        used += p.feed(std::string_view(e.bytes).substr(used, step));
+      }
+      CHECK(p.current() == e.state);
+      if (e.state == parser::state::failed) {
+        CHECK(p.error().status == e.status);
+        CHECK(!p.error().message.empty());
+      }
+      if (e.state == parser::state::done) {
+        CHECK(p.request().body == e.body);
+        CHECK(used == e.bytes.size());
+      }
+    }
+  }
+  // Raw bytes kept: no %xx decoding of the target or its query.
+  parser p;
+  p.feed("GET /v1/batch/7?tenant=ac%41me HTTP/1.1\r\nIdempotency-Key: pct%41\r\n\r\n");
+  REQUIRE(p.current() == parser::state::done);
+  CHECK(p.request().query_param("tenant") == "ac%41me");
+  CHECK(p.request().header("idempotency-key") == "pct%41");
+  // A pipelined request is left for the next parse.
+  parser q;
+  const std::string two = "GET /a HTTP/1.1\r\n\r\nGET /b HTTP/1.1\r\n\r\n";
+  CHECK(q.feed(two) == two.size() / 2);
+}

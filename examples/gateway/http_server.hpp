@@ -468,7 +468,7 @@ class request_parser {
           }
           if (line_.empty() || line_.back() != '\r') return used + fail(400, "malformed", "a chunk-size line without CRLF");
           line_.pop_back();
-          const std::string_view size = line_.substr(0, line_.find(';'));
+          const std::string_view size = std::string_view(line_).substr(0, line_.find(';'));
           const std::string_view digits = trim_ows(size);
           if (digits.empty() || digits.size() > 15) return used + fail(400, "malformed", "a chunk size is not 1-15 hex digits");
           std::uint64_t n = 0;
