@@ -771,6 +771,34 @@ TEST_CASE("slow clients: 100 trickling connections hold no worker; health and ad
   svc->stop();
 }
 
+TEST_CASE("blank lines before a request do not hold an idle connection past its idle time",
+          "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  o.http_idle_timeout = 1s;
+  o.http_header_timeout = 5s;  // longer than the idle time: only the idle clock may cut it
+  auto svc = start(o);
+  raw_connection c(svc->port());
+  const auto opened = std::chrono::steady_clock::now();
+  // "\r\n" every 100 ms: allowed before a request line (RFC 9112 2.2), but not a request.
+  bool closed = false;
+  while (!closed && std::chrono::steady_clock::now() - opened < 10s) {
+    (void)c.send("\r\n", 0ms);
+    closed = c.closed_by_peer(100ms);
+  }
+  const auto held = std::chrono::steady_clock::now() - opened;
+  INFO("held " << std::chrono::duration_cast<std::chrono::milliseconds>(held).count() << " ms");
+  CHECK(closed);
+  CHECK(held >= o.http_idle_timeout);
+  CHECK(held < o.http_header_timeout);
+  // A connection idle the same way that then sends a request is served.
+  raw_connection d(svc->port());
+  REQUIRE(d.send("\r\n" + head_of("GET", "/healthz", "")));
+  CHECK(d.read_response().status == 200);
+  svc->stop();
+}
+
 TEST_CASE("the reserved lane: with every ordinary worker busy, /healthz and /admin still answer; excess is a named 503",
           "[service][http][hostile]") {
   temp_dir dir;

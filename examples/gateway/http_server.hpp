@@ -832,6 +832,9 @@ class http_server {
       if (c.drained > drain_limit) drop(open, c);
       return;
     }
+    // Blank lines before a request do not start it, nor do they extend the
+    // idle time: "\r\n" every few seconds must not hold a connection forever.
+    const steady::time_point idle_deadline = c.deadline;
     if (c.at == phase::idle) {
       // The head's clock starts at the request's first byte.
       c.at = phase::head;
@@ -855,7 +858,10 @@ class http_server {
         }
         return;
       case detail::request_parser::state::head:
-        if (!c.parser.started()) c.at = phase::idle;  // only blank lines so far
+        if (!c.parser.started()) {  // only blank lines so far
+          c.at = phase::idle;
+          c.deadline = idle_deadline;
+        }
         return;
     }
   }
