@@ -441,3 +441,96 @@ TEST_CASE("a tenant refused because the quota table is full of other tenants' ke
   const keel::slo_report batch = core->slos().find("batch")->report(clock.now());
   CHECK(batch.in_window.rejected == 1);
 }
+
+// ---- hostile input (issue 16) ------------------------------------------------
+
+TEST_CASE("a body of valid JSON followed by a NUL and garbage is refused, on every endpoint that reads one",
+          "[service][errors][hostile]") {
+  temp_dir dir;
+  const gateway::gateway_options o = seed_options(dir.path());
+  kt::manual_clock clock;
+  clock.auto_advance(true);
+  auto core = open_core(o, clock);
+  const std::string tail("\0garbage", 8);
+  const gateway::reply f = core->feedback(feedback_body("acme") + tail, "k-nul");
+  CHECK(f.status == 400);
+  CHECK(parse(f)["error"]["message"].get<std::string>().find("NUL byte") != std::string::npos);
+  CHECK(core->batch_submit(R"({"tenant":"acme","learner":"l","sessions":["s"]})" + tail, "k-nul").status == 400);
+  CHECK(core->admin_shed(R"({"class":"batch","shed":true})" + tail).status == 400);
+  CHECK(core->admin_fault(R"({"kind":"outage"})" + tail).status == 400);
+  // A NUL escaped inside a string is JSON, and fine.
+  CHECK(core->feedback(json{{"tenant", "acme"}, {"question_id", "q-timeouts"}, {"answer", std::string("a\0b", 3)}}.dump(),
+                       "k-escaped")
+            .status == 200);
+  CHECK(core->provider().current_fault().kind == gateway::fault_kind::none);
+  CHECK(core->effects().count("feedback", "acme", "k-nul").value() == 0);
+  CHECK(core->queue().counts().value().total() == 0);
+}
+
+TEST_CASE("idempotency keys are checked as the bytes given: a NUL or a control byte is refused, %xx is kept",
+          "[service][idempotency][hostile]") {
+  CHECK(!gateway::detail::check_idempotency_key(std::string_view("u1\0AAA", 6)).ok());
+  CHECK(!gateway::detail::check_idempotency_key(std::string_view("u1\x7f")).ok());
+  CHECK(gateway::detail::check_idempotency_key(std::string_view("pct%41")).value() == "pct%41");
+  temp_dir dir;
+  const gateway::gateway_options o = seed_options(dir.path());
+  kt::manual_clock clock;
+  clock.auto_advance(true);
+  auto core = open_core(o, clock);
+  const json a = parse(core->feedback(feedback_body("acme"), "pct%41"));
+  const json b = parse(core->feedback(feedback_body("acme"), "pctA"));
+  CHECK(a["replayed"] == false);
+  CHECK(b["replayed"] == false);
+  CHECK(a["decision_id"] != b["decision_id"]);
+}
+
+TEST_CASE("the learner-history row is written by a replay when it is missing, and never twice",
+          "[service][idempotency][hostile]") {
+  temp_dir dir;
+  const gateway::gateway_options o = seed_options(dir.path());
+  kt::manual_clock clock;
+  clock.auto_advance(true);
+  auto core = open_core(o, clock);
+  // The first reply's row write fails as if the process died there: the
+  // hook throws past it (the decision is committed).
+  core->set_effect_hook([](std::string_view stage) {
+    if (stage == "decided") throw std::runtime_error("crash");
+  });
+  CHECK_THROWS(core->feedback(feedback_body("acme"), "k-lost"));
+  CHECK(core->effects().count("feedback", "acme", "k-lost").value() == 0);
+  core->set_effect_hook({});
+  const gateway::reply retry = core->feedback(feedback_body("acme"), "k-lost");
+  REQUIRE(retry.status == 200);
+  CHECK(parse(retry)["replayed"] == true);
+  CHECK(core->effects().count("feedback", "acme", "k-lost").value() == 1);
+  CHECK(parse(core->feedback(feedback_body("acme"), "k-lost"))["replayed"] == true);
+  CHECK(core->effects().count("feedback", "acme", "k-lost").value() == 1);
+  CHECK(metric(*core, "gateway_effects_replayed_total") == 1);
+}
+
+TEST_CASE("question ids with a fallback rubric degrade in an outage; ids without one fail and say why",
+          "[service][fallback][hostile]") {
+  temp_dir dir;
+  const gateway::gateway_options o = seed_options(dir.path());
+  kt::manual_clock clock;
+  clock.auto_advance(true);
+  auto core = open_core(o, clock);
+  core->force_breaker("open");
+  // The rubric store's ids (docs/gateway.md lists them): a degraded answer.
+  for (const char* q : {"q-design-cache", "q-rate-limit", "q-idempotency", "q-timeouts"}) {
+    INFO(q);
+    const gateway::reply r =
+        core->feedback(json{{"tenant", "acme"}, {"question_id", q}, {"answer", "bounds memory"}}.dump(), std::string("k-") + q);
+    CHECK(r.status == 200);
+    CHECK(parse(r)["degraded"] == true);
+  }
+  // Any other id has no fallback: the outage is the answer, and it says so.
+  const gateway::reply r =
+      core->feedback(json{{"tenant", "acme"}, {"question_id", "q-unknown"}, {"answer", "x"}}.dump(), "k-unknown");
+  INFO(r.body);
+  CHECK(r.status == 503);
+  const std::string message = parse(r)["error"]["message"].get<std::string>();
+  CHECK(message.find("no rubric-only fallback") != std::string::npos);
+  CHECK(message.find("no rubric for question 'q-unknown'") != std::string::npos);
+  CHECK(parse(r)["error"]["refused_by"] == "breaker:endpoint=sim-llm");
+}

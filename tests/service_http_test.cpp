@@ -578,3 +578,543 @@ TEST_CASE("a worker killed after delivering, before completing: the takeover's d
   CHECK(c.post_key("/v1/batch", batch("acme", "someone-else"), "report-x").status == 409);
   svc->stop();
 }
+
+// ---- the gateway under hostile clients (issue 16) ----------------------------
+//
+// Each client below does what a hostile but realistic one would, with raw
+// bytes (keel_service::raw_connection) where an HTTP library would tidy them.
+
+namespace {
+
+using keel_service::raw_connection;
+
+std::string head_of(const std::string& method, const std::string& path, const std::string& headers) {
+  return method + " " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n" + headers + "\r\n";
+}
+
+json error_of(const raw_connection::response& r) {
+  const json j = json::parse(r.body, nullptr, false);
+  return j.is_object() && j.contains("error") ? j["error"] : json();
+}
+
+}  // namespace
+
+TEST_CASE("hostile bodies: a chunked body past the limit and an encoded body are refused before they are read",
+          "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  auto svc = start(o);
+  auto& core = svc->core();
+  const std::string chunk(64 * 1024, 'x');
+  const std::string framed_chunk = "10000\r\n" + chunk + "\r\n";  // 0x10000 = 64 KiB
+
+  SECTION("chunked, 100 MB offered: 413 after the first 64 KiB, and memory does not grow with the body") {
+    const std::int64_t rss_before = keel_service::rss_bytes();
+    raw_connection c(svc->port());
+    REQUIRE(c.send(head_of("POST", "/v1/feedback",
+                           "Idempotency-Key: big-1\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n")));
+    // Keep sending until the gateway answers or stops taking bytes.
+    std::uint64_t offered = 0;
+    while (offered < 100ull * 1024 * 1024 && !c.readable()) {
+      if (!c.send(framed_chunk, 2s)) break;
+      offered += chunk.size();
+    }
+    const raw_connection::response r = c.read_response();
+    const std::int64_t rss_after = keel_service::rss_bytes();
+    INFO(r.head << "\n" << r.body << "\noffered " << offered << " bytes; RSS " << rss_before << " -> " << rss_after);
+    REQUIRE(r.status == 413);
+    const json e = error_of(r);
+    CHECK(e["refused_by"] == "http:body_too_large");
+    const std::string message = e["message"].get<std::string>();
+    CHECK(message.find("chunked") != std::string::npos);
+    CHECK(message.find("65536") != std::string::npos);
+    CHECK(message.find("max_body_bytes") != std::string::npos);
+    CHECK(r.has_header("Connection: close"));
+    // Refused while most of the 100 MB was still with the client.
+    CHECK(offered < 64ull * 1024 * 1024);
+    // The gateway held at most its limit of it: no growth anywhere near the body's size.
+    CHECK(rss_after - rss_before < 32 * 1024 * 1024);
+  }
+
+  SECTION("a chunk size that alone exceeds the limit is refused before its data") {
+    raw_connection c(svc->port());
+    REQUIRE(c.send(head_of("POST", "/v1/feedback", "Idempotency-Key: big-2\r\nTransfer-Encoding: chunked\r\n") +
+                   "6400000\r\n"));  // 100 MiB in one chunk
+    const raw_connection::response r = c.read_response();
+    REQUIRE(r.status == 413);
+    CHECK(error_of(r)["refused_by"] == "http:body_too_large");
+  }
+
+  SECTION("a Content-Length of 100 MB: 413 from the head alone") {
+    raw_connection c(svc->port());
+    REQUIRE(c.send(head_of("POST", "/v1/batch", "Idempotency-Key: big-3\r\nContent-Length: 104857600\r\n")));
+    const raw_connection::response r = c.read_response();
+    REQUIRE(r.status == 413);
+    const std::string message = error_of(r)["message"].get<std::string>();
+    CHECK(message.find("104857600") != std::string::npos);
+    CHECK(message.find("65536") != std::string::npos);
+  }
+
+  SECTION("a gzip body (58 KB that would inflate to 60 MB): 415, never inflated") {
+    raw_connection c(svc->port());
+    const std::string gz(58 * 1024, '\x1f');
+    REQUIRE(c.send(head_of("POST", "/v1/feedback",
+                           "Idempotency-Key: gz-1\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
+                           "Content-Length: " + std::to_string(gz.size()) + "\r\n")));
+    (void)c.send(gz, 2s);  // the gateway may have answered and stopped reading already
+    const raw_connection::response r = c.read_response();
+    REQUIRE(r.status == 415);
+    const json e = error_of(r);
+    CHECK(e["refused_by"] == "http:encoded_body");
+    CHECK(e["message"].get<std::string>().find("Content-Encoding 'gzip'") != std::string::npos);
+  }
+
+  SECTION("Transfer-Encoding other than chunked: 415; both framings at once: 400") {
+    raw_connection a(svc->port());
+    REQUIRE(a.send(head_of("POST", "/v1/feedback", "Idempotency-Key: gz-2\r\nTransfer-Encoding: gzip, chunked\r\n")));
+    CHECK(a.read_response().status == 415);
+    raw_connection b(svc->port());
+    REQUIRE(b.send(head_of("POST", "/v1/feedback",
+                           "Idempotency-Key: gz-3\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n")));
+    CHECK(b.read_response().status == 400);
+  }
+
+  SECTION("a chunked body within the limit is served") {
+    raw_connection c(svc->port());
+    const std::string body = feedback("acme");
+    std::string framed;
+    for (std::size_t at = 0; at < body.size(); at += 10) {
+      const std::string part = body.substr(at, 10);
+      char size[16];
+      std::snprintf(size, sizeof size, "%zx", part.size());
+      framed += std::string(size) + "\r\n" + part + "\r\n";
+    }
+    framed += "0\r\n\r\n";
+    REQUIRE(c.send(head_of("POST", "/v1/feedback", "Idempotency-Key: chunked-ok\r\nTransfer-Encoding: chunked\r\n") +
+                   framed));
+    const raw_connection::response r = c.read_response();
+    INFO(r.body);
+    CHECK(r.status == 200);
+  }
+  // Nothing refused reached the gateway's logic.
+  CHECK(core.effects().count("feedback", "acme", "big-1").value() == 0);
+  CHECK(core.queue().counts().value().total() == 0);
+  svc->stop();
+}
+
+TEST_CASE("slow clients: 100 trickling connections hold no worker; health and admin answer; each is cut per request",
+          "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  o.http_threads = 8;  // fewer workers than slow clients by far
+  o.http_header_timeout = 3s;
+  o.http_body_timeout = 2s;
+  o.provider.median_latency = 5ms;
+  auto svc = start(o);
+  const int port = svc->port();
+  constexpr int kSlow = 100, kSlowBodies = 5;
+
+  // 100 heads and 5 bodies, one byte per connection every 100 ms.
+  std::vector<std::unique_ptr<raw_connection>> slow;
+  std::vector<std::chrono::steady_clock::time_point> first_byte;
+  for (int i = 0; i < kSlow + kSlowBodies; ++i) {
+    slow.push_back(std::make_unique<raw_connection>(port));
+    const bool body = i >= kSlow;
+    REQUIRE(slow.back()->send(body ? head_of("POST", "/v1/feedback", "Idempotency-Key: slow-body\r\nContent-Length: 1000\r\n")
+                                   : "POST /v1/feedback HTTP/1.1\r\nX-Slow: "));
+    first_byte.push_back(std::chrono::steady_clock::now());
+  }
+  std::atomic<bool> trickling{true};
+  std::thread trickle([&] {
+    while (trickling.load()) {
+      for (auto& c : slow) (void)c->send("a", 0ms);  // a connection the gateway closed just fails
+      std::this_thread::sleep_for(100ms);
+    }
+  });
+
+  // While they trickle: the front door holds them all, and everyone else is served.
+  client c(port);
+  const http_result health = c.get("/healthz");
+  const http_result shed = c.post("/admin/shed", R"({"class":"batch","shed":false})");
+  const gateway::http_server_figures during = svc->http_figures();  // no ordinary request sent yet
+  const http_result answer = c.post_key("/v1/feedback", feedback("acme"), "fast-1");
+  INFO(health.text);
+  CHECK(health.status == 200);
+  CHECK(health.body["http"]["connections"].get<int>() >= kSlow + kSlowBodies);
+  CHECK(shed.status == 200);
+  CHECK(answer.status == 200);
+  CHECK(during.connections >= kSlow + kSlowBodies);
+  CHECK(during.busy + during.queued == 0);  // not one worker held by a slow client
+
+  // Each is cut when its request's time is up, although a byte came every 100 ms.
+  int heads_cut = 0, bodies_cut = 0;
+  for (int i = 0; i < kSlow + kSlowBodies; ++i) {
+    const raw_connection::response r = slow[i]->read_response(30s);
+    const auto waited = std::chrono::steady_clock::now() - first_byte[i];
+    const bool body = i >= kSlow;
+    INFO("slow client " << i << ": " << r.head << " " << r.body);
+    CHECK(r.status == 408);
+    CHECK(error_of(r)["refused_by"] == (body ? "http:body_timeout" : "http:header_timeout"));
+    CHECK(waited >= (body ? o.http_body_timeout : o.http_header_timeout));
+    (body ? bodies_cut : heads_cut) += r.status == 408;
+  }
+  trickling.store(false);
+  trickle.join();
+  CHECK(heads_cut == kSlow);
+  CHECK(bodies_cut == kSlowBodies);
+  const std::string text = c.get("/metrics").text;
+  CHECK(metric(text, R"(gateway_http_requests_total{endpoint="feedback",code="408"})") == kSlow + kSlowBodies);
+  CHECK(metric(text, R"(gateway_http_refusals_total{reason="header_timeout"})") == kSlow);
+  CHECK(metric(text, R"(gateway_http_refusals_total{reason="body_timeout"})") == kSlowBodies);
+  svc->stop();
+}
+
+TEST_CASE("blank lines before a request do not hold an idle connection past its idle time",
+          "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  o.http_idle_timeout = 1s;
+  o.http_header_timeout = 5s;  // longer than the idle time: only the idle clock may cut it
+  auto svc = start(o);
+  raw_connection c(svc->port());
+  const auto opened = std::chrono::steady_clock::now();
+  // "\r\n" every 100 ms: allowed before a request line (RFC 9112 2.2), but not a request.
+  bool closed = false;
+  while (!closed && std::chrono::steady_clock::now() - opened < 10s) {
+    (void)c.send("\r\n", 0ms);
+    closed = c.closed_by_peer(100ms);
+  }
+  const auto held = std::chrono::steady_clock::now() - opened;
+  INFO("held " << std::chrono::duration_cast<std::chrono::milliseconds>(held).count() << " ms");
+  CHECK(closed);
+  CHECK(held >= o.http_idle_timeout);
+  CHECK(held < o.http_header_timeout);
+  // A connection idle the same way that then sends a request is served.
+  raw_connection d(svc->port());
+  REQUIRE(d.send("\r\n" + head_of("GET", "/healthz", "")));
+  CHECK(d.read_response().status == 200);
+  svc->stop();
+}
+
+TEST_CASE("the reserved lane: with every ordinary worker busy, /healthz and /admin still answer; excess is a named 503",
+          "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o;
+  o.data_dir = dir.path();
+  gateway::scale_time(o, 2.0);  // a 6 s deadline, a 2 s model stage: stalled requests hold their workers for long
+  o.batch_workers = 0;
+  o.http_threads = 4;
+  o.http_queue = 2;
+  auto svc = start(o);
+  const int port = svc->port();
+  client admin(port);
+  REQUIRE(admin.post("/admin/fault", R"({"kind":"stall"})").status == 200);
+
+  // Four stalled requests take the four ordinary workers, two more wait.
+  std::vector<std::thread> held;
+  std::vector<int> statuses(6, 0);
+  for (int i = 0; i < 6; ++i) {
+    held.emplace_back([&, i] {
+      client c(port);
+      statuses[i] = c.post_key("/v1/feedback", feedback("acme"), "held-" + std::to_string(i)).status;
+    });
+  }
+  const auto until = std::chrono::steady_clock::now() + 20s;
+  gateway::http_server_figures f;
+  while (std::chrono::steady_clock::now() < until) {
+    f = svc->http_figures();
+    if (f.busy == 4 && f.queued == 2) break;
+    std::this_thread::sleep_for(5ms);
+  }
+  UNSCOPED_INFO("ordinary lane: " << f.busy << " busy, " << f.queued << " queued");
+  // A seventh finds the lane full: refused at once, naming the limit.
+  client extra(port);
+  const http_result refused = extra.post_key("/v1/feedback", feedback("acme"), "held-7");
+  // The operator's requests have workers of their own.
+  const http_result health = admin.get("/healthz");
+  const http_result fault = admin.post("/admin/fault", R"({"kind":"none"})");
+  const gateway::http_server_figures still = svc->http_figures();
+  for (std::thread& t : held) t.join();
+
+  REQUIRE(f.busy == 4);
+  REQUIRE(f.queued == 2);
+  INFO(refused.text);
+  CHECK(refused.status == 503);
+  CHECK(refused.body["error"]["refused_by"] == "http:busy");
+  CHECK(refused.retry_after);
+  CHECK(health.status == 200);
+  CHECK(health.body["http"]["busy"] == 4);
+  CHECK(fault.status == 200);
+  CHECK(still.busy == 4);  // all of it while the ordinary lane was still full
+  for (int s : statuses) CHECK(s == 200);  // the held ones end as degraded answers, within their deadline
+  const std::string text = admin.get("/metrics").text;
+  CHECK(metric(text, R"(gateway_http_requests_total{endpoint="feedback",code="503"})") == 1);
+  CHECK(metric(text, R"(gateway_http_refusals_total{reason="busy"})") == 1);
+  svc->stop();
+}
+
+TEST_CASE("a burst of 500 connects: the backlog holds them and every one is answered", "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  auto svc = start(o);
+  // What the kernel gives the listener: the gateway asked for 1024 (at most net.core.somaxconn).
+  const int backlog = keel_service::listen_backlog(svc->port());
+  INFO("listen backlog " << backlog);
+  CHECK(backlog >= 500);
+
+  constexpr int kBurst = 500;
+  std::vector<std::unique_ptr<raw_connection>> burst;
+  for (int i = 0; i < kBurst; ++i) burst.push_back(std::make_unique<raw_connection>(svc->port(), false));
+  int connected = 0, answered = 0;
+  for (auto& c : burst) {
+    if (!c->connected(30s)) continue;
+    ++connected;
+    (void)c->send(head_of("GET", "/v2/nothing", "Connection: close\r\n"));
+  }
+  for (auto& c : burst) {
+    const raw_connection::response r = c->read_response(60s);
+    answered += r.status == 404 || r.status == 503;  // not found, or the lane's queue full: an answer either way
+  }
+  CHECK(connected == kBurst);
+  CHECK(answered == kBurst);
+  svc->stop();
+}
+
+TEST_CASE("idempotency keys are the bytes that were sent: no NUL truncation, no %xx decoding",
+          "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  o.provider.median_latency = 5ms;
+  auto svc = start(o);
+  auto& core = svc->core();
+  const std::string body = feedback("acme");
+  auto post_raw = [&](const std::string& key_header) {
+    raw_connection c(svc->port());
+    (void)c.send(head_of("POST", "/v1/feedback",
+                         key_header + "Content-Type: application/json\r\nContent-Length: " +
+                             std::to_string(body.size()) + "\r\n") +
+                 body);
+    return c.read_response();
+  };
+
+  // A NUL in a header: refused, so u1\0AAA and u1\0BBB can never be one key.
+  for (const std::string& key : {std::string("u1\0AAA", 6), std::string("u1\0BBB", 6)}) {
+    const raw_connection::response r = post_raw("Idempotency-Key: " + key + "\r\n");
+    INFO(r.body);
+    CHECK(r.status == 400);
+    CHECK(error_of(r)["message"].get<std::string>().find("NUL") != std::string::npos);
+  }
+  CHECK(core.effects().count("feedback", "acme", "u1").value() == 0);
+
+  // pct%41 is not pctA: two keys, two decisions.
+  const raw_connection::response pct = post_raw("Idempotency-Key: pct%41\r\n");
+  const raw_connection::response plain = post_raw("Idempotency-Key: pctA\r\n");
+  const json a = json::parse(pct.body, nullptr, false), b = json::parse(plain.body, nullptr, false);
+  REQUIRE(pct.status == 200);
+  REQUIRE(plain.status == 200);
+  CHECK(a["replayed"] == false);
+  CHECK(b["replayed"] == false);
+  CHECK(a["decision_id"] != b["decision_id"]);
+  CHECK(core.effects().count("feedback", "acme", "pct%41").value() == 1);
+  CHECK(core.effects().count("feedback", "acme", "pctA").value() == 1);
+  // ...and pct%41 again is a replay of its own decision.
+  const raw_connection::response again = post_raw("Idempotency-Key: pct%41\r\n");
+  CHECK(json::parse(again.body, nullptr, false)["decision_id"] == a["decision_id"]);
+
+  // Two keys on one request are not one key; a control byte is refused too.
+  CHECK(post_raw("Idempotency-Key: k-1\r\nIdempotency-Key: k-2\r\n").status == 400);
+  CHECK(post_raw("Idempotency-Key: k\x01x\r\n").status == 400);
+  svc->stop();
+}
+
+TEST_CASE("bodies: JSON followed by NUL and garbage is refused; 413 names the real limit; a form content type is no limit",
+          "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  o.provider.median_latency = 5ms;
+  auto svc = start(o);
+  auto& core = svc->core();
+  httplib::Client c("127.0.0.1", svc->port());
+  c.set_read_timeout(10s);
+  auto post = [&](const std::string& path, const std::string& body, const std::string& key, const char* type) {
+    return result_of(c.Post(path.c_str(), httplib::Headers{{"Idempotency-Key", key}}, body, type));
+  };
+
+  const http_result nul = post("/v1/feedback", feedback("acme") + std::string("\0garbage", 8), "nul-1", "application/json");
+  INFO(nul.text);
+  CHECK(nul.status == 400);
+  CHECK(nul.body["error"]["message"].get<std::string>().find("NUL") != std::string::npos);
+  CHECK(post("/v1/batch", batch("acme") + std::string("\0{}", 3), "nul-2", "application/json").status == 400);
+  CHECK(core.effects().count("feedback").value() == 0);
+  CHECK(core.queue().counts().value().total() == 0);
+
+  // A valid 20 KB request with curl's default content type (form-encoded): served.
+  const std::string answer(7000, 'a');
+  std::string big = json{{"tenant", "acme"}, {"question_id", "q-timeouts"}, {"answer", answer},
+                         {"padding", std::string(13000, ' ')}}.dump();
+  REQUIRE(big.size() > 20000);
+  const http_result form = post("/v1/feedback", big, "form-1", "application/x-www-form-urlencoded");
+  INFO(form.text);
+  CHECK(form.status == 200);
+  // Over keel's limit: the message names that limit and the body's size.
+  const std::string huge(70000, ' ');
+  const http_result over = post("/v1/feedback", "{" + huge + "}", "form-2", "application/x-www-form-urlencoded");
+  CHECK(over.status == 413);
+  const std::string message = over.body["error"]["message"].get<std::string>();
+  CHECK(message.find("70002 bytes") != std::string::npos);
+  CHECK(message.find("65536") != std::string::npos);
+  CHECK(message.find("max_body_bytes") != std::string::npos);
+
+  // The front door's refusals are counted with every other reply.
+  const std::string text = client(svc->port()).get("/metrics").text;
+  CHECK(metric(text, R"(gateway_http_requests_total{endpoint="feedback",code="413"})") == 1);
+  CHECK(metric(text, R"(gateway_http_requests_total{endpoint="feedback",code="400"})") == 1);
+  CHECK(metric(text, R"(gateway_http_refusals_total{reason="body_too_large"})") == 1);
+  svc->stop();
+}
+
+#ifdef KEEL_GATEWAY_CLI
+TEST_CASE("gateway --serve: a port out of range or not a number is refused; the serving line comes at once",
+          "[service][http][hostile][cli]") {
+  temp_dir dir;
+  for (const char* bad : {"70000", "abc", "-1", "80x", ""}) {
+    INFO("--serve '" << bad << "'");
+    const pid_t pid = keel_service::spawn_program({KEEL_GATEWAY_CLI, "--serve", bad, dir.path()},
+                                                  dir.file("out.txt"), dir.file("err.txt"));
+    CHECK(keel_service::wait_child(pid) == 2);
+    const std::string err = keel_service::read_file(dir.file("err.txt"));
+    CHECK(err.find("the port must be a number in [0, 65535]") != std::string::npos);
+    CHECK(err.find(std::string("'") + bad + "'") != std::string::npos);
+  }
+  // --serve 0: a free port, and the line that names it while the gateway runs.
+  const std::string out = dir.file("serve.txt");
+  const pid_t pid = keel_service::spawn_program({KEEL_GATEWAY_CLI, "--serve", "0", dir.path()}, out,
+                                                dir.file("serve.err"));
+  const std::string line = keel_service::await_text(out, "Ctrl-C stops it");
+  INFO(line << keel_service::read_file(dir.file("serve.err")));
+  const std::size_t at = line.find("http://127.0.0.1:");
+  REQUIRE(at != std::string::npos);
+  const int port = std::stoi(line.substr(at + 17));
+  CHECK(port > 0);
+  CHECK(client(port).get("/healthz").status == 200);  // it is serving on the port it printed
+  ::kill(pid, SIGTERM);
+  CHECK(keel_service::wait_child(pid) == 0);
+}
+#endif
+
+// The learner-history row and the decision are in two files; a crash between
+// their commits (injected in a child process) is repaired by the retry.
+TEST_CASE("service crash child", "[.][crash-child]") {
+  gateway::gateway_options o = keel_service::options(keel_service::child_env("DIR"));
+  o.batch_workers = 0;
+  o.provider.median_latency = 5ms;
+  auto core = gateway::gateway_core<keel::real_clock, keel::sqlite_job_store<>>::open(
+      o, [](const std::string& path) { return keel::sqlite_job_store<>::open(path); });
+  if (!core.ok()) std::_Exit(2);
+  (*core)->set_effect_hook([](std::string_view stage) {
+    if (stage == "decided") std::_Exit(3);  // the decision is committed, its row not yet written
+  });
+  const std::string key = "crash-1";
+  (void)(*core)->feedback(feedback("acme"), std::string_view(key));
+  std::_Exit(4);  // the hook never ran
+}
+
+TEST_CASE("a crash between the decision and its learner-history row: the retry replays the decision and writes the row",
+          "[service][http][process][hostile]") {
+  temp_dir dir;
+  const pid_t pid = keel_test::spawn_self({.test_case = "service crash child", .env_prefix = "KEEL_SERVICE_",
+                                           .vars = {{"DIR", dir.path()}}});
+  REQUIRE(keel_service::wait_child(pid) == 3);
+
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  o.provider.median_latency = 5ms;
+  auto svc = start(o);
+  auto& effects = svc->core().effects();
+  CHECK(effects.count("feedback", "acme", "crash-1").value() == 0);  // the crash came between the two
+  client c(svc->port());
+  const http_result retry = c.post_key("/v1/feedback", feedback("acme"), "crash-1");
+  INFO(retry.text);
+  REQUIRE(retry.status == 200);
+  CHECK(retry.body["replayed"] == true);  // the decision the crashed process committed
+  CHECK(effects.count("feedback", "acme", "crash-1").value() == 1);
+  // Further replays add nothing.
+  CHECK(c.post_key("/v1/feedback", feedback("acme"), "crash-1").body["replayed"] == true);
+  CHECK(effects.count("feedback", "acme", "crash-1").value() == 1);
+  CHECK(effects.duplicated_keys("feedback").value() == 0);
+  CHECK(metric(c.get("/metrics").text, "gateway_effects_replayed_total") == 1);
+  svc->stop();
+}
+
+TEST_CASE("the front door's request framing: the same outcome however the bytes are split",
+          "[service][http][hostile][parser]") {
+  using parser = gateway::detail::request_parser;
+  struct expected {
+    std::string what, bytes;
+    parser::state state;
+    int status;             // for a refusal
+    std::string body = {};  // for a request
+  };
+  const std::vector<expected> cases = {
+      {"content-length", "POST /v1/feedback HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello", parser::state::done, 0, "hello"},
+      {"chunked with an extension and a trailer",
+       "POST /v1/batch HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5;x=1\r\nhello\r\n6\r\n world\r\n0\r\nT: x\r\n\r\n",
+       parser::state::done, 0, "hello world"},
+      {"chunked past the limit", "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n500\r\n", parser::state::failed, 413},
+      {"chunks adding up past the limit",
+       "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n200\r\n" + std::string(512, 'x') + "\r\n200\r\n" +
+           std::string(512, 'x') + "\r\n1\r\n",
+       parser::state::failed, 413},
+      {"content-length past the limit", "POST / HTTP/1.1\r\nContent-Length: 1025\r\n\r\n", parser::state::failed, 413},
+      {"gzip", "POST / HTTP/1.1\r\nContent-Encoding: gzip\r\nContent-Length: 2\r\n\r\nxx", parser::state::failed, 415},
+      {"a NUL in a header", std::string("GET / HTTP/1.1\r\nIdempotency-Key: u1\0AAA\r\n\r\n", 43), parser::state::failed,
+       400},
+      {"a bare LF", "GET / HTTP/1.1\nHost: x\r\n\r\n", parser::state::failed, 400},
+      {"an obsolete fold", "GET / HTTP/1.1\r\nA: b\r\n c\r\n\r\n", parser::state::failed, 400},
+      {"both framings", "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 1\r\n\r\n",
+       parser::state::failed, 400},
+      {"lengths that disagree", "POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+       parser::state::failed, 400},
+      {"a head past the limit", "GET / HTTP/1.1\r\nX: " + std::string(600, 'a') + "\r\n\r\n", parser::state::failed,
+       431},
+      {"HTTP/2 preface", "PRI * HTTP/2.0\r\n\r\n", parser::state::failed, 400},
+      {"an unknown version", "GET / HTTP/3.0\r\n\r\n", parser::state::failed, 505},
+      {"blank lines first", "\r\n\r\nGET /healthz HTTP/1.1\r\n\r\n", parser::state::done, 0, ""},
+      {"a head still coming", "GET /healthz HTTP/1.1\r\nHost: x\r\n", parser::state::head, 0},
+  };
+  for (const expected& e : cases) {
+    for (std::size_t step : {e.bytes.size() + 1, std::size_t{1}, std::size_t{3}, std::size_t{7}}) {
+      INFO(e.what << ", fed " << step << " bytes at a time");
+      parser p(1024, 512);
+      std::size_t used = 0;
+      while (used < e.bytes.size() && (p.current() == parser::state::head || p.current() == parser::state::body)) {
+        used += p.feed(std::string_view(e.bytes).substr(used, step));
+      }
+      CHECK(p.current() == e.state);
+      if (e.state == parser::state::failed) {
+        CHECK(p.error().status == e.status);
+        CHECK(!p.error().message.empty());
+      }
+      if (e.state == parser::state::done) {
+        CHECK(p.request().body == e.body);
+        CHECK(used == e.bytes.size());
+      }
+    }
+  }
+  // Raw bytes kept: no %xx decoding of the target or its query.
+  parser p;
+  p.feed("GET /v1/batch/7?tenant=ac%41me HTTP/1.1\r\nIdempotency-Key: pct%41\r\n\r\n");
+  REQUIRE(p.current() == parser::state::done);
+  CHECK(p.request().query_param("tenant") == "ac%41me");
+  CHECK(p.request().header("idempotency-key") == "pct%41");
+  // A pipelined request is left for the next parse.
+  parser q;
+  const std::string two = "GET /a HTTP/1.1\r\n\r\nGET /b HTTP/1.1\r\n\r\n";
+  CHECK(q.feed(two) == two.size() / 2);
+}

@@ -6,8 +6,10 @@
 //
 //   learner history   one row per feedback decision the gateway records
 //                     (kind "feedback"). The gateway writes it after
-//                     keel::once committed a fresh decision, never for a
-//                     replay, so a retried request cannot add a second row.
+//                     keel::once committed the decision, and again on each
+//                     replay if it is missing (a crash came between the two):
+//                     the write adds a row only when (tenant, key) has none,
+//                     so a retried request cannot add a second one.
 //   report inbox      a report delivered to a learner (kind "report"). The
 //                     inbox honours a receiver-side deduplication contract:
 //                     the first delivery of a job is applied, later ones
@@ -85,10 +87,28 @@ class effect_log {
   effect_log& operator=(const effect_log&) = delete;
   ~effect_log() { sqlite3_close_v2(db_); }
 
-  // Appends one feedback decision to the learner's history.
-  absl::Status record_feedback(std::string_view tenant, std::string_view key, std::string_view decision_id) {
+  // Appends a feedback decision to the learner's history unless the row
+  // for (tenant, key) is there: true when it wrote it. Idempotent, so every
+  // reply carrying the decision (a replay too) may call it.
+  absl::StatusOr<bool> record_feedback(std::string_view tenant, std::string_view key, std::string_view decision_id) {
     std::lock_guard lock(mu_);
-    return insert_effect("feedback", tenant, key, decision_id, 0);
+    sqlite3_stmt* st = nullptr;
+    // One statement: the check and the insert under one write lock, across processes too.
+    if (sqlite3_prepare_v2(db_,
+                           "INSERT INTO effects(kind, tenant, key, ref, fence, at_ns) "
+                           "SELECT 'feedback', ?1, ?2, ?3, 0, ?4 WHERE NOT EXISTS "
+                           "(SELECT 1 FROM effects WHERE kind = 'feedback' AND tenant = ?1 AND key = ?2)",
+                           -1, &st, nullptr) != SQLITE_OK) {
+      return error("preparing the feedback row");
+    }
+    bind_text(st, 1, tenant);
+    bind_text(st, 2, key);
+    bind_text(st, 3, decision_id);
+    sqlite3_bind_int64(st, 4, now_ns());
+    const int rc = sqlite3_step(st);
+    sqlite3_finalize(st);
+    if (rc != SQLITE_DONE) return error("recording the feedback row");
+    return sqlite3_changes(db_) == 1;
   }
 
   // Delivers a job's report, once: the first delivery of a job is applied;
@@ -186,6 +206,11 @@ class effect_log {
     sqlite3_bind_text(st, i, s.data(), static_cast<int>(s.size()), SQLITE_TRANSIENT);
   }
 
+  static std::int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  }
+
   absl::Status error(std::string_view what) const {
     return absl::UnavailableError(cat("effects: ", what, ": ", sqlite3_errmsg(db_)));
   }
@@ -213,9 +238,7 @@ class effect_log {
     bind_text(st, 3, key);
     bind_text(st, 4, ref);
     sqlite3_bind_int64(st, 5, fence);
-    sqlite3_bind_int64(st, 6, std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                  std::chrono::system_clock::now().time_since_epoch())
-                                  .count());
+    sqlite3_bind_int64(st, 6, now_ns());
     const int rc = sqlite3_step(st);
     sqlite3_finalize(st);
     if (rc != SQLITE_DONE) return error("recording the effect");

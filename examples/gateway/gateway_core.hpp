@@ -196,6 +196,12 @@ namespace detail {
 }
 
 [[nodiscard]] inline absl::StatusOr<json> parse_object(std::string_view body) {
+  // nlohmann's parser stops at a NUL as at the end of the input, so
+  // `{...}\0garbage` would pass. JSON text never holds a raw NUL (inside a
+  // string it is written \u0000): refuse it before parsing.
+  if (const std::size_t nul = body.find('\0'); nul != std::string_view::npos) {
+    return bad_input(cat("the body is not valid JSON: a NUL byte at offset ", nul));
+  }
   json j = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return bad_input("the body is not valid JSON");
   if (!j.is_object()) return bad_input("the body must be a JSON object");
@@ -286,8 +292,9 @@ class gateway_core {
     if (!ids.ok()) return ids.status();
     absl::StatusOr<std::unique_ptr<JobStore>> jobs = open_jobs(o.data_dir + "/jobs.db");
     if (!jobs.ok()) return jobs.status();
-    // The learner-history write comes after the decision is committed: it
-    // must not hold a request past its deadline.
+    // The learner-history write comes after the decision is committed (it
+    // must not hold a request past its deadline) and is repeated by replays
+    // until it is there (feedback() says why).
     absl::StatusOr<std::unique_ptr<effect_log>> effects = effect_log::open(
         o.data_dir + "/effects.db", std::chrono::duration_cast<std::chrono::milliseconds>(o.store_busy_timeout));
     if (!effects.ok()) return effects.status();
@@ -347,11 +354,17 @@ class gateway_core {
 
     if (got.ok() && p.decision) {
       const keel::once_result& r = *p.decision;
-      // The effect: a fresh decision goes into the learner's history once.
-      if (!r.replayed) {
-        if (absl::Status e = effects_->record_feedback(rq.tenant, rq.key, r.decision.id); !e.ok()) {
-          effect_errors_->inc();
-        }
+      // The effect: the decision goes into the learner's history once. The
+      // decision commits in keel.db and the row in effects.db, so no one
+      // transaction holds both; instead the row is written by every reply
+      // that carries the decision, fresh or replayed, and written only if
+      // it is not there. A crash between the two commits leaves the client
+      // without an answer; its retry replays the decision and writes the row.
+      if (effect_hook_) effect_hook_("decided");
+      if (absl::StatusOr<bool> e = effects_->record_feedback(rq.tenant, rq.key, r.decision.id); !e.ok()) {
+        effect_errors_->inc();
+      } else if (*e && r.replayed) {
+        effects_replayed_->inc();
       }
       const detail::json stored = detail::json::parse(r.decision.result, nullptr, false);
       detail::json out = stored.is_object() ? stored : detail::json::object();
@@ -388,7 +401,26 @@ class gateway_core {
     if (keel::is_in_flight(s)) return rejected(work_class::interactive, "in_flight", s, t0, /*counts_in_slo=*/false);
     // A clear failure: the model did not answer and no fallback could.
     record_slo(work_class::interactive, keel::request_outcome::failure, done - t0, done);
+    if (!p.found_rubric && !p.retrieval_error.empty()) {
+      // Without a rubric there is no fallback: say so, or an outage reads as a mystery.
+      return answered("feedback",
+                      detail::error_reply(keel::annotate(s, cat("no rubric-only fallback (", p.retrieval_error, ")")), 0));
+    }
     return answered("feedback", detail::error_reply(s));
+  }
+
+  // A request the HTTP layer refused itself (gateway/http_server.hpp):
+  // counted like every reply, and JSON like every error. refused_by
+  // "http:<reason>"; a 408 or 503 says when to come back.
+  reply http_refused(std::string_view endpoint, std::string_view reason, int status, std::string_view message) {
+    absl::Status s = status == 408   ? absl::DeadlineExceededError(std::string(message))
+                     : status == 503 ? absl::UnavailableError(std::string(message))
+                     : status >= 500 ? absl::InternalError(std::string(message))
+                                     : absl::InvalidArgumentError(std::string(message));
+    if (status < 500 || status == 503) s = keel::with_refused_by(keel::mark_not_started(std::move(s)), cat("http:", reason));
+    if (status == 408 || status == 503) s = keel::with_retry_after(std::move(s), std::chrono::seconds(1));
+    http_refusals_->with({reason}).inc();
+    return answered(endpoint, detail::error_reply(s, status));
   }
 
   // POST /v1/batch: {"tenant", "learner", "sessions": [...], ["model"], ["class"]}
@@ -629,6 +661,10 @@ class gateway_core {
   const gateway_options& options() const noexcept { return options_; }
   const Clock& clock() const noexcept { return clock_; }
 
+  // For crash tests: called with "decided" after a fresh or replayed
+  // decision is committed, before its learner-history row is written.
+  void set_effect_hook(std::function<void(std::string_view)> hook) { effect_hook_ = std::move(hook); }
+
   void set_shed(work_class w, bool on) { shed_[idx(w)].store(on, std::memory_order_relaxed); }
 
   // "open", "closed" or "auto" (anything else: auto). Returns the new state.
@@ -735,6 +771,14 @@ class gateway_core {
     latency_ = &registry_.histogram({.name = "gateway_request_seconds",
                                      .help = "Server-side latency of answered and refused requests, by class.",
                                      .labels = {"class"}});
+    http_refusals_ = &registry_.counter({.name = "gateway_http_refusals_total",
+                                         .help = "Requests the HTTP front door refused itself, by reason.",
+                                         .labels = {"reason"}});
+    effects_replayed_ = &registry_
+                             .counter({.name = "gateway_effects_replayed_total",
+                                       .help = "Learner-history rows written by a replay: the first reply was lost "
+                                               "between the decision and its row."})
+                             .with({});
     effect_errors_ = &registry_
                           .counter({.name = "gateway_effect_errors_total",
                                     .help = "Learner-history writes that failed after a decision was committed."})
@@ -1110,6 +1154,9 @@ class gateway_core {
   keel::metric_family<keel::counter_metric>* answers_ = nullptr;
   keel::metric_family<keel::histogram_metric>* latency_ = nullptr;
   keel::counter_metric* effect_errors_ = nullptr;
+  keel::metric_family<keel::counter_metric>* http_refusals_ = nullptr;
+  keel::counter_metric* effects_replayed_ = nullptr;
+  std::function<void(std::string_view)> effect_hook_;  // set before requests run
 };
 
 }  // namespace gateway

@@ -172,9 +172,19 @@ struct gateway_options {
   // and state are shared through that Redis (gateway/fleet.hpp).
   fleet_config fleet{};
 
-  // HTTP.
-  int http_threads = 96;
-  std::size_t max_body_bytes = 64 * 1024;
+  // HTTP: the front door (gateway/http_server.hpp says why each limit).
+  // Network timeouts, so scale_time() leaves them alone.
+  int http_threads = 96;              // workers for /v1/*: every class's slots and queues
+  int http_reserved_threads = 4;      // workers only /healthz, /metrics and /admin/* use
+  int http_queue = 96;                // complete requests waiting for a worker, per lane; beyond: 503
+  int http_max_connections = 4096;    // open connections; beyond, new ones wait in the backlog
+  int http_listen_backlog = 1024;     // the kernel's accept queue: a burst of connects is not dropped
+  std::size_t max_body_bytes = 64 * 1024;    // per request, chunked or not; 413 before it is read
+  std::size_t max_header_bytes = 16 * 1024;  // request line and header fields; 431 beyond
+  keel::duration http_header_timeout = 5s;   // first byte to the end of the head, however it trickles: 408
+  keel::duration http_body_timeout = 10s;    // end of the head to the end of the body: 408
+  keel::duration http_idle_timeout = 5s;     // a kept-alive connection between requests: closed
+  keel::duration http_write_timeout = 5s;    // writing one response
 
   [[nodiscard]] absl::Status validate() const {
     constexpr std::string_view who = "gateway_options";
@@ -200,6 +210,22 @@ struct gateway_options {
     if (http_threads < 4) return keel::detail::invalid_field(who, "http_threads", "be >= 4", http_threads);
     if (max_body_bytes < 1024)
       return keel::detail::invalid_field(who, "max_body_bytes", "be >= 1024", max_body_bytes);
+    const std::pair<std::string_view, int> http_counts[] = {{"http_reserved_threads", http_reserved_threads},
+                                                            {"http_queue", http_queue},
+                                                            {"http_max_connections", http_max_connections},
+                                                            {"http_listen_backlog", http_listen_backlog}};
+    for (const auto& [field, n] : http_counts) {
+      if (n < 1) return keel::detail::invalid_field(who, field, "be >= 1", n);
+    }
+    if (max_header_bytes < 1024)
+      return keel::detail::invalid_field(who, "max_header_bytes", "be >= 1024", max_header_bytes);
+    const std::pair<std::string_view, keel::duration> http_times[] = {{"http_header_timeout", http_header_timeout},
+                                                                      {"http_body_timeout", http_body_timeout},
+                                                                      {"http_idle_timeout", http_idle_timeout},
+                                                                      {"http_write_timeout", http_write_timeout}};
+    for (const auto& [field, d] : http_times) {
+      if (d < 1ms) return keel::detail::invalid_field(who, field, "be >= 1 ms", d);
+    }
     if (!(interactive_target > 0 && interactive_target < 1))
       return keel::detail::invalid_field(who, "interactive_target", "be in (0, 1)", interactive_target);
     if (!(full_answer_target > 0 && full_answer_target < 1))

@@ -1,12 +1,13 @@
-// gateway/gateway_service.hpp — the example gateway as an HTTP service
-// (cpp-httplib) on a loopback port: a thin adapter over gateway_core.
+// gateway/gateway_service.hpp — the example gateway as an HTTP service on a
+// loopback port: a thin adapter from gateway/http_server.hpp (the front
+// door that frames, bounds and times every request) to gateway_core.
 //
 // Endpoints:
 //
 //   POST /v1/feedback        interactive feedback (Idempotency-Key required)
 //   POST /v1/batch           submit a batch report job (Idempotency-Key required)
 //   GET  /v1/batch/<id>?tenant=<t>   a job's state (and report, once done)
-//   GET  /healthz            breakers, shed classes, bulkheads, queue, SLOs
+//   GET  /healthz            breakers, shed classes, bulkheads, queue, SLOs, the front door's figures
 //   GET  /metrics            Prometheus text
 //   POST /admin/breaker      {"mode": "open" | "closed" | "auto"}
 //   POST /admin/shed         {"class": "interactive" | "batch", "shed": bool}
@@ -14,9 +15,14 @@
 //                             "invalid_output" | "none", ...}
 //
 // Every error is JSON: {"error": {"status", "message", ["refused_by"],
-// ["retry_after_ms"]}} with a Retry-After header when there is a hint.
-// Bodies above options.max_body_bytes are refused with 413 before any
-// handler runs.
+// ["retry_after_ms"]}} with a Retry-After header when there is a hint. The
+// front door's own refusals (a body over options.max_body_bytes: 413 before
+// it is read; an encoded body: 415; a head or body too slow: 408; a
+// malformed head: 400; a full lane: 503) are JSON too, name the limit, carry
+// refused_by "http:<reason>" and are counted in gateway_http_requests_total
+// like every other reply. /healthz, /metrics and /admin/* are served by the
+// front door's reserved workers, so they answer while the ordinary ones are
+// all busy. Header values reach the gateway as the bytes that were sent.
 //
 // Example:
 //
@@ -29,18 +35,17 @@
 //   (*svc)->stop();
 //
 // Thread-safety: start() and stop() from one controlling thread; the
-// endpoints run on the server's own pool of threads.
+// endpoints run on the front door's threads.
 #pragma once
 
+#include <charconv>
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
+#include <string_view>
 #include <utility>
-
-#include <httplib.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -48,8 +53,35 @@
 #include "text.hpp"
 #include "keel/store/sqlite_jobs.hpp"
 #include "gateway_core.hpp"
+#include "http_server.hpp"
 
 namespace gateway {
+
+// The PORT of `gateway --serve PORT`: a decimal number in [0, 65535] (0:
+// any free port), nothing else; the error says what was wrong.
+[[nodiscard]] inline absl::StatusOr<int> parse_port(std::string_view text) {
+  int port = -1;
+  const char* end = text.data() + text.size();
+  const auto [at, ec] = std::from_chars(text.data(), end, port);
+  if (text.empty() || ec != std::errc() || at != end || port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        cat("the port must be a number in [0, 65535] (0: any free port); got '", text.substr(0, 32), "'"));
+  }
+  return port;
+}
+
+// What gateway_http_requests_total calls the endpoint at `path`.
+[[nodiscard]] inline std::string_view endpoint_of(std::string_view path) {
+  if (path == "/v1/feedback") return "feedback";
+  if (path == "/v1/batch") return "batch";
+  if (path.starts_with("/v1/batch/")) return "batch_status";
+  if (path == "/healthz") return "health";
+  if (path == "/metrics") return "metrics";
+  if (path == "/admin/breaker") return "admin_breaker";
+  if (path == "/admin/shed") return "admin_shed";
+  if (path == "/admin/fault") return "admin_fault";
+  return "other";
+}
 
 class service {
  public:
@@ -69,120 +101,108 @@ class service {
   ~service() { stop(); }
 
   // Binds host:port (0: a free port), starts the batch workers and serves
-  // on a background thread.
+  // on the front door's threads.
   absl::Status start(const std::string& host = "127.0.0.1", int port = 0) {
-    if (listener_.joinable()) return absl::FailedPreconditionError("the service is already started");
-    port_ = port == 0 ? server_.bind_to_any_port(host) : (server_.bind_to_port(host, port) ? port : -1);
-    if (port_ <= 0) return absl::UnavailableError(cat("cannot bind ", host, ":", port));
+    if (started_) return absl::FailedPreconditionError("the service is already started");
+    if (absl::Status s = server_.start(host, port); !s.ok()) return s;
+    started_ = true;
     core_->start_workers();
-    // The socket is listening once bound: clients may connect at once.
-    listener_ = std::thread([this] { server_.listen_after_bind(); });
     return absl::OkStatus();
   }
 
-  [[nodiscard]] int port() const noexcept { return port_; }
+  [[nodiscard]] int port() const noexcept { return server_.port(); }
   [[nodiscard]] core_type& core() noexcept { return *core_; }
+  [[nodiscard]] http_server_figures http_figures() const { return server_.figures(); }
 
-  // Stops listening, cancels running requests, stops the workers. Idempotent.
+  // Cancels running requests, stops listening, stops the workers. Idempotent.
   void stop() {
     core_->shutdown();
-    if (listener_.joinable()) {
-      server_.stop();
-      listener_.join();
-    }
+    server_.stop();
   }
 
  private:
-  explicit service(std::unique_ptr<core_type> core) : core_(std::move(core)) {
-    const gateway_options& o = core_->options();
-    const auto threads = static_cast<std::size_t>(o.http_threads);
-    // The default pool (8 threads) would queue connections without bound
-    // in front of the bulkheads; size it for every class's slots and queues.
-    server_.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-    server_.set_payload_max_length(o.max_body_bytes);
-    server_.set_read_timeout(std::chrono::seconds(5));
-    server_.set_write_timeout(std::chrono::seconds(5));
-    server_.set_keep_alive_max_count(1000);
-    // An idle keep-alive connection holds a server thread this long, and
-    // stop() waits for it: keep it short.
-    server_.set_keep_alive_timeout(1);
+  explicit service(std::unique_ptr<core_type> core)
+      : core_(std::move(core)),
+        server_(server_options(core_->options()), [this](const http_request& r) { return route(r); },
+                [this](const http_refusal& f) { return refused(f); },
+                // Operators and monitoring have workers of their own.
+                [](const http_request& r) { return r.path == "/healthz" || r.path == "/metrics" || r.path.starts_with("/admin/"); }) {}
 
-    server_.Post("/v1/feedback", [this](const httplib::Request& req, httplib::Response& res) {
-      const std::optional<std::string> key = header(req, "Idempotency-Key");
-      send(res, core_->feedback(req.body, view(key)));
-    });
-    server_.Post("/v1/batch", [this](const httplib::Request& req, httplib::Response& res) {
-      const std::optional<std::string> key = header(req, "Idempotency-Key");
-      send(res, core_->batch_submit(req.body, view(key)));
-    });
-    server_.Get(R"(/v1/batch/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
-      std::optional<std::string> tenant;
-      if (req.has_param("tenant")) tenant = req.get_param_value("tenant");
-      send(res, core_->batch_status(req.matches[1].str(), view(tenant)));
-    });
-    server_.Get("/healthz", [this](const httplib::Request&, httplib::Response& res) { send(res, core_->health()); });
-    server_.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) { send(res, core_->metrics()); });
-    server_.Post("/admin/breaker", [this](const httplib::Request& req, httplib::Response& res) {
-      send(res, core_->admin_breaker(req.body));
-    });
-    server_.Post("/admin/shed", [this](const httplib::Request& req, httplib::Response& res) {
-      send(res, core_->admin_shed(req.body));
-    });
-    server_.Post("/admin/fault", [this](const httplib::Request& req, httplib::Response& res) {
-      send(res, core_->admin_fault(req.body));
-    });
-    // Unrouted paths (404), bodies over the limit (413) and malformed
-    // requests (400) come from httplib with an empty body: make it JSON.
-    server_.set_error_handler(httplib::Server::HandlerWithResponse(
-        [this](const httplib::Request& req, httplib::Response& res) -> httplib::Server::HandlerResponse {
-      if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-      if (res.status == 404) {
-        send(res, core_->not_found(req.path));
-      } else {
-        const absl::Status s = res.status == 413
-                                   ? absl::InvalidArgumentError(cat(
-                                         "the body exceeds ", core_->options().max_body_bytes, " bytes"))
-                                   : absl::InvalidArgumentError(cat("the request was refused (HTTP ",
-                                                                             res.status, ")"));
-        const int status = res.status;
-        send(res, detail::error_reply(s, status));
+  static http_server_options server_options(const gateway_options& o) {
+    return {.threads = o.http_threads,
+            .reserved_threads = o.http_reserved_threads,
+            .max_queue = o.http_queue,
+            .max_connections = o.http_max_connections,
+            .listen_backlog = o.http_listen_backlog,
+            .max_body_bytes = o.max_body_bytes,
+            .max_header_bytes = o.max_header_bytes,
+            .header_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(o.http_header_timeout),
+            .body_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(o.http_body_timeout),
+            .idle_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(o.http_idle_timeout),
+            .write_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(o.http_write_timeout)};
+  }
+
+  http_response route(const http_request& req) {
+    const std::string_view path = req.path, method = req.method;
+    const std::string_view endpoint = endpoint_of(path);
+    auto keyed = [&](auto&& endpoint_fn) -> reply {
+      // Two keys on one request are not one key.
+      if (req.header_count("Idempotency-Key") > 1) {
+        return core_->http_refused(endpoint, "malformed", 400, "send exactly one Idempotency-Key header");
       }
-      return httplib::Server::HandlerResponse::Handled;
-    }));
-    server_.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-      std::string what = "unknown exception";
-      try {
-        if (ep) std::rethrow_exception(ep);
-      } catch (const std::exception& e) {
-        what = e.what();
-      } catch (...) {
+      return endpoint_fn(req.body, req.header("Idempotency-Key"));
+    };
+    if (method == "POST" && endpoint == "feedback") {
+      return to_http(keyed([&](std::string_view b, const std::optional<std::string_view>& k) { return core_->feedback(b, k); }));
+    }
+    if (method == "POST" && endpoint == "batch") {
+      return to_http(keyed([&](std::string_view b, const std::optional<std::string_view>& k) { return core_->batch_submit(b, k); }));
+    }
+    if (method == "GET" && endpoint == "batch_status" && path.find('/', 10) == std::string_view::npos) {
+      return to_http(core_->batch_status(path.substr(10), req.query_param("tenant")));
+    }
+    if (method == "GET" && endpoint == "health") return health();
+    if (method == "GET" && endpoint == "metrics") return to_http(core_->metrics());
+    if (method == "POST" && endpoint == "admin_breaker") return to_http(core_->admin_breaker(req.body));
+    if (method == "POST" && endpoint == "admin_shed") return to_http(core_->admin_shed(req.body));
+    if (method == "POST" && endpoint == "admin_fault") return to_http(core_->admin_fault(req.body));
+    return to_http(core_->not_found(cat(method, " ", path)));
+  }
+
+  // /healthz with what the front door holds right now.
+  http_response health() {
+    reply r = core_->health();
+    if (r.status == 200) {
+      detail::json j = detail::json::parse(r.body, nullptr, false);
+      if (j.is_object()) {
+        const http_server_figures f = server_.figures();
+        j["http"] = {{"connections", f.connections},
+                     {"busy", f.busy},
+                     {"busy_reserved", f.busy_reserved},
+                     {"queued", f.queued},
+                     {"queued_reserved", f.queued_reserved}};
+        r.body = detail::dump(j);
       }
-      send(res, detail::error_reply(absl::InternalError(cat("the gateway failed: ", what)), 500));
-    });
+    }
+    return to_http(r);
   }
 
-  static std::optional<std::string> header(const httplib::Request& req, const char* name) {
-    if (!req.has_header(name)) return std::nullopt;
-    return req.get_header_value(name);
-  }
-  static std::optional<std::string_view> view(const std::optional<std::string>& s) {
-    if (!s) return std::nullopt;
-    return std::string_view(*s);
+  http_response refused(const http_refusal& f) {
+    return to_http(core_->http_refused(endpoint_of(f.path), f.reason, f.status, f.message));
   }
 
-  static void send(httplib::Response& res, const reply& r) {
-    res.status = r.status;
+  static http_response to_http(const reply& r) {
+    http_response out{.status = r.status, .content_type = r.content_type, .body = r.body};
     if (r.retry_after) {
       const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(*r.retry_after).count();
-      res.set_header("Retry-After", std::to_string((ms + 999) / 1000));
+      out.headers.emplace_back("Retry-After", std::to_string((ms + 999) / 1000));
     }
-    res.set_content(r.body, r.content_type.c_str());
+    return out;
   }
 
   std::unique_ptr<core_type> core_;
-  httplib::Server server_;
-  std::thread listener_;
-  int port_ = -1;
+  http_server server_;
+  bool started_ = false;
 };
 
 }  // namespace gateway

@@ -5,7 +5,8 @@
 // p50/p99, and the error budget left. Then stops the service.
 //
 //   gateway                      the demo (about 35 s)
-//   gateway --serve PORT [DIR]   serve on 127.0.0.1:PORT until Ctrl-C (data in DIR, or a temporary one)
+//   gateway --serve PORT [DIR]   serve on 127.0.0.1:PORT (0-65535; 0: a free one) until Ctrl-C
+//                                (data in DIR, or a temporary one)
 //   ... --redis HOST:PORT        share the provider's concurrency limit and state with other replicas
 //                                through that Redis (gateway/fleet.hpp)
 //   gateway --work DIR           a batch worker process for a gateway serving DIR, until Ctrl-C
@@ -85,6 +86,7 @@ int serve(int port, const char* data_dir) {
   }
   std::printf("gateway serving on http://127.0.0.1:%d (data in %s); Ctrl-C stops it\n", (*svc)->port(),
               o.data_dir.c_str());
+  std::fflush(stdout);  // at once, also into a pipe: whoever started it waits for this line
   on_signals();
   while (!interrupted) std::this_thread::sleep_for(100ms);
   (*svc)->stop();
@@ -123,7 +125,14 @@ int main(int argc, char** argv) {
   args.push_back(nullptr);
   argc = static_cast<int>(args.size()) - 1;
   argv = args.data();
-  if ((argc == 3 || argc == 4) && std::string(argv[1]) == "--serve") return serve(std::atoi(argv[2]), argv[3]);
+  if ((argc == 3 || argc == 4) && std::string(argv[1]) == "--serve") {
+    const absl::StatusOr<int> port = gateway::parse_port(argv[2]);
+    if (!port.ok()) {
+      std::fprintf(stderr, "gateway: --serve PORT: %s\n", std::string(port.status().message()).c_str());
+      return 2;
+    }
+    return serve(*port, argv[3]);
+  }
   if (argc == 3 && std::string(argv[1]) == "--work") return work(argv[2]);
   if (argc != 1) {
     std::fprintf(stderr, "usage: gateway [--redis HOST:PORT] | gateway --serve PORT [DIR] [--redis HOST:PORT] | gateway --work DIR\n");
