@@ -280,6 +280,10 @@ class stream_writer {
   // The same, reading the guard's clock.
   bool token(std::string_view text) noexcept { return token(text, now_(clock_)); }
 
+  // The guard's clock, read now: a provider reads it once per network read
+  // and passes it to every token of that read.
+  [[nodiscard]] time_point now() const noexcept { return now_(clock_); }
+
   // The provider's usage report (the usage chunk); the last one counts.
   void usage(const token_usage& u) noexcept { usage_ = u; }
 
@@ -619,6 +623,8 @@ class token_stream {
 
   // The text shown so far.
   [[nodiscard]] std::string_view text() const noexcept { return sink_.text; }
+  // Room for an answer of `bytes` (the text buffer grows otherwise by doubling).
+  void reserve(std::size_t bytes) { sink_.text.reserve(bytes); }
 
  private:
   // What a hedge needs of its attempt; lives on the caller's stack, which
