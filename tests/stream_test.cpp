@@ -18,6 +18,9 @@
 #include "keel/policy/backoff.hpp"
 #include "keel/policy/retry.hpp"
 #include "keel/policy/retry_budget.hpp"
+#include "keel/observe/metrics.hpp"
+#include "keel/observe/slo.hpp"
+#include "keel/observe/stream_slo.hpp"
 #include "keel/provider/sse.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "keel/testing/scripted_stream.hpp"
@@ -601,4 +604,100 @@ TEST_CASE("stream: the policy allocates nothing per token", "[stream][policy][al
   CHECK(r->tokens == 1064);
   CHECK(relayed == 64 * 4 + 1000 * 5);
   CHECK(allocations_in_stream == 0);
+}
+
+// --- metrics and the time-to-first-token objective ------------------------------
+
+namespace {
+
+const keel::metric_series* series(const keel::metrics_snapshot& s, std::string_view family,
+                                  std::vector<std::string> labels) {
+  for (const auto& f : s.families) {
+    if (f.name != family) continue;
+    for (const auto& x : f.series)
+      if (x.labels == labels) return &x;
+  }
+  return nullptr;
+}
+
+double value(const keel::metrics_snapshot& s, std::string_view family, std::vector<std::string> labels) {
+  const keel::metric_series* x = series(s, family, std::move(labels));
+  return x == nullptr ? -1 : x->value;
+}
+
+}  // namespace
+
+TEST_CASE("stream metrics: time to first token, gaps, outcomes, stalls, continuations and tokens per model",
+          "[stream][metrics]") {
+  keel::metrics_registry registry;
+  keel::stream_metrics metrics(registry, {.max_series = 3});
+  keel::stream_result complete;
+  complete.complete = true;
+  complete.tokens = 11;
+  complete.time_to_first_token = 250ms;
+  complete.generation_time = 500ms;  // a 50 ms mean gap
+  complete.longest_gap = 120ms;
+  keel::stream_result stalled;
+  stalled.partial = true;
+  stalled.reason = keel::stream_stop::stall;
+  stalled.tokens = 3;
+  stalled.time_to_first_token = 1500ms;
+  stalled.continuations = 1;
+  metrics.record("m1", complete);
+  metrics.record("m1", stalled);
+  metrics.record("m2", absl::StatusOr<keel::stream_result>(absl::DeadlineExceededError("no first token")));
+  metrics.record("m3", absl::StatusOr<keel::stream_result>(absl::CancelledError("gone")));  // past max_models
+  metrics.record_tokens("m1", 4096, 14);
+  const keel::metrics_snapshot s = registry.snapshot();
+  const keel::metric_series* ttft = series(s, "keel_stream_time_to_first_token_seconds", {"m1"});
+  REQUIRE(ttft != nullptr);
+  CHECK(ttft->count == 2);
+  CHECK(ttft->sum == Approx(1.75));
+  const keel::metric_series* gap = series(s, "keel_stream_inter_token_seconds", {"m1"});
+  REQUIRE(gap != nullptr);
+  CHECK(gap->sum == Approx(0.05 + 0.0));  // the stalled stream's generation_time is 0
+  CHECK(value(s, "keel_streams_total", {"m1", "complete"}) == 1);
+  CHECK(value(s, "keel_streams_total", {"m1", "partial"}) == 1);
+  CHECK(value(s, "keel_streams_total", {"m2", "failed"}) == 1);
+  CHECK(value(s, "keel_streams_total", {"_other", "cancelled"}) == 1);
+  CHECK(value(s, "keel_stream_stalls_total", {"m1"}) == 1);
+  CHECK(value(s, "keel_stream_mid_stream_failures_total", {"m1", "stall"}) == 1);
+  CHECK(value(s, "keel_stream_continuations_total", {"m1"}) == 1);
+  CHECK(value(s, "keel_stream_tokens_total", {"m1"}) == 14);
+  CHECK(value(s, "keel_stream_tokens_reserved_total", {"m1"}) == 4096);
+  CHECK(value(s, "keel_stream_tokens_settled_total", {"m1"}) == 14);
+}
+
+TEST_CASE("stream SLO: the latency objective of a class is its time to first token", "[stream][metrics]") {
+  keel::work_class_slo slo("chat_ttft", {.target = 0.9,
+                                         .window = 1h,
+                                         .window_buckets = 60,
+                                         .rejected = keel::counts_as::not_eligible,
+                                         .partial = keel::counts_as::good,
+                                         .abandoned = keel::counts_as::not_eligible,
+                                         .latency_threshold = 800ms,
+                                         .latency_target = 0.5});
+  const keel::time_point now = manual_clock{}.now();
+  keel::stream_result fast;
+  fast.complete = true;
+  fast.tokens = 5;
+  fast.time_to_first_token = 300ms;
+  keel::stream_result slow = fast;
+  slow.time_to_first_token = 2s;  // a whole stream may be quick after a slow first token: still slow here
+  keel::stream_result partial = fast;
+  partial.partial = true;
+  partial.reason = keel::stream_stop::failed;
+  keel::record_time_to_first_token(slo, fast, now);
+  keel::record_time_to_first_token(slo, slow, now);
+  keel::record_time_to_first_token(slo, partial, now);
+  keel::record_time_to_first_token(slo, absl::StatusOr<keel::stream_result>(absl::DeadlineExceededError("x")), now);
+  keel::record_time_to_first_token(slo, absl::StatusOr<keel::stream_result>(absl::CancelledError("x")), now);
+  const keel::slo_report r = slo.report(now);
+  CHECK(r.in_window.success == 2);
+  CHECK(r.in_window.partial == 1);
+  CHECK(r.in_window.failure == 1);
+  CHECK(r.in_window.abandoned == 1);
+  REQUIRE(r.latency.has_value());
+  CHECK(r.latency->good == 2);  // fast and partial within 800 ms
+  CHECK(r.latency->bad == 1);   // slow
 }

@@ -195,6 +195,8 @@ struct stream_result {
   token_usage usage{};         // the provider's usage chunk, when it sent one (the last stream's)
   duration time_to_first_token{};  // of the stream that served, from its attempt's start
   duration longest_gap{};      // between two tokens of the streams that served
+  duration generation_time{};  // first to last token of the streams that served
+                               // (generation_time / (tokens - 1): the mean gap)
   int hedge = 0;               // 0: the attempt's primary stream served; 1: its first-token hedge
 };
 
@@ -617,6 +619,7 @@ class token_stream {
     r.tokens += previous.tokens;
     r.time_to_first_token = previous.time_to_first_token;
     r.longest_gap = std::max(r.longest_gap, previous.longest_gap);
+    r.generation_time += previous.generation_time;
     call.mark_degraded();
     return r;
   }
@@ -767,6 +770,7 @@ class token_stream {
     r.usage = w.usage_;
     r.time_to_first_token = w.first_ - w.watch_.start;
     r.longest_gap = w.longest_gap_;
+    r.generation_time = w.last_ - w.first_;
     r.hedge = hedge;
     if (st.ok()) {
       r.complete = true;
