@@ -15,6 +15,7 @@
 #include "keel/compose/executor.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/core/call.hpp"
+#include "keel/policy/admission.hpp"
 #include "keel/policy/backoff.hpp"
 #include "keel/policy/retry.hpp"
 #include "keel/policy/retry_budget.hpp"
@@ -700,4 +701,54 @@ TEST_CASE("stream SLO: the latency objective of a class is its time to first tok
   REQUIRE(r.latency.has_value());
   CHECK(r.latency->good == 2);  // fast and partial within 800 ms
   CHECK(r.latency->bad == 1);   // slow
+}
+
+// --- tokens as the unit of cost -------------------------------------------------
+
+TEST_CASE("stream tokens: admission reserves an estimate and settles to the usage chunk, else to the count",
+          "[stream][admission]") {
+  manual_clock clock;
+  keel::stream_guard guard(budgets, clock);
+  keel::admission quotas({.tenant_defaults = {.compute_budget = 10'000, .compute_window = 1h}});
+  struct chat {
+    std::int64_t max_tokens;
+  };
+  const auto pipe =
+      keel::pipeline(quotas.with_estimate(keel::from_request<chat>([](const chat& c) { return c.max_tokens; },
+                                                                     std::int64_t{0})),
+                     keel::retry({.max_attempts = 1}))
+          .on(clock);
+  const bool usage_sent = GENERATE(true, false);
+  // The usage chunk disagrees with the count: the provider's bill wins.
+  std::vector<keel::testing::stream_step> script{tok("a"), tok("b"), tok("c")};
+  if (usage_sent) script.push_back(keel::testing::usage({.prompt_tokens = 40, .completion_tokens = 60, .total_tokens = 100}));
+  keel::testing::scripted_stream provider(clock, {script});
+  const chat request{.max_tokens = 4000};
+  keel::call call(clock.now(), {.timeout = 60s, .labels = {.tenant = "acme"}}, request);
+  keel::token_stream stream(guard, [](std::string_view) {});
+  const absl::StatusOr<keel::stream_result> r = pipe.run(call, stream.attempts(provider));  // no time passes
+  REQUIRE(r.ok());
+  const std::int64_t billed = usage_sent ? 100 : 3;
+  CHECK(r->charged == billed);
+  CHECK(call.record().cost == billed);
+  const std::optional<keel::quota_figures> f = quotas.tenant_figures("acme", clock.now());
+  REQUIRE(f.has_value());
+  CHECK(f->compute_available == Approx(10'000 - billed));  // 4000 reserved, the rest refunded
+}
+
+TEST_CASE("stream tokens: a stream over its estimate is charged the excess", "[stream][admission]") {
+  manual_clock clock;
+  keel::stream_guard guard(budgets, clock);
+  keel::admission quotas({.tenant_defaults = {.compute_budget = 1'000, .compute_window = 1h}});
+  const auto pipe = keel::pipeline(quotas.with_estimate([](const keel::call&) { return std::int64_t{200}; }),
+                                   keel::retry({.max_attempts = 1}))
+                        .on(clock);
+  keel::testing::scripted_stream provider(
+      clock, {{tok("a"), keel::testing::usage({.prompt_tokens = 100, .completion_tokens = 400}), end()}});
+  keel::call call(clock.now(), {.timeout = 60s, .labels = {.tenant = "acme"}});
+  keel::token_stream stream(guard, [](std::string_view) {});
+  const absl::StatusOr<keel::stream_result> r = pipe.run(call, stream.attempts(provider));
+  REQUIRE(r.ok());
+  CHECK(r->charged == 500);
+  CHECK(quotas.tenant_figures("acme", clock.now())->compute_available == Approx(500));
 }

@@ -163,6 +163,15 @@ struct stream_options {
   keel::retry_budget* budget = nullptr;
   // Do not start a hedge with less time than this left in the attempt; >= 0.
   duration hedge_min_time = duration::zero();
+  // Tokens as the unit of cost: every stream attempt charges its call
+  // (keel::attempt::charge) what the provider billed for it: the usage
+  // chunk's total_tokens when it sent one (else completion_tokens plus
+  // prompt_tokens, as far as known), otherwise the content tokens counted.
+  // keel::admission's compute quota (with_estimate: the reservation) then
+  // settles to that at the stream's end, refunding or charging the
+  // difference. A stream that fails before its first token is charged what
+  // its usage says, else nothing; a hedge's loser likewise.
+  bool charge_tokens = true;
 
   [[nodiscard]] absl::Status validate() const {
     constexpr std::string_view who = "stream_options";
@@ -192,6 +201,7 @@ struct stream_result {
   int continuations = 0;       // resume() calls that committed
   absl::Status continuation_failure;  // the last resume() that did not commit, if any
   std::int64_t tokens = 0;     // content tokens counted (stream_writer::token calls)
+  std::int64_t charged = 0;    // tokens charged to the call (stream_options::charge_tokens), all streams
   token_usage usage{};         // the provider's usage chunk, when it sent one (the last stream's)
   duration time_to_first_token{};  // of the stream that served, from its attempt's start
   duration longest_gap{};      // between two tokens of the streams that served
@@ -617,6 +627,7 @@ class token_stream {
     r.degraded = true;
     r.continuations = previous.continuations + 1;
     r.tokens += previous.tokens;
+    r.charged += previous.charged;
     r.time_to_first_token = previous.time_to_first_token;
     r.longest_gap = std::max(r.longest_gap, previous.longest_gap);
     r.generation_time += previous.generation_time;
@@ -679,9 +690,9 @@ class token_stream {
     }
     // A primary that failed before its first token leaves the race to the hedge.
     race.done.wait(lock, [&] { return !race.hedge_running; });
-    if (race.winner == 0) return finish(w, std::move(st), a, 0);
+    if (race.winner == 0) return finish(w, std::move(st), a, 0, hc.second.get());
     // The hedge won, or neither committed: the hedge's outcome is the last.
-    return finish(*hc.second, std::move(hc.result), a, 1);
+    return finish(*hc.second, std::move(hc.result), a, 1, &w);
   }
 
   // The watchdog, under the guard's lock: a stream has no content token
@@ -739,15 +750,34 @@ class token_stream {
 
   // What one stream attempt's ending means: a failure before the commit, a
   // result (complete or partial) after it.
-  absl::StatusOr<stream_result> finish(stream_writer& w, absl::Status st, const attempt& a, int hedge) {
+  // What a stream is billed: its usage report, else its counted tokens.
+  [[nodiscard]] static std::int64_t billed(const stream_writer& w) noexcept {
+    const token_usage& u = w.usage_;
+    if (u.total_tokens >= 0) return u.total_tokens;
+    if (u.completion_tokens >= 0) return u.completion_tokens + std::max<std::int64_t>(u.prompt_tokens, 0);
+    return w.tokens_;
+  }
+
+  // Charges the call for the attempt's streams (the loser of a race too).
+  std::int64_t charge(const attempt& a, const stream_writer& w, const stream_writer* other) {
+    if (!guard_->options_.charge_tokens || a.owner == nullptr) return 0;
+    const std::int64_t n = billed(w) + (other != nullptr ? billed(*other) : 0);
+    if (n > 0) a.charge(n);
+    return n;
+  }
+
+  absl::StatusOr<stream_result> finish(stream_writer& w, absl::Status st, const attempt& a, int hedge,
+                                       const stream_writer* other = nullptr) {
     Guard& g = *guard_;
     const stream_stop why = w.watch_.why.load(std::memory_order_relaxed);
+    const std::int64_t charged = charge(a, w, other);
     if (!w.committed_) {
       if (st.ok() && why == stream_stop::none) {  // an empty answer, ended properly
         stream_result r;
         r.complete = true;
         r.usage = w.usage_;
         r.hedge = hedge;
+        r.charged = charged;
         return r;
       }
       if (why == stream_stop::cancelled || (a.owner != nullptr && a.owner->stop_token().stop_requested()))
@@ -772,6 +802,7 @@ class token_stream {
     r.longest_gap = w.longest_gap_;
     r.generation_time = w.last_ - w.first_;
     r.hedge = hedge;
+    r.charged = charged;
     if (st.ok()) {
       r.complete = true;
       return r;
