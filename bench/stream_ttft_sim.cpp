@@ -5,8 +5,8 @@
 // Real threads, real time, latencies scaled down ~1:10 from what hosted
 // models show so a run takes seconds:
 //
-//   each stream, independently: time to first token 95% 10 ms + exp(mean
-//   3 ms), 5% queued for 100-400 ms (a cold replica, a long prefill queue);
+//   each stream, independently: time to first token 97% 10 ms + exp(mean
+//   3 ms), 3% queued for 100-400 ms (a cold replica, a long prefill queue);
 //   then 16 tokens 1 ms apart. Stops are honoured at once.
 //
 // The same requests run three ways: no hedge, a hedge at a fixed delay (the
@@ -57,7 +57,7 @@ keel::duration ms(double v) {
 keel::duration draw_ttft() {
   thread_local std::mt19937_64 rng(seeds.fetch_add(0x9e3779b97f4a7c15ULL));
   std::uniform_real_distribution<double> u(0.0, 1.0);
-  if (u(rng) < 0.05) return ms(100.0 + 300.0 * u(rng));
+  if (u(rng) < 0.03) return ms(100.0 + 300.0 * u(rng));
   std::exponential_distribution<double> tail(1.0 / 3.0);
   return ms(10.0 + tail(rng));
 }
@@ -142,7 +142,7 @@ void print(const char* name, const result& r) {
 
 int main() {
   std::printf("first-token hedging simulation: real threads and real time, latencies scaled ~1:10\n");
-  std::printf("each stream: first token 95%% after 10 ms + exp(mean 3 ms), 5%% after 100-400 ms; then %d tokens 1 ms apart\n",
+  std::printf("each stream: first token 97%% after 10 ms + exp(mean 3 ms), 3%% after 100-400 ms; then %d tokens 1 ms apart\n",
               kTokens);
   std::printf("%d requests from %d concurrent callers; hedges on a keel::bounded_pool of 32 threads\n\n", kRequests,
               kCallers);

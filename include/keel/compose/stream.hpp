@@ -156,11 +156,16 @@ struct stream_options {
   // constructor). In percentile mode, the delay until enough are known.
   duration hedge_delay = duration::zero();
   // 0: the fixed hedge_delay. In (0, 1): this percentile of recent times to
-  // first token (of the streams that won), never below hedge_min_delay.
+  // first token (a stream that lost the race counts as long as it ran),
+  // never below hedge_min_delay.
   double hedge_percentile = 0.0;
   duration hedge_min_delay = std::chrono::milliseconds(1);
   // Each hedge spends one retry from this budget; null: no budget.
   keel::retry_budget* budget = nullptr;
+  // Deposit one request per call into `budget` (once per call, also when a
+  // keel::retry or keel::hedge shares the budget). Turn off only when the
+  // application deposits for its requests itself.
+  bool deposit_requests = true;
   // Do not start a hedge with less time than this left in the attempt; >= 0.
   duration hedge_min_time = duration::zero();
   // Tokens as the unit of cost: every stream attempt charges its call
@@ -665,6 +670,7 @@ class token_stream {
     hedge_ctx<Provider> hc{this, &provider, &a, {}, nullptr, absl::OkStatus()};
     detail::stream_race& race = hc.race;
     if (g.hedging() && a.owner != nullptr) {
+      if (g.options_.budget != nullptr && g.options_.deposit_requests) g.options_.budget->record_request(*a.owner, now);
       a.owner->share_across_threads();  // the hedge begins an attempt on it from the watchdog
       race.writers[0] = &w;
       w.race_ = &race;
@@ -691,6 +697,9 @@ class token_stream {
     // A primary that failed before its first token leaves the race to the hedge.
     race.done.wait(lock, [&] { return !race.hedge_running; });
     if (race.winner == 0) return finish(w, std::move(st), a, 0, hc.second.get());
+    // The primary lost: it took at least until the hedge's first token, and
+    // is recorded so, or the learned delay would lean to the fast winners.
+    if (race.winner == 1) g.record_first_token(hc.second->first_ - w.watch_.start);
     // The hedge won, or neither committed: the hedge's outcome is the last.
     return finish(*hc.second, std::move(hc.result), a, 1, &w);
   }
