@@ -279,7 +279,7 @@ class stream_writer {
   // the provider must stop: a budget ran out, another stream won the race,
   // or the caller went away (stop_token() says so too). The first call is
   // the commit point.
-  bool token(std::string_view text, time_point now) noexcept {
+  [[nodiscard]] bool token(std::string_view text, time_point now) noexcept {
     if (stop_.stop_requested()) return false;
     if (!committed_) [[unlikely]] {
       if (!commit(now)) return false;
@@ -295,7 +295,7 @@ class stream_writer {
     return true;
   }
   // The same, reading the guard's clock.
-  bool token(std::string_view text) noexcept { return token(text, now_(clock_)); }
+  [[nodiscard]] bool token(std::string_view text) noexcept { return token(text, now_(clock_)); }
 
   // The guard's clock, read now: a provider reads it once per network read
   // and passes it to every token of that read.
