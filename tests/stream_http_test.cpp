@@ -51,6 +51,13 @@ outcome stream_once(http::client& client, const std::string& path, const keel::s
   return out;
 }
 
+// Polls (real time) until `done` holds or `limit` passed.
+template <class Done>
+void wait_until(Done done, std::chrono::steady_clock::duration limit) {
+  const auto give_up = std::chrono::steady_clock::now() + limit;
+  while (!done() && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(1ms);
+}
+
 }  // namespace
 
 TEST_CASE("http stream: tokens, the usage chunk and [DONE] through libcurl's write callback", "[stream][http]") {
@@ -95,6 +102,11 @@ TEST_CASE("http stream: a slow first token is stopped at its budget, the transfe
   CHECK(o.result->text == "t0 t1 ");
   CHECK(o.attempts == 2);
   CHECK(o.took < 8s);  // not the 10 s the first stream would have taken
+  // The server saw the first stream's client go away (its next keep-alive
+  // write failed): the transfer was aborted, not left running.
+  wait_until([&] { return server.aborted() == 1; }, 5s);
+  CHECK(server.aborted() == 1);
+  CHECK(server.finished() == 1);
 }
 
 TEST_CASE("http stream: keep-alives and a role chunk never commit: the first-token budget still fires",
@@ -164,4 +176,14 @@ TEST_CASE("http stream: cancelling the call aborts the transfer at once", "[stre
   CHECK(o.result->reason == keel::stream_stop::cancelled);
   CHECK(o.result->text == "t0 t1 t2 ");
   CHECK(after_stop < 5s);  // milliseconds in practice; generous on a loaded machine
+  // Upstream the stream stops too: the server's handler, writing a keep-alive
+  // every 50 ms, finds its client gone instead of playing on for 30 s.
+  wait_until([&] { return server.aborted() == 1; }, 5s);
+  const auto upstream = std::chrono::steady_clock::now() - stopped_at;
+  CHECK(server.aborted() == 1);
+  CHECK(server.finished() == 0);
+  CHECK(upstream < 5s);
+  using ms = std::chrono::duration<double, std::milli>;
+  const double to_return = ms(after_stop).count(), to_server = ms(upstream).count();
+  UNSCOPED_INFO("cancel to return: " << to_return << " ms; to the server seeing it: " << to_server << " ms");
 }

@@ -569,6 +569,62 @@ TEST_CASE("stream: no hedge when the retry budget is spent or the attempt cap re
   CHECK(guard.figures().hedges_skipped == 1);
 }
 
+TEST_CASE("stream: the first-token hedge spends one retry of the budget and deposits the call's request",
+          "[stream][policy][hedge]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 4});
+  keel::retry_budget budget({.ratio = 0.5, .min_per_second = 10});
+  keel::stream_guard guard({.first_token = 5s, .stall = 1s, .hedge_delay = 1s, .budget = &budget}, pool, clock);
+  keel::testing::scripted_stream provider(clock, {{tok("primary", 3s), end()}, {tok("hedge", 100ms), end()}});
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  stream_run run(guard, pipe, provider, {.timeout = 60s});
+  clock.await_sleepers(2);
+  clock.advance(1s);
+  wait_for([&] { return provider.invocations() == 2; });
+  clock.await_sleepers(3);
+  clock.advance(100ms);
+  auto& r = run.get();
+  REQUIRE(r.ok());
+  CHECK(r->text == "hedge");
+  const keel::retry_budget_figures f = budget.figures(clock.now());
+  CHECK(f.requests == 1);  // the call's one deposit, not one per stream
+  CHECK(f.retries == 1);   // the hedge
+}
+
+TEST_CASE("stream: a learned first-token hedge delay follows the recent times to first token",
+          "[stream][policy][hedge]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 4});
+  keel::stream_guard guard(
+      {.first_token = 10s, .stall = 1s, .hedge_delay = 1s, .hedge_percentile = 0.95, .hedge_min_delay = 10ms}, pool,
+      clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).on(clock);
+  CHECK(guard.current_hedge_delay() == 1s);  // nothing learned yet: the fixed delay
+  keel::testing::scripted_stream quick(clock, {{tok("q", 200ms), end()}});
+  for (int i = 0; i < 20; ++i) {  // the tracker's min_samples: 20 times to first token of 200 ms
+    stream_run warm(guard, pipe, quick, {.timeout = 60s});
+    clock.await_sleepers(2);
+    clock.advance(200ms);
+    REQUIRE(warm.get().ok());
+  }
+  CHECK(guard.current_hedge_delay() == 200ms);
+  CHECK(guard.figures().hedges_started == 0);
+  // Now a slow primary is hedged after the learned 200 ms, not the fixed 1 s.
+  keel::testing::scripted_stream provider(clock, {{tok("slow", 5s), end()}, {tok("fast", 100ms), end()}});
+  stream_run run(guard, pipe, provider, {.timeout = 60s});
+  clock.await_sleepers(2);
+  clock.advance(200ms);
+  wait_for([&] { return provider.invocations() == 2; });
+  clock.await_sleepers(3);
+  clock.advance(100ms);
+  auto& r = run.get();
+  REQUIRE(r.ok());
+  CHECK(r->text == "fast");
+  CHECK(r->hedge == 1);
+  CHECK(r->time_to_first_token == 100ms);  // the winner's, from its own start
+  CHECK(guard.figures().hedges_started == 1);
+}
+
 TEST_CASE("stream: options are validated, naming the field", "[stream][policy]") {
   CHECK_FALSE(keel::stream_options{.first_token = 0s}.validate().ok());
   CHECK_FALSE(keel::stream_options{.stall = -1s}.validate().ok());
@@ -734,6 +790,53 @@ TEST_CASE("stream tokens: admission reserves an estimate and settles to the usag
   const std::optional<keel::quota_figures> f = quotas.tenant_figures("acme", clock.now());
   REQUIRE(f.has_value());
   CHECK(f->compute_available == Approx(10'000 - billed));  // 4000 reserved, the rest refunded
+}
+
+TEST_CASE("stream tokens: a stream that fails before its first token is charged what its usage says, else nothing",
+          "[stream][admission]") {
+  manual_clock clock;
+  keel::stream_guard guard(budgets, clock);
+  keel::admission quotas({.tenant_defaults = {.compute_budget = 1'000, .compute_window = 1h}});
+  const auto pipe = keel::pipeline(quotas.with_estimate([](const keel::call&) { return std::int64_t{300}; }),
+                                   keel::retry({.max_attempts = 1}))
+                        .on(clock);
+  const bool usage_sent = GENERATE(true, false);
+  std::vector<keel::testing::stream_step> script;
+  if (usage_sent) script.push_back(keel::testing::usage({.prompt_tokens = 40, .completion_tokens = 0}));
+  script.push_back(end(absl::UnavailableError("upstream overloaded")));
+  keel::testing::scripted_stream provider(clock, {script});
+  keel::call call(clock.now(), {.timeout = 60s, .labels = {.tenant = "acme"}});
+  keel::token_stream stream(guard, [](std::string_view) {});
+  const absl::StatusOr<keel::stream_result> r = pipe.run(call, stream.attempts(provider));
+  REQUIRE_FALSE(r.ok());
+  CHECK(absl::IsUnavailable(r.status()));
+  const std::int64_t billed = usage_sent ? 40 : 0;  // the prompt the provider says it read
+  CHECK(call.record().cost == billed);
+  CHECK(quotas.tenant_figures("acme", clock.now())->compute_available == Approx(1'000 - billed));
+}
+
+TEST_CASE("stream tokens: a first-token race charges the winner's bill and what the loser's usage says",
+          "[stream][admission][hedge]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 4});
+  keel::stream_guard guard({.first_token = 5s, .stall = 1s, .hedge_delay = 1s}, pool, clock);
+  // The primary reported its prompt (25 tokens) before it went quiet; the hedge bills 3 + 25.
+  keel::testing::scripted_stream provider(
+      clock, {{keel::testing::usage({.prompt_tokens = 25, .completion_tokens = 0}), tok("slow", 3s), end()},
+              {tok("a", 100ms), tok("b"), tok("c"), keel::testing::usage({.prompt_tokens = 25, .completion_tokens = 3}),
+               end()}});
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  stream_run run(guard, pipe, provider, {.timeout = 60s});
+  clock.await_sleepers(2);
+  clock.advance(1s);
+  wait_for([&] { return provider.invocations() == 2; });
+  clock.await_sleepers(3);
+  clock.advance(100ms);
+  auto& r = run.get();
+  REQUIRE(r.ok());
+  CHECK(r->text == "abc");
+  CHECK(r->charged == 28 + 25);
+  CHECK(run.call.record().cost == 53);
 }
 
 TEST_CASE("stream tokens: a stream over its estimate is charged the excess", "[stream][admission]") {
