@@ -14,6 +14,7 @@
 
 #include "keel/compose/executor.hpp"
 #include "keel/compose/pipeline.hpp"
+#include "keel/compose/token_estimate.hpp"
 #include "keel/core/call.hpp"
 #include "keel/policy/admission.hpp"
 #include "keel/policy/backoff.hpp"
@@ -854,4 +855,69 @@ TEST_CASE("stream tokens: a stream over its estimate is charged the excess", "[s
   REQUIRE(r.ok());
   CHECK(r->charged == 500);
   CHECK(quotas.tenant_figures("acme", clock.now())->compute_available == Approx(500));
+}
+
+TEST_CASE("token estimate: input plus the requested maximum until enough streams are known, then their percentile",
+          "[stream][admission]") {
+  keel::token_estimate output({.percentile = 0.9, .samples = 64, .min_samples = 20});
+  CHECK(output.estimate(100, 4000) == 4100);
+  CHECK_FALSE(output.learned().has_value());
+  keel::stream_result r;
+  r.complete = true;
+  for (int i = 1; i <= 20; ++i) {  // outputs of 10, 20, ..., 200 tokens: the usage chunk's word
+    r.usage.completion_tokens = 10 * i;
+    r.tokens = 1;  // counted: ignored when the usage says
+    output.record(r);
+  }
+  REQUIRE(output.learned().has_value());
+  CHECK(*output.learned() == 180);           // nearest rank: the 18th of 20
+  CHECK(output.estimate(100, 4000) == 280);  // input + the learned p90
+  CHECK(output.estimate(100, 50) == 150);    // never more than the request allows
+  CHECK(output.estimate(-5, -1) == 0);
+  // Partial answers and failures say nothing about how long answers are.
+  keel::stream_result partial = r;
+  partial.partial = true;
+  partial.usage.completion_tokens = 100'000;
+  for (int i = 0; i < 64; ++i) output.record(partial);
+  output.record(absl::StatusOr<keel::stream_result>(absl::UnavailableError("x")));
+  CHECK(*output.learned() == 180);
+  // Without a usage chunk, the counted tokens.
+  keel::stream_result counted;
+  counted.complete = true;
+  counted.tokens = 1000;
+  for (int i = 0; i < 64; ++i) output.record(counted);  // the whole window now
+  CHECK(*output.learned() == 1000);
+  CHECK_FALSE(keel::token_estimate_options{.percentile = 1.0}.validate().ok());
+  CHECK_THROWS_AS(keel::token_estimate({.samples = 8}), keel::invalid_options);
+}
+
+TEST_CASE("token estimate: a learned reservation lets a tokens-per-window quota run the streams it can afford",
+          "[stream][admission]") {
+  manual_clock clock;
+  keel::admission quotas({.tenant_defaults = {.compute_budget = 10'000, .compute_window = 1h}});
+  keel::token_estimate output({.percentile = 0.95, .samples = 64, .min_samples = 20});
+  auto admit_all = [&](std::int64_t estimate) {
+    std::vector<keel::admission_ticket> held;  // streams running at once: nothing settles
+    for (;;) {
+      absl::StatusOr<keel::admission_ticket> t = quotas.admit({.tenant = "acme", .estimate = estimate}, clock.now());
+      if (!t.ok()) {
+        CHECK(absl::IsResourceExhausted(t.status()));
+        break;
+      }
+      held.push_back(std::move(*t));
+    }
+    const auto n = held.size();
+    for (keel::admission_ticket& t : held) t.reconcile(0, clock.now());  // nothing was used: all refunded
+    return n;
+  };
+  // Reserving max_tokens (4000) for answers of about 500: two streams at once.
+  CHECK(admit_all(output.estimate(100, 4000)) == 2);
+  keel::stream_result r;
+  r.complete = true;
+  for (int i = 0; i < 20; ++i) {
+    r.usage.completion_tokens = 400 + 5 * i;  // 400 ... 495
+    output.record(r);
+  }
+  CHECK(output.estimate(100, 4000) == 100 + 490);  // nearest rank: the 19th of 20
+  CHECK(admit_all(output.estimate(100, 4000)) == 16);  // 16 x 595 of 10,000
 }

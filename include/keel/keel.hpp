@@ -47,6 +47,7 @@
 #include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/compose/stream.hpp"
+#include "keel/compose/token_estimate.hpp"
 
 #include "keel/provider/hints.hpp"
 #include "keel/provider/sse.hpp"
