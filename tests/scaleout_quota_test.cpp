@@ -18,9 +18,12 @@
 #include <unistd.h>
 
 #include "keel/compose/pipeline.hpp"
+#include "keel/compose/stream.hpp"
 #include "keel/policy/admission.hpp"
 #include "keel/policy/circuit_breaker.hpp"
+#include "keel/policy/retry.hpp"
 #include "keel/testing/manual_clock.hpp"
+#include "keel/testing/scripted_stream.hpp"
 #include "support/scaleout.hpp"
 #include "support/catch.hpp"
 #include "support/loopback.hpp"
@@ -272,4 +275,90 @@ TEST_CASE("all-or-nothing across the shared level: a refusal further in gives th
   CHECK(provider.try_acquire(now).granted);
   CHECK_FALSE(provider.try_acquire(now).granted);
   CHECK(provider.fallback_decisions() == 0);
+}
+
+// --- tokens as the unit (issue 14) ---------------------------------------------
+
+TEST_CASE("tokens: a pass reserves its estimate and settles fleet-wide to what its attempt charged",
+          "[scaleout][quota][tokens]") {
+  const std::string prefix = keel_scaleout::fresh_name("quota");
+  // 1,000 tokens per 100 h: the bucket refills one token per 6 minutes, nothing while the test runs.
+  const keel::shared_quota_options o{
+      .name = "provider:m:tpm", .rate = 1000, .per = 100h, .burst = 1000, .fallback_rate = 100};
+  keel::shared_quota a(quota_redis(prefix), o), b(quota_redis(prefix), o);
+  manual_clock clock;
+  const bool over = GENERATE(false, true);
+  const std::int64_t estimate = over ? 100 : 400, used = over ? 400 : 100;
+  auto pipe = keel::pipeline(a.with_estimate([&](const keel::call&) { return estimate; })).on(clock);
+  auto work = [&](const keel::attempt& at) -> absl::StatusOr<int> {
+    at.charge(used);
+    return 7;
+  };
+  keel::call c(clock.now(), {});
+  REQUIRE(pipe.run(c, work).ok());
+  // The other replica sees the settled bucket: 1,000 - used, whatever the estimate was.
+  const keel::time_point now = clock.now();
+  CHECK_FALSE(b.try_acquire(now, static_cast<double>(1000 - used + 1)).granted);
+  CHECK(b.try_acquire(now, static_cast<double>(1000 - used)).granted);
+  CHECK_FALSE(b.try_acquire(now, 1).granted);
+  CHECK(a.fallback_decisions() + b.fallback_decisions() == 0);
+}
+
+TEST_CASE("tokens: a stream's usage chunk settles the fleet's reservation; a refusal further in keeps nothing",
+          "[scaleout][quota][tokens]") {
+  const std::string prefix = keel_scaleout::fresh_name("quota");
+  const keel::shared_quota_options o{
+      .name = "provider:m:tpm", .rate = 1000, .per = 100h, .burst = 1000, .fallback_rate = 100};
+  keel::shared_quota a(quota_redis(prefix), o), b(quota_redis(prefix), o);
+  manual_clock clock;
+  keel::stream_guard guard({.first_token = 2s, .stall = 1s}, clock);
+  keel::circuit_breaker breaker({.name = "llm"});
+  auto pipe = keel::pipeline(keel::retry({.max_attempts = 1}),
+                             a.with_estimate([](const keel::call&) { return std::int64_t{700}; }), breaker)
+                  .on(clock);
+  // Three tokens counted, the provider's bill 250: the bill settles.
+  keel::testing::scripted_stream provider(
+      clock, {{keel::testing::tok("a"), keel::testing::tok("b"), keel::testing::tok("c"),
+               keel::testing::usage({.prompt_tokens = 50, .completion_tokens = 200, .total_tokens = 250}),
+               keel::testing::end()}});
+  keel::call c(clock.now(), {.timeout = 60s});
+  keel::token_stream stream(guard, [](std::string_view) {});
+  const absl::StatusOr<keel::stream_result> r = pipe.run(c, stream.attempts(provider));  // no time passes
+  REQUIRE(r.ok());
+  CHECK(r->charged == 250);
+  // The breaker opens: a pass it refuses reserved 700 (of the 750 left) and gives them all back.
+  breaker.force_open(clock.now());
+  keel::call refused(clock.now(), {.timeout = 60s});
+  const absl::StatusOr<keel::stream_result> no = pipe.run(refused, stream.attempts(provider));
+  CHECK(keel::refused_by(no.status()) == std::optional<std::string>("breaker:llm"));
+  CHECK(provider.invocations() == 1);
+  const keel::time_point now = clock.now();
+  CHECK_FALSE(b.try_acquire(now, 751).granted);
+  CHECK(b.try_acquire(now, 750).granted);
+}
+
+TEST_CASE("tokens: an estimate over the burst reserves the burst and settles the rest; the fallback settles too",
+          "[scaleout][quota][tokens][faults]") {
+  manual_clock clock;
+  const bool redis_down = GENERATE(false, true);
+  keel::redis_options r = quota_redis(keel_scaleout::fresh_name("quota"));
+  if (redis_down) r.port = keel_test::unused_loopback_port();
+  keel::shared_quota q(r, {.name = "provider:m:tpm", .rate = 1000, .per = 100h, .burst = 500, .fallback_rate = 1000,
+                           .fallback_burst = 500, .fallback_hold = 1h});
+  CHECK(q.reservation(5000) == 500);
+  CHECK(q.reservation(0) == 1);
+  auto pipe = keel::pipeline(q.with_estimate([](const keel::call&) { return std::int64_t{5000}; })).on(clock);
+  auto work = [&](const keel::attempt& at) -> absl::StatusOr<int> {
+    at.charge(600);  // more than the bucket holds: it goes 100 into debt
+    return 7;
+  };
+  keel::call c(clock.now(), {});
+  REQUIRE(pipe.run(c, work).ok());
+  const keel::shared_quota_decision d = q.try_acquire(clock.now(), 1);
+  CHECK_FALSE(d.granted);
+  CHECK(d.source == (redis_down ? keel::quota_source::fallback : keel::quota_source::shared));
+  // The debt (100 tokens) plus the one asked for, at 1,000 per 100 h: 360 s per token.
+  if (redis_down) CHECK(d.retry_after == 101 * 360s);
+  if (!redis_down) CHECK(d.retry_after > 100 * 360s);
+  if (!redis_down) CHECK(d.retry_after <= 101 * 360s);
 }

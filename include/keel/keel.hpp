@@ -46,8 +46,11 @@
 #include "keel/compose/fallback.hpp"
 #include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"
+#include "keel/compose/stream.hpp"
+#include "keel/compose/token_estimate.hpp"
 
 #include "keel/provider/hints.hpp"
+#include "keel/provider/sse.hpp"
 
 #include "keel/durable/digest.hpp"
 #include "keel/durable/events.hpp"
@@ -64,4 +67,5 @@
 #include "keel/observe/metrics.hpp"
 #include "keel/observe/prometheus.hpp"
 #include "keel/observe/slo.hpp"
+#include "keel/observe/stream_slo.hpp"
 #include "keel/observe/telemetry_metrics.hpp"

@@ -77,7 +77,9 @@
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
 #include "keel/policy/backoff.hpp"
+#include "keel/compose/stream.hpp"
 #include "keel/provider/hints.hpp"
+#include "keel/provider/sse.hpp"
 
 namespace keel::http {
 
@@ -148,6 +150,57 @@ struct response {
 
 namespace detail {
 
+// A 2xx event stream on its way from libcurl's write callback into the
+// parser and the stream's writer (keel/compose/stream.hpp).
+struct sse_feed {
+  sse_parser parser;
+  stream_writer* writer = nullptr;
+  absl::Status failure;   // an error event, or a corrupt event
+  bool ended = false;     // [DONE], or a finish_reason
+  bool stopped = false;   // the writer said stop
+
+  void start(stream_writer& w) {
+    parser.reset();
+    writer = &w;
+    failure = absl::OkStatus();
+    ended = false;
+    stopped = false;
+  }
+
+  // One network read: the clock is read once for all its tokens.
+  bool on_bytes(std::string_view bytes) {
+    const time_point now = writer->now();
+    absl::Status s = parser.feed(bytes, [&](const chat_chunk& c) {
+      switch (c.kind) {
+        case chunk_kind::content:
+          if (!c.finish_reason.empty()) ended = true;
+          if (!writer->token(c.text, now)) {
+            stopped = true;
+            return false;
+          }
+          break;
+        case chunk_kind::error:
+          failure = error_status(c);
+          return false;
+        case chunk_kind::invalid:
+          failure = absl::InternalError(absl::StrCat("keel::http: stream: an event is not a JSON object: ",
+                                                     keel::detail::to_absl(c.data.substr(0, 128))));
+          return false;
+        case chunk_kind::done:
+          ended = true;
+          break;
+        default:
+          if (!c.finish_reason.empty()) ended = true;
+          break;
+      }
+      if (c.has_usage) writer->usage(c.usage);
+      return true;
+    });
+    if (!s.ok()) failure = std::move(s);
+    return failure.ok() && !stopped;
+  }
+};
+
 inline void global_init() {
   static const CURLcode rc = curl_global_init(CURL_GLOBAL_DEFAULT);
   (void)rc;
@@ -170,6 +223,9 @@ struct slot {
   bool got_status_line = false;
   wall_time now{};
   response_hints hints;
+  std::unique_ptr<sse_feed> stream_feed;  // kept with the handle: its buffers' capacity stays
+  sse_feed* feed = nullptr;  // an event stream: a 2xx body goes to it, not to `body`
+  int feed_status = 0;       // 0: not known yet; 1: 2xx, fed; -1: not a 2xx, buffered
 
   slot() : easy(curl_easy_init()), multi(curl_multi_init()) {}
   ~slot() {
@@ -182,6 +238,14 @@ struct slot {
   static std::size_t on_body(char* data, std::size_t size, std::size_t n, void* self) {
     auto* s = static_cast<slot*>(self);
     const std::size_t bytes = size * n;
+    if (s->feed != nullptr) {
+      if (s->feed_status == 0) {
+        long code = 0;
+        curl_easy_getinfo(s->easy, CURLINFO_RESPONSE_CODE, &code);
+        s->feed_status = code >= 200 && code < 300 ? 1 : -1;
+      }
+      if (s->feed_status == 1) return s->feed->on_bytes(std::string_view(data, bytes)) ? bytes : 0;
+    }
     if (s->body.size() + bytes > s->max_body) {
       s->too_large = true;
       return 0;  // CURLE_WRITE_ERROR
@@ -265,6 +329,20 @@ class exchange {
   detail::key drawn_{};
 };
 
+// A streaming provider for one call (client::stream): each attempt sends
+// one request and feeds the 2xx event stream into the attempt's
+// keel::stream_writer (keel/compose/stream.hpp). Copyable.
+class stream_exchange {
+ public:
+  stream_exchange(client& c, const request& r) : client_(&c), request_(r) {}
+
+  absl::Status operator()(const keel::attempt& a, stream_writer& w) const;
+
+ private:
+  client* client_;
+  request request_;
+};
+
 class client {
  public:
   // Throws keel::invalid_options if `o` is invalid.
@@ -294,6 +372,21 @@ class client {
   // A provider whose attempts return absl::Status and ignore the body.
   [[nodiscard]] http::exchange<detail::ignore_body> exchange(const request& r) {
     return http::exchange<detail::ignore_body>(*this, r, detail::ignore_body{});
+  }
+
+  // A streaming provider for keel::token_stream::attempts: each attempt
+  // sends `r` (a chat completion request with "stream": true) and hands
+  // every content token of the 2xx event stream (keel/provider/sse.hpp) to
+  // the writer as it arrives. A non-2xx answer (a 429 before the stream) is
+  // classified as exchange() does; an error event mid-stream is its
+  // error_status(); a body that ends without [DONE] or a finish_reason is
+  // Unavailable (the connection was cut). The writer's stop (a budget, a
+  // lost race, the caller) aborts the transfer within a millisecond.
+  [[nodiscard]] stream_exchange stream(const request& r) { return stream_exchange(*this, r); }
+
+  // One streaming attempt (stream_exchange's).
+  absl::Status perform_stream(const request& r, const keel::attempt& a, stream_writer& w) {
+    return perform_impl(r, a, &w, [](const response&) { return absl::OkStatus(); });
   }
 
   // Performs one attempt: the status (classified, with hints) and, on a 2xx,
@@ -367,6 +460,8 @@ class client {
     absl::Status st = absl::DeadlineExceededError("keel::http: transfer aborted: the attempt was stopped");
     return sent ? st : mark_not_started(std::move(st));
   }
+  template <class OnSuccess>
+  absl::Status perform_impl(const request& r, const keel::attempt& a, stream_writer* stream, OnSuccess&& on_success);
   absl::Status transport_failure(CURLcode rc, const detail::slot& s, const keel::attempt& a) const;
   absl::Status http_failure(long status, const detail::slot& s) const;
 
@@ -390,6 +485,12 @@ namespace detail {
 
 template <class OnSuccess>
 absl::Status client::perform(const request& r, const keel::attempt& a, OnSuccess&& on_success) {
+  return perform_impl(r, a, nullptr, std::forward<OnSuccess>(on_success));
+}
+
+template <class OnSuccess>
+absl::Status client::perform_impl(const request& r, const keel::attempt& a, stream_writer* stream,
+                                  OnSuccess&& on_success) {
   const duration left = a.timeout;
   if (left <= duration::zero()) {
     return mark_not_started(absl::DeadlineExceededError("keel::http: no time left for the attempt"));
@@ -455,6 +556,14 @@ absl::Status client::perform(const request& r, const keel::attempt& a, OnSuccess
   curl_easy_setopt(e, CURLOPT_HTTPHEADER, head);
 
   s.body.clear();
+  if (stream != nullptr) {
+    if (!s.stream_feed) s.stream_feed = std::make_unique<detail::sse_feed>();
+    s.stream_feed->start(*stream);
+    s.feed = s.stream_feed.get();
+  } else {
+    s.feed = nullptr;
+  }
+  s.feed_status = 0;
   s.too_large = false;
   s.got_status_line = false;
   s.hints.clear();
@@ -500,7 +609,10 @@ absl::Status client::perform(const request& r, const keel::attempt& a, OnSuccess
   curl_multi_remove_handle(s.multi, e);
   curl_easy_setopt(e, CURLOPT_HTTPHEADER, nullptr);  // the nodes are ours
 
-  if (stopped) {
+  detail::sse_feed* const fed = s.feed_status == 1 ? s.feed : nullptr;
+  s.feed = nullptr;
+  if (fed != nullptr && !fed->failure.ok()) return fed->failure;  // an error event, a corrupt event
+  if (stopped || (fed != nullptr && fed->stopped)) {
     long sent = 0;
     curl_easy_getinfo(e, CURLINFO_REQUEST_SIZE, &sent);
     return stopped_status(a, sent != 0 || s.got_status_line);
@@ -518,7 +630,13 @@ absl::Status client::perform(const request& r, const keel::attempt& a, OnSuccess
     }
     return st;
   }
+  if (fed != nullptr && !fed->ended)
+    return absl::UnavailableError("keel::http: stream: the body ended before [DONE] (connection cut)");
   return std::forward<OnSuccess>(on_success)(response{.status = status, .body = s.body});
+}
+
+inline absl::Status stream_exchange::operator()(const keel::attempt& a, stream_writer& w) const {
+  return client_->perform_stream(request_, a, w);
 }
 
 inline absl::Status client::transport_failure(CURLcode rc, const detail::slot& s, const keel::attempt& a) const {

@@ -50,6 +50,25 @@
 //     return keel::shared_quota::refusal(provider.name(), d);
 //   }
 //
+// Tokens as the unit (a provider's tokens-per-minute limit): give the
+// quota a rate in tokens and reserve an estimate per attempt, settled to
+// what the attempt charged its call (keel::attempt::charge; a stream
+// charges its usage chunk, else its counted tokens, keel/compose/stream.hpp):
+//
+//   keel::shared_quota tpm(redis, {.name = "openai:gpt-4o:tpm", .rate = 450'000, .per = 1min,
+//                                  .burst = 60'000, .fallback_rate = 450'000.0 / 8, .fallback_burst = 8'000});
+//   auto pipe = keel::pipeline(quotas, keel::retry({.max_attempts = 3}),
+//                              tpm.with_estimate([](const keel::call& c) { return input_tokens(c) + max_tokens(c); }));
+//
+// Each pass reserves the estimate (at most the burst: a bucket never holds
+// more) and, when the attempt returns, settles: the difference to the
+// call's cost in that pass is refunded, or charged unconditionally (the
+// bucket goes into debt, which later reservations wait off), so the fleet's
+// tokens per window hold under concurrency. A pass refused further in
+// before any work (no attempt begun, no cost) gets its whole reservation
+// back. Settling is one more round trip, unless the estimate was exact.
+// Standalone: try_acquire(now, estimate), then settle(decision, estimate, actual).
+//
 // Cost: one Redis round trip per decision (none while holding the fallback).
 //
 // Thread-safety: every operation may be called from any thread; at most
@@ -161,7 +180,8 @@ struct shared_quota_refused {
 namespace detail {
 
 // KEYS[1] the bucket. ARGV: 1 test offset (us), 2 interval (us per unit),
-// 3 tolerance (burst * interval, us), 4 units (negative: a refund).
+// 3 tolerance (burst * interval, us), 4 units (negative: a refund),
+// 5 (optional) "1": take them unconditionally, into debt (a settlement).
 // Reply: {granted 1/0, retry after (us)}.
 inline constexpr const char* redis_lua_gcra = R"lua(
 local t = redis.call('TIME')
@@ -170,7 +190,7 @@ local interval, tolerance, n = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(AR
 local tat = tonumber(redis.call('GET', KEYS[1])) or now
 if tat < now then tat = now end
 local new = tat + n * interval
-if n > 0 and new - now > tolerance then return {0, math.ceil(new - now - tolerance)} end
+if n > 0 and ARGV[5] ~= '1' and new - now > tolerance then return {0, math.ceil(new - now - tolerance)} end
 if new < now then new = now end
 redis.call('SET', KEYS[1], string.format('%.17g', new), 'PX', math.ceil((new - now) / 1000) + 1000)
 return {1, 0}
@@ -245,6 +265,43 @@ class shared_quota {
     (void)eval(-units);  // best effort: if Redis is gone the units are lost, never doubled
   }
 
+  // Takes `units` (> 0) unconditionally from whichever bucket granted `d`:
+  // the bucket may go into debt, which later decisions wait off. Best
+  // effort against Redis, like refund().
+  void charge(const shared_quota_decision& d, time_point now, double units) {
+    if (!d.granted || !(units > 0.0)) return;
+    if (d.source == quota_source::fallback) {
+      fallback_.charge(now, units);
+      return;
+    }
+    (void)eval(units, true);
+  }
+
+  // Settles a grant of `reserved` units to the `actual` cost: refunds the
+  // difference, or charges the excess unconditionally.
+  void settle(const shared_quota_decision& d, time_point now, double reserved, double actual) {
+    if (actual < reserved) refund(d, reserved - actual);
+    if (actual > reserved) charge(d, now, actual - reserved);
+  }
+
+  // The units a reservation of `estimate` takes: at most the burst (a bucket
+  // never holds more; the rest is charged when it settles), at least one.
+  [[nodiscard]] double reservation(double estimate) const noexcept {
+    return std::clamp(estimate, 1.0, options_.burst);
+  }
+
+  template <class Estimator>
+  class estimate_policy;
+
+  // The policy reserving estimator(call) units per pass (for example the
+  // request's input tokens plus its max_tokens) and settling each pass to
+  // the cost its attempts charged the call. Refers to this quota, which
+  // must outlive it.
+  template <class Estimator>
+  [[nodiscard]] estimate_policy<Estimator> with_estimate(Estimator estimator) {
+    return estimate_policy<Estimator>(*this, std::move(estimator));
+  }
+
   // The status for a refused decision (allocates: refusal paths only).
   [[nodiscard]] static absl::Status refusal(std::string_view name, const shared_quota_decision& d) {
     const bool local = d.source == quota_source::fallback;
@@ -285,7 +342,7 @@ class shared_quota {
     return detail::redis_connection::connect(redis_.endpoint(), who_);
   }
 
-  absl::StatusOr<detail::redis_reply> eval(double units) {
+  absl::StatusOr<detail::redis_reply> eval(double units, bool force = false) {
     absl::StatusOr<detail::client_pool<detail::redis_connection>::handle> h =
         pool_.acquire_alive(redis_.acquire_timeout, who_);
     if (!h.ok()) return h.status();
@@ -294,11 +351,14 @@ class shared_quota {
     const detail::redis_num off(offset);
     // One unit (the common case) without formatting a number.
     const std::string n = units == 1.0 ? std::string() : absl::StrFormat("%.17g", units);
-    absl::StatusOr<detail::redis_reply> r = (*h)->eval(
-        detail::gcra_script(),
-        std::array<std::string_view, 5>{key_, off.view(), interval_arg_, tolerance_arg_,
-                                        units == 1.0 ? std::string_view("1") : std::string_view(n)},
-        detail::redis_effect::write, "acquire");
+    const std::string_view count = units == 1.0 ? std::string_view("1") : std::string_view(n);
+    absl::StatusOr<detail::redis_reply> r =
+        force ? (*h)->eval(detail::gcra_script(),
+                           std::array<std::string_view, 6>{key_, off.view(), interval_arg_, tolerance_arg_, count, "1"},
+                           detail::redis_effect::write, "charge")
+              : (*h)->eval(detail::gcra_script(),
+                           std::array<std::string_view, 5>{key_, off.view(), interval_arg_, tolerance_arg_, count},
+                           detail::redis_effect::write, "acquire");
     if ((*h)->broken()) h->mark_broken();
     return r;
   }
@@ -316,6 +376,42 @@ class shared_quota {
   std::atomic<std::uint64_t> shared_{0}, fallbacks_{0}, failures_{0};
   std::mutex mu_;
   absl::Status last_error_;
+};
+
+template <class Estimator>
+class shared_quota::estimate_policy {
+ public:
+  estimate_policy(shared_quota& quota, Estimator estimator) : quota_(&quota), estimator_(std::move(estimator)) {}
+
+  [[nodiscard]] shared_quota& quota() const noexcept { return *quota_; }
+
+  template <class Ctx, class Next>
+  auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) const -> decltype(next(ctx, plan)) {
+    using R = decltype(next(ctx, plan));
+    shared_quota& q = *quota_;
+    const call_record before = ctx.call.record();
+    if (!q.options_.charge_replays && before.replayed) return next(ctx, plan);
+    const double units = q.reservation(static_cast<double>(estimator_(std::as_const(ctx.call))));
+    const shared_quota_decision d = q.try_acquire(plan.now, units);
+    if (d.source == quota_source::fallback) observe(ctx.listener, events::shared_quota_fallback{q.name(), d.redis_error});
+    if (!d) {
+      observe(ctx.listener, events::shared_quota_refused{ctx.call, q.name(), d.source});
+      return R(refusal(q.name(), d));
+    }
+    R r = next(ctx, plan);
+    const call_record after = ctx.call.record();
+    const std::int64_t cost = after.cost - before.cost;
+    if (const absl::Status& s = status_of(r); !s.ok() && not_started(s) && after.attempts == before.attempts && cost == 0) {
+      q.refund(d, units);  // refused further in: no work, nothing kept
+    } else {
+      q.settle(d, ctx.attempt_end(plan.now), units, static_cast<double>(cost));
+    }
+    return r;
+  }
+
+ private:
+  shared_quota* quota_;
+  Estimator estimator_;
 };
 
 }  // namespace keel

@@ -1,0 +1,287 @@
+// Streams: the SSE parser against a bare line split over the same recorded
+// bytes (BM_Sse_Parse vs BM_Sse_LineSplit) and against that split with
+// nlohmann::json reading each event (BM_Sse_LineSplit_Nlohmann), and the stream policy's own cost
+// per token (BM_Stream_PerToken: stream_writer::token, the commit, gap and
+// stall bookkeeping, the copy into the call's text and the relay callback)
+// beside the parser alone handing the same tokens to a plain callback
+// (BM_Stream_ParserOnly) and the parser feeding the policy
+// (BM_Stream_ParsedIntoPolicy). Allocations per iteration are counted.
+//
+//   build/h/bench/keel_bench_stream --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
+#include <benchmark/benchmark.h>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+#include "keel/compose/pipeline.hpp"
+#include "keel/compose/stream.hpp"
+#include "keel/core/call.hpp"
+#include "keel/policy/retry.hpp"
+#include "keel/provider/sse.hpp"
+#include "keel/testing/manual_clock.hpp"
+#include "support/alloc_counter.hpp"
+#include "absl/status/status.h"
+
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr int kTokens = 512;
+
+// A recorded OpenAI-style stream: role chunk, 512 content chunks of one to
+// eight characters (some escaped), a finish chunk, the usage chunk, [DONE].
+std::string recorded_stream() {
+  static const char* words[] = {"The", " quick", " brown", " fox", " jumps", " over", "\\n", " caf\\u00e9", ",", " a"};
+  std::string s =
+      "data: {\"id\":\"chatcmpl-AbC\",\"object\":\"chat.completion.chunk\",\"created\":1733200000,\"model\":\"gpt-4o-"
+      "mini\",\"system_fingerprint\":\"fp_0\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":"
+      "\"\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n";
+  for (int i = 0; i < kTokens; ++i) {
+    s += "data: {\"id\":\"chatcmpl-AbC\",\"object\":\"chat.completion.chunk\",\"created\":1733200000,\"model\":\"gpt-4o-"
+         "mini\",\"system_fingerprint\":\"fp_0\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"";
+    s += words[i % 10];
+    s += "\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n";
+    if (i % 64 == 0) s += ": keep-alive\n\n";
+  }
+  s += "data: {\"id\":\"chatcmpl-AbC\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n";
+  s += "data: {\"id\":\"chatcmpl-AbC\",\"choices\":[],\"usage\":{\"prompt_tokens\":20,\"completion_tokens\":512,"
+       "\"total_tokens\":532}}\n\n";
+  s += "data: [DONE]\n\n";
+  return s;
+}
+
+const std::string& body() {
+  static const std::string b = recorded_stream();
+  return b;
+}
+
+// Network-sized reads: 1460-byte pieces (one TCP segment's payload).
+constexpr std::size_t kRead = 1460;
+
+void BM_Sse_LineSplit(benchmark::State& state) {
+  const std::string& b = body();
+  std::string carry;
+  for (auto _ : state) {
+    std::size_t lines = 0;
+    for (std::size_t off = 0; off < b.size(); off += kRead) {
+      const std::string_view piece = std::string_view(b).substr(off, kRead);
+      const char* p = piece.data();
+      const char* end = p + piece.size();
+      while (p < end) {
+        const void* nl = std::memchr(p, '\n', static_cast<std::size_t>(end - p));
+        if (nl == nullptr) {
+          carry.append(p, static_cast<std::size_t>(end - p));
+          break;
+        }
+        const char* e = static_cast<const char*>(nl);
+        if (!carry.empty()) {
+          carry.append(p, static_cast<std::size_t>(e - p));
+          benchmark::DoNotOptimize(carry.data());
+          carry.clear();
+        }
+        ++lines;
+        p = e + 1;
+      }
+    }
+    benchmark::DoNotOptimize(lines);
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * b.size()));
+}
+BENCHMARK(BM_Sse_LineSplit);
+
+void BM_Sse_Parse(benchmark::State& state) {
+  const std::string& b = body();
+  keel::http::sse_parser parser;
+  std::size_t text = 0;
+  auto on = [&](const keel::http::chat_chunk& c) {
+    if (c.kind == keel::http::chunk_kind::content) text += c.text.size();
+    return true;
+  };
+  {
+    keel_bench::count_allocations allocs(state);
+    for (auto _ : state) {
+      parser.reset();
+      for (std::size_t off = 0; off < b.size(); off += kRead) (void)parser.feed(std::string_view(b).substr(off, kRead), on);
+      benchmark::DoNotOptimize(text);
+    }
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * b.size()));
+  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(state.iterations() * kTokens),
+                                                  benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_Sse_Parse);
+
+// What a gateway commonly writes instead: the same line split, and each
+// data line parsed with nlohmann::json (a DOM per event) for its content.
+void BM_Sse_LineSplit_Nlohmann(benchmark::State& state) {
+  const std::string& b = body();
+  std::string carry;
+  std::size_t text = 0;
+  auto on_line = [&](std::string_view line) {
+    if (line.size() < 6 || line.substr(0, 6) != "data: ") return;
+    const std::string_view data = line.substr(6);
+    if (data == "[DONE]") return;
+    const nlohmann::json j = nlohmann::json::parse(data.begin(), data.end(), nullptr, false);
+    if (j.is_discarded()) return;
+    const auto choices = j.find("choices");
+    if (choices == j.end() || !choices->is_array() || choices->empty()) return;
+    const auto delta = (*choices)[0].find("delta");
+    if (delta == (*choices)[0].end()) return;
+    const auto content = delta->find("content");
+    if (content != delta->end() && content->is_string()) text += content->get_ref<const std::string&>().size();
+  };
+  {
+    keel_bench::count_allocations allocs(state);
+    for (auto _ : state) {
+      for (std::size_t off = 0; off < b.size(); off += kRead) {
+        const std::string_view piece = std::string_view(b).substr(off, kRead);
+        const char* p = piece.data();
+        const char* end = p + piece.size();
+        while (p < end) {
+          const void* nl = std::memchr(p, '\n', static_cast<std::size_t>(end - p));
+          if (nl == nullptr) {
+            carry.append(p, static_cast<std::size_t>(end - p));
+            break;
+          }
+          const char* e = static_cast<const char*>(nl);
+          if (!carry.empty()) {
+            carry.append(p, static_cast<std::size_t>(e - p));
+            on_line(carry);
+            carry.clear();
+          } else {
+            on_line(std::string_view(p, static_cast<std::size_t>(e - p)));
+          }
+          p = e + 1;
+        }
+      }
+      benchmark::DoNotOptimize(text);
+    }
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * b.size()));
+}
+BENCHMARK(BM_Sse_LineSplit_Nlohmann);
+
+// Per token: s/token and allocs/token counters (seconds per token, inverted rate).
+void per_token(benchmark::State& state, std::int64_t tokens_per_iter, std::int64_t allocs_before) {
+  // Seconds per token of CPU time, printed with its SI prefix ("8.2n": 8.2 ns).
+  state.counters["s/token"] = benchmark::Counter(static_cast<double>(state.iterations() * tokens_per_iter),
+                                                 benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  state.counters["allocs/token"] =
+      benchmark::Counter(static_cast<double>(keel_bench::thread_allocations() - allocs_before) /
+                         static_cast<double>(state.iterations() * tokens_per_iter));
+}
+
+// The policy's own per-token work: stream_writer::token (the commit, the gap
+// and stall bookkeeping, the copy into the call's text, the relay callback)
+// for a stream of 4096 tokens, one stream per iteration through a one-attempt
+// pipeline, so the per-stream work (the pipeline, arming the watchdog, the
+// result, the text buffer: one allocation) is amortised over its tokens.
+void BM_Stream_PerToken(benchmark::State& state) {
+  constexpr std::int64_t kStream = 4096;
+  keel::testing::manual_clock clock;
+  keel::stream_guard guard({.first_token = 10s, .stall = 10s}, clock);
+  std::size_t relayed = 0;
+  keel::token_stream stream(guard, [&](std::string_view t) { relayed += t.size(); });
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  auto provider = [&](const keel::attempt&, keel::stream_writer& w) -> absl::Status {
+    const keel::time_point now = clock.now();  // a transport reads it once per network read
+    for (std::int64_t i = 0; i < kStream; ++i) benchmark::DoNotOptimize(w.token(" fox", now));
+    return absl::OkStatus();
+  };
+  const std::int64_t before = keel_bench::thread_allocations();
+  for (auto _ : state) {
+    keel::call call(clock.now(), {.timeout = 1h});
+    stream.reserve(static_cast<std::size_t>(kStream) * 4);
+    auto r = pipe.run(call, stream.attempts(provider));
+    benchmark::DoNotOptimize(r);
+  }
+  per_token(state, kStream, before);
+  benchmark::DoNotOptimize(relayed);
+}
+BENCHMARK(BM_Stream_PerToken);
+
+// The same 4096 tokens to a plain callback that appends them to a reused
+// string: the per-token work without the policy, for the difference.
+void BM_Stream_PerToken_Bare(benchmark::State& state) {
+  constexpr std::int64_t kStream = 4096;
+  std::string text;
+  text.reserve(static_cast<std::size_t>(kStream) * 4);
+  std::size_t relayed = 0;
+  auto on = [&](std::string_view t) {
+    text.append(t.data(), t.size());
+    relayed += t.size();
+  };
+  const std::int64_t before = keel_bench::thread_allocations();
+  for (auto _ : state) {
+    text.clear();
+    for (std::int64_t i = 0; i < kStream; ++i) {
+      on(" fox");
+      benchmark::DoNotOptimize(text.data());
+    }
+  }
+  per_token(state, kStream, before);
+  benchmark::DoNotOptimize(relayed);
+}
+BENCHMARK(BM_Stream_PerToken_Bare);
+
+// The recorded stream parsed, its tokens to a plain callback (the parser
+// alone), and parsed into the policy (a token_stream attempt): one stream
+// per iteration.
+void BM_Stream_ParserOnly(benchmark::State& state) {
+  const std::string& b = body();
+  keel::http::sse_parser parser;
+  std::string text;
+  text.reserve(8192);
+  auto on = [&](const keel::http::chat_chunk& c) {
+    if (c.kind == keel::http::chunk_kind::content) text.append(c.text.data(), c.text.size());
+    return true;
+  };
+  const std::int64_t before = keel_bench::thread_allocations();
+  for (auto _ : state) {
+    parser.reset();
+    text.clear();
+    for (std::size_t off = 0; off < b.size(); off += kRead) (void)parser.feed(std::string_view(b).substr(off, kRead), on);
+    benchmark::DoNotOptimize(text.data());
+  }
+  per_token(state, kTokens, before);
+}
+BENCHMARK(BM_Stream_ParserOnly);
+
+void BM_Stream_ParsedIntoPolicy(benchmark::State& state) {
+  const std::string& b = body();
+  keel::testing::manual_clock clock;
+  keel::stream_guard guard({.first_token = 10s, .stall = 10s}, clock);
+  keel::http::sse_parser parser;
+  std::size_t relayed = 0;
+  keel::token_stream stream(guard, [&](std::string_view t) { relayed += t.size(); });
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  auto provider = [&](const keel::attempt&, keel::stream_writer& w) -> absl::Status {
+    parser.reset();
+    for (std::size_t off = 0; off < b.size(); off += kRead) {
+      const keel::time_point now = w.now();  // once per read, as keel::http does
+      (void)parser.feed(std::string_view(b).substr(off, kRead), [&](const keel::http::chat_chunk& c) {
+        if (c.kind == keel::http::chunk_kind::content) return w.token(c.text, now);
+        if (c.has_usage) w.usage(c.usage);
+        return true;
+      });
+    }
+    return absl::OkStatus();
+  };
+  const std::int64_t before = keel_bench::thread_allocations();
+  for (auto _ : state) {
+    keel::call call(clock.now(), {.timeout = 1h});
+    stream.reserve(8192);
+    auto r = pipe.run(call, stream.attempts(provider));
+    benchmark::DoNotOptimize(r);
+  }
+  per_token(state, kTokens, before);
+  benchmark::DoNotOptimize(relayed);
+}
+BENCHMARK(BM_Stream_ParsedIntoPolicy);
+
+}  // namespace

@@ -1,0 +1,596 @@
+// keel/provider/sse.hpp — a server-sent events parser for OpenAI-compatible
+// chat completion streams (`stream: true`), built to sit in a transfer's
+// write callback.
+//
+// keel::http::sse_parser takes the response body in whatever pieces the
+// network delivers (a `data:` line split across reads, a CR LF split between
+// two), assembles events as the SSE specification says (fields per line,
+// `data` lines of one event joined by '\n', a blank line dispatches, lines
+// starting with ':' are comments, an event unterminated at the end of the
+// body is dropped), and reads each event's JSON as a chat completion chunk:
+//
+//   kind::content    a delta with content text: a token for the stream policy
+//   kind::role       a role-only delta (the start of the message): not a token
+//   kind::empty      a chunk with nothing in it (no choices, an empty or null
+//                    content, a finish_reason alone): not a token
+//   kind::usage      the usage chunk (stream_options.include_usage), also set
+//                    on whatever chunk carries `usage`: see chat_chunk::usage
+//   kind::error      an error object mid-stream ({"error": {...}}, or an
+//                    `event: error`): chat_chunk::text is its message;
+//                    error_status(chunk) maps it to a keel status
+//   kind::done       `data: [DONE]`: the stream ended properly
+//   kind::invalid    a data event that is not a JSON object: the stream is corrupt
+//   kind::keepalive  a comment line (": ping"), for who wants to see the line alive
+//
+// The parser allocates nothing per token: the bytes of an unfinished line
+// and of the event's data are kept in buffers whose capacity stays, a
+// token's text is a view into the event's data (or, when the JSON string
+// has escapes, into a reused unescape buffer), valid during the callback.
+//
+// Example:
+//
+//   keel::http::sse_parser parser;
+//   std::string text;
+//   auto on = [&](const keel::http::chat_chunk& c) {
+//     if (c.kind == keel::http::chunk_kind::content) text.append(c.text);
+//     return true;  // false: stop feeding (the rest of this piece is not parsed)
+//   };
+//   absl::Status s = parser.feed("data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}\n", on);
+//   s = parser.feed("\n", on);   // text == "Hi"
+//
+// Limits: an event longer than sse_options::max_event_bytes fails the
+// parse (absl::OutOfRangeError); JSON nested deeper than 64 levels is read
+// as invalid. A chunk's other choices (n > 1) are skipped: the content is
+// choice 0's. tool_calls deltas are kind::empty here.
+//
+// Thread-safety: a parser belongs to one stream; distinct parsers are independent.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "keel/compose/stream.hpp"
+#include "keel/core/status.hpp"
+
+namespace keel::http {
+
+enum class chunk_kind : std::uint8_t { content, role, empty, usage, error, done, invalid, keepalive };
+
+[[nodiscard]] constexpr std::string_view to_string(chunk_kind k) noexcept {
+  switch (k) {
+    case chunk_kind::content: return "content";
+    case chunk_kind::role: return "role";
+    case chunk_kind::empty: return "empty";
+    case chunk_kind::usage: return "usage";
+    case chunk_kind::error: return "error";
+    case chunk_kind::done: return "done";
+    case chunk_kind::invalid: return "invalid";
+    case chunk_kind::keepalive: return "keepalive";
+  }
+  return "unknown";
+}
+
+// One event, read. Views valid during the callback only.
+struct chat_chunk {
+  chunk_kind kind = chunk_kind::empty;
+  std::string_view text{};           // content: the token; error: the message
+  std::string_view finish_reason{};  // "stop", "length", ...; empty when absent
+  bool has_usage = false;            // `usage` was present (and an object)
+  keel::token_usage usage{};
+  std::string_view error_type{};     // error: its "type" or string "code"
+  std::int64_t error_code = 0;       // error: a numeric "code" (often the HTTP status), else 0
+  std::string_view data{};           // the event's data, as received
+};
+
+struct sse_options {
+  // An event (its data lines together) longer than this fails the parse; > 0.
+  std::size_t max_event_bytes = std::size_t{1} << 20;
+
+  [[nodiscard]] absl::Status validate() const {
+    if (max_event_bytes == 0) return keel::detail::invalid_field("sse_options", "max_event_bytes", "be > 0", 0);
+    return absl::OkStatus();
+  }
+};
+
+namespace detail {
+
+// A forgiving reader of the few JSON paths a chat chunk has; never reads
+// past `end`, never recurses deeper than max_depth.
+class json_reader {
+ public:
+  static constexpr int max_depth = 64;
+
+  json_reader(const char* p, const char* end) noexcept : p_(p), end_(end) {}
+
+  [[nodiscard]] bool ok() const noexcept { return ok_; }
+  bool fail() noexcept { return ok_ = false; }
+
+  void ws() noexcept {
+    while (p_ < end_ && (*p_ == ' ' || *p_ == '\t' || *p_ == '\n' || *p_ == '\r')) ++p_;
+  }
+  [[nodiscard]] bool at(char c) noexcept {
+    ws();
+    return p_ < end_ && *p_ == c;
+  }
+  bool eat(char c) noexcept {
+    if (!at(c)) return false;
+    ++p_;
+    return true;
+  }
+  [[nodiscard]] bool at_end() noexcept {
+    ws();
+    return p_ >= end_;
+  }
+
+  // A string's raw contents (between the quotes, escapes not undone);
+  // `escaped` says whether it has any.
+  bool string(std::string_view& raw, bool& escaped) noexcept {
+    if (!eat('"')) return fail();
+    const char* s = p_;
+    escaped = false;
+    for (;;) {
+      const void* q = std::memchr(p_, '"', static_cast<std::size_t>(end_ - p_));
+      if (q == nullptr) return fail();
+      const char* quote = static_cast<const char*>(q);
+      // A quote preceded by an odd run of backslashes is escaped.
+      std::size_t slashes = 0;
+      for (const char* b = quote; b > s && b[-1] == '\\'; --b) ++slashes;
+      if (!escaped && std::memchr(p_, '\\', static_cast<std::size_t>(quote - p_)) != nullptr) escaped = true;
+      p_ = quote + 1;
+      if (slashes % 2 == 0) {
+        raw = std::string_view(s, static_cast<std::size_t>(quote - s));
+        return true;
+      }
+    }
+  }
+
+  // Past a string whose contents nobody reads: only its closing quote is looked for.
+  bool skip_string() noexcept {
+    ++p_;  // the opening quote
+    const char* s = p_;
+    for (;;) {
+      const void* q = std::memchr(p_, '"', static_cast<std::size_t>(end_ - p_));
+      if (q == nullptr) return fail();
+      const char* quote = static_cast<const char*>(q);
+      std::size_t slashes = 0;
+      for (const char* b = quote; b > s && b[-1] == '\\'; --b) ++slashes;
+      p_ = quote + 1;
+      if (slashes % 2 == 0) return true;
+    }
+  }
+
+  // A string's text: the raw view, or its unescaped copy in `scratch`.
+  bool text(std::string_view& out, std::string& scratch) {
+    std::string_view raw;
+    bool escaped = false;
+    if (!string(raw, escaped)) return false;
+    if (!escaped) {
+      out = raw;
+      return true;
+    }
+    if (!unescape(raw, scratch)) return fail();
+    out = scratch;
+    return true;
+  }
+
+  // An integer (the integral part of a number); other values are skipped and read as -1.
+  bool integer(std::int64_t& out) noexcept {
+    ws();
+    if (p_ < end_ && (*p_ == '-' || (*p_ >= '0' && *p_ <= '9'))) {
+      bool neg = *p_ == '-';
+      if (neg) ++p_;
+      std::int64_t v = 0;
+      while (p_ < end_ && *p_ >= '0' && *p_ <= '9') {
+        if (v < (std::int64_t{1} << 58)) v = v * 10 + (*p_ - '0');
+        ++p_;
+      }
+      out = neg ? -v : v;
+      return skip_number_rest();
+    }
+    out = -1;
+    return skip();
+  }
+
+  bool literal(std::string_view word) noexcept {
+    ws();
+    if (static_cast<std::size_t>(end_ - p_) < word.size() || std::memcmp(p_, word.data(), word.size()) != 0)
+      return fail();
+    p_ += word.size();
+    return true;
+  }
+  [[nodiscard]] bool at_null() noexcept {
+    ws();
+    return end_ - p_ >= 4 && std::memcmp(p_, "null", 4) == 0;
+  }
+
+  // Skips one value of any type.
+  bool skip(int depth = 0) noexcept {
+    if (depth > max_depth) return fail();
+    ws();
+    if (p_ >= end_) return fail();
+    switch (*p_) {
+      case '"': return skip_string();
+      case '{':
+        return members(depth + 1, [&](std::string_view) { return skip(depth + 1); });
+      case '[':
+        return elements(depth + 1, [&](int) { return skip(depth + 1); });
+      case 't': return literal("true");
+      case 'f': return literal("false");
+      case 'n': return literal("null");
+      default: {
+        if (*p_ != '-' && (*p_ < '0' || *p_ > '9')) return fail();
+        ++p_;
+        return skip_number_rest();
+      }
+    }
+  }
+
+  // An object: on_member(key) reads (or skips) each member's value.
+  template <class OnMember>
+  bool members(int depth, OnMember&& on_member) {
+    if (depth > max_depth) return fail();
+    if (!eat('{')) return fail();
+    if (eat('}')) return true;
+    for (;;) {
+      std::string_view key;
+      bool escaped = false;
+      if (!string(key, escaped)) return false;
+      if (!eat(':')) return fail();
+      if (!on_member(key)) return fail();
+      if (eat(',')) continue;
+      if (eat('}')) return true;
+      return fail();
+    }
+  }
+  template <class OnElement>
+  bool elements(int depth, OnElement&& on_element) {
+    if (depth > max_depth) return fail();
+    if (!eat('[')) return fail();
+    if (eat(']')) return true;
+    for (int i = 0;; ++i) {
+      if (!on_element(i)) return fail();
+      if (eat(',')) continue;
+      if (eat(']')) return true;
+      return fail();
+    }
+  }
+
+ private:
+  bool skip_number_rest() noexcept {
+    while (p_ < end_ && ((*p_ >= '0' && *p_ <= '9') || *p_ == '.' || *p_ == 'e' || *p_ == 'E' || *p_ == '+' ||
+                         *p_ == '-'))
+      ++p_;
+    return true;
+  }
+
+  static int hex(char c) noexcept {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  }
+  static bool hex4(std::string_view s, std::size_t i, std::uint32_t& out) noexcept {
+    if (i + 4 > s.size()) return false;
+    out = 0;
+    for (std::size_t k = 0; k < 4; ++k) {
+      const int h = hex(s[i + k]);
+      if (h < 0) return false;
+      out = out * 16 + static_cast<std::uint32_t>(h);
+    }
+    return true;
+  }
+  static void utf8(std::uint32_t cp, std::string& out) {
+    if (cp < 0x80) {
+      out.push_back(static_cast<char>(cp));
+    } else if (cp < 0x800) {
+      out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    } else if (cp < 0x10000) {
+      out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
+      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    } else {
+      out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
+      out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    }
+  }
+
+ public:
+  // JSON string escapes undone into `out` (cleared first). A lone
+  // surrogate becomes U+FFFD, as decoders of model output do.
+  static bool unescape(std::string_view raw, std::string& out) {
+    out.clear();
+    for (std::size_t i = 0; i < raw.size(); ++i) {
+      const char c = raw[i];
+      if (c != '\\') {
+        out.push_back(c);
+        continue;
+      }
+      if (++i >= raw.size()) return false;
+      switch (raw[i]) {
+        case '"': out.push_back('"'); break;
+        case '\\': out.push_back('\\'); break;
+        case '/': out.push_back('/'); break;
+        case 'b': out.push_back('\b'); break;
+        case 'f': out.push_back('\f'); break;
+        case 'n': out.push_back('\n'); break;
+        case 'r': out.push_back('\r'); break;
+        case 't': out.push_back('\t'); break;
+        case 'u': {
+          std::uint32_t cp = 0;
+          if (!hex4(raw, i + 1, cp)) return false;
+          i += 4;
+          if (cp >= 0xD800 && cp <= 0xDBFF) {
+            std::uint32_t lo = 0;
+            if (i + 2 < raw.size() && raw[i + 1] == '\\' && raw[i + 2] == 'u' && hex4(raw, i + 3, lo) &&
+                lo >= 0xDC00 && lo <= 0xDFFF) {
+              cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+              i += 6;
+            } else {
+              cp = 0xFFFD;
+            }
+          } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+            cp = 0xFFFD;
+          }
+          utf8(cp, out);
+          break;
+        }
+        default: return false;
+      }
+    }
+    return true;
+  }
+
+ private:
+  const char* p_;
+  const char* end_;
+  bool ok_ = true;
+};
+
+}  // namespace detail
+
+class sse_parser {
+ public:
+  // Throws keel::invalid_options if `o` is invalid.
+  explicit sse_parser(const sse_options& o = {}) : options_((keel::detail::require_valid(o.validate()), o)) {}
+
+  // Parses `bytes`, the next piece of the body, calling on(const
+  // chat_chunk&) -> bool for each event completed; a false return stops
+  // (the rest of `bytes` is dropped, and so is the stream: call reset()
+  // before reusing the parser). OutOfRange for an over-long event.
+  template <class On>
+  absl::Status feed(std::string_view bytes, On&& on) {
+    const char* p = bytes.data();
+    const char* const end = p + bytes.size();
+    if (stopped_) return absl::OkStatus();
+    if (skip_lf_ && p < end) {  // a CR LF split between two pieces
+      if (*p == '\n') ++p;
+      skip_lf_ = false;
+    }
+    while (p < end) {
+      // The next line end: LF, CR or CR LF.
+      const char* eol = find_eol(p, end);
+      if (eol == end) {  // the line goes on in the next piece
+        if (line_.size() + static_cast<std::size_t>(end - p) > options_.max_event_bytes) return too_long();
+        line_.append(p, static_cast<std::size_t>(end - p));
+        break;
+      }
+      std::string_view line;
+      if (line_.empty()) {
+        line = std::string_view(p, static_cast<std::size_t>(eol - p));
+      } else {
+        line_.append(p, static_cast<std::size_t>(eol - p));
+        line = line_;
+      }
+      const char* next = eol + 1;
+      if (*eol == '\r') {
+        if (next < end) {
+          if (*next == '\n') ++next;
+        } else {
+          skip_lf_ = true;
+        }
+      }
+      p = next;
+      absl::Status s = on_line(line, on);
+      line_.clear();
+      if (!s.ok()) return s;
+      if (stopped_) return absl::OkStatus();
+    }
+    return absl::OkStatus();
+  }
+
+  // Starts a new stream: what was buffered is dropped.
+  void reset() noexcept {
+    line_.clear();
+    data_.clear();
+    event_.clear();
+    has_data_ = false;
+    skip_lf_ = false;
+    stopped_ = false;
+    done_ = false;
+  }
+
+  // `data: [DONE]` was seen.
+  [[nodiscard]] bool done() const noexcept { return done_; }
+
+  // Reads one event's data as a chat completion chunk (also for callers
+  // that have the data already). Views into `data` and the parser's buffer.
+  [[nodiscard]] chat_chunk read(std::string_view data, bool error_event = false) {
+    chat_chunk c;
+    c.data = data;
+    if (data == "[DONE]") {
+      c.kind = chunk_kind::done;
+      return c;
+    }
+    detail::json_reader j(data.data(), data.data() + data.size());
+    bool has_content = false, has_role = false, has_error = false;
+    const bool parsed = j.members(0, [&](std::string_view key) -> bool {
+      if (key == "choices") return j.elements(1, [&](int i) { return i == 0 ? choice(j, c, has_content, has_role) : j.skip(2); });
+      if (key == "usage") {
+        if (j.at_null()) return j.literal("null");
+        c.has_usage = true;
+        return j.members(1, [&](std::string_view k) {
+          if (k == "prompt_tokens") return j.integer(c.usage.prompt_tokens);
+          if (k == "completion_tokens") return j.integer(c.usage.completion_tokens);
+          if (k == "total_tokens") return j.integer(c.usage.total_tokens);
+          return j.skip(2);
+        });
+      }
+      if (key == "error") {
+        has_error = true;
+        if (j.at('"')) return j.text(c.text, error_scratch_);
+        if (j.at_null()) {
+          has_error = false;
+          return j.literal("null");
+        }
+        return j.members(1, [&](std::string_view k) {
+          if (k == "message") return j.at('"') ? j.text(c.text, error_scratch_) : j.skip(2);
+          if (k == "type") return j.at('"') ? j.text(c.error_type, type_scratch_) : j.skip(2);
+          if (k == "code") {
+            if (j.at('"')) return c.error_type.empty() ? j.text(c.error_type, type_scratch_) : j.skip(2);
+            return j.integer(c.error_code);
+          }
+          return j.skip(2);
+        });
+      }
+      return j.skip(1);
+    });
+    if (!parsed || !j.ok() || !j.at_end()) {
+      c = chat_chunk{};
+      c.data = data;
+      c.kind = error_event ? chunk_kind::error : chunk_kind::invalid;
+      if (error_event) c.text = data;
+      return c;
+    }
+    if (has_error || error_event) {
+      c.kind = chunk_kind::error;
+      if (c.text.empty() && error_event) c.text = data;
+    } else if (has_content) {
+      c.kind = chunk_kind::content;
+    } else if (c.has_usage) {
+      c.kind = chunk_kind::usage;
+    } else if (has_role) {
+      c.kind = chunk_kind::role;
+    } else {
+      c.kind = chunk_kind::empty;
+    }
+    return c;
+  }
+
+ private:
+  static const char* find_eol(const char* p, const char* end) noexcept {
+    // Most bodies use LF; CR alone is rare, so look for LF first and then
+    // for a CR before it.
+    const void* lf = std::memchr(p, '\n', static_cast<std::size_t>(end - p));
+    const char* stop = lf != nullptr ? static_cast<const char*>(lf) : end;
+    const void* cr = std::memchr(p, '\r', static_cast<std::size_t>(stop - p));
+    return cr != nullptr ? static_cast<const char*>(cr) : stop;
+  }
+
+  absl::Status too_long() {
+    stopped_ = true;
+    return absl::OutOfRangeError(
+        absl::StrCat("keel::http: server-sent event over ", options_.max_event_bytes, " bytes"));
+  }
+
+  template <class On>
+  absl::Status on_line(std::string_view line, On& on) {
+    if (line.empty()) return dispatch(on);
+    if (line.front() == ':') {
+      chat_chunk c;
+      c.kind = chunk_kind::keepalive;
+      c.data = line.substr(1);
+      if (!on(static_cast<const chat_chunk&>(c))) stopped_ = true;
+      return absl::OkStatus();
+    }
+    const std::size_t colon = line.find(':');
+    const std::string_view field = line.substr(0, colon);
+    std::string_view value = colon == std::string_view::npos ? std::string_view{} : line.substr(colon + 1);
+    if (!value.empty() && value.front() == ' ') value.remove_prefix(1);
+    if (field == "data") {
+      if (data_.size() + value.size() + 1 > options_.max_event_bytes) return too_long();
+      if (has_data_) data_.push_back('\n');
+      data_.append(value.data(), value.size());
+      has_data_ = true;
+    } else if (field == "event") {
+      event_.assign(value.data(), value.size());
+    }
+    // id, retry and unknown fields: nothing a chat stream needs.
+    return absl::OkStatus();
+  }
+
+  template <class On>
+  absl::Status dispatch(On& on) {
+    if (!has_data_) {  // an event without data is not dispatched (the SSE rule)
+      event_.clear();
+      return absl::OkStatus();
+    }
+    const chat_chunk c = read(data_, event_ == "error");
+    if (c.kind == chunk_kind::done) done_ = true;
+    data_.clear();
+    event_.clear();
+    has_data_ = false;
+    if (!on(c)) stopped_ = true;
+    return absl::OkStatus();
+  }
+
+  bool choice(detail::json_reader& j, chat_chunk& c, bool& has_content, bool& has_role) {
+    return j.members(2, [&](std::string_view key) -> bool {
+      if (key == "delta" || key == "message") {
+        if (j.at_null()) return j.literal("null");
+        return j.members(3, [&](std::string_view k) -> bool {
+          if (k == "content") {
+            if (!j.at('"')) return j.skip(4);  // null, or a structured content array
+            if (!j.text(c.text, text_scratch_)) return false;
+            has_content = !c.text.empty();
+            return true;
+          }
+          if (k == "role") {
+            has_role = true;
+            return j.skip(4);
+          }
+          return j.skip(4);
+        });
+      }
+      if (key == "finish_reason") {
+        if (j.at('"')) return j.text(c.finish_reason, finish_scratch_);
+        return j.skip(3);
+      }
+      return j.skip(3);
+    });
+  }
+
+  sse_options options_;
+  std::string line_;   // the unfinished line of the previous piece
+  std::string data_;   // the event's data lines so far
+  std::string event_;  // the event's `event:` field
+  std::string text_scratch_, error_scratch_, type_scratch_, finish_scratch_;
+  bool has_data_ = false;
+  bool skip_lf_ = false;
+  bool stopped_ = false;
+  bool done_ = false;
+};
+
+// The status an error event stands for, classified as a provider's failure
+// mid-stream would be: a rate limit is throttled, an overload or server error
+// transient (Unavailable), a bad request permanent. "keel::http: stream error: <message>".
+[[nodiscard]] inline absl::Status error_status(const chat_chunk& c) {
+  const std::string_view t = c.error_type;
+  const std::int64_t code = c.error_code;
+  const auto msg = absl::StrCat("keel::http: stream error: ", keel::detail::to_absl(c.text.substr(0, 256)));
+  auto has = [&](std::string_view w) { return t.find(w) != std::string_view::npos; };
+  if (code == 429 || has("rate_limit") || has("rate-limit") || has("quota")) return absl::ResourceExhaustedError(msg);
+  if (code == 400 || code == 422 || has("invalid_request")) return absl::InvalidArgumentError(msg);
+  if (code == 401 || code == 403 || has("authentication") || has("permission")) return absl::PermissionDeniedError(msg);
+  if (code == 404 || has("not_found")) return absl::NotFoundError(msg);
+  return absl::UnavailableError(msg);  // server_error, overloaded, timeouts, unknown
+}
+
+}  // namespace keel::http
