@@ -32,6 +32,8 @@ using core_t = gateway::gateway_core<keel::real_clock, keel::postgres_job_store>
 
 // What the test accepts as a classified refusal: a JSON error naming a
 // status a caller can act on (wait and retry, or give up), never a bare 500.
+// A submission in flight when the server died is an unknown outcome: 503
+// with condition "unknown_outcome" (retry with the same key to settle it).
 bool classified(const gateway::reply& r, std::string& why) {
   const json j = json::parse(r.body, nullptr, false);
   if (j.is_discarded() || !j.contains("error")) {
@@ -39,8 +41,9 @@ bool classified(const gateway::reply& r, std::string& why) {
     return false;
   }
   const std::string status = j["error"].value("status", "");
+  const bool unknown_outcome = status == "UNKNOWN" && j["error"].value("condition", "") == "unknown_outcome";
   const bool known = status == "UNAVAILABLE" || status == "DEADLINE_EXCEEDED" || status == "RESOURCE_EXHAUSTED" ||
-                     status == "ABORTED";
+                     status == "ABORTED" || unknown_outcome;
   if (!known || (r.status != 429 && r.status != 503 && r.status != 504)) {
     why = "HTTP " + std::to_string(r.status) + " " + r.body;
     return false;
@@ -52,11 +55,14 @@ struct verdicts {
   std::mutex mu;
   std::map<std::string, int> by_kind;  // "feedback 200", "batch 503", ...
   std::vector<std::string> wrong;      // replies that broke a rule, with why
-  void add(const std::string& what, const gateway::reply& r, keel::duration took, keel::duration bound) {
+  std::map<std::string, std::string> unknown;  // key -> body of a write with an unknown outcome
+  void add(const std::string& what, const gateway::reply& r, keel::duration took, keel::duration bound,
+           const std::string& key = {}, const std::string& body = {}) {
     std::string why;
     const bool ok = (r.status >= 200 && r.status < 300) || classified(r, why);
     std::lock_guard lock(mu);
     ++by_kind[what + " " + std::to_string(r.status)];
+    if (r.body.find("unknown_outcome") != std::string::npos) unknown[key] = body;
     if (!ok) wrong.push_back(what + ": " + why);
     if (took > bound) {
       using std::chrono::duration_cast, std::chrono::milliseconds;
@@ -124,10 +130,11 @@ TEST_CASE("provider out while the job store's PostgreSQL restarts: every request
               "during-" + std::to_string(n));
           v.add("feedback", r, keel::real_clock{}.now() - t0, interactive_bound);
         } else {
-          const gateway::reply r = core->batch_submit(
-              json{{"tenant", tenant}, {"learner", "l" + std::to_string(n)}, {"sessions", {"one"}}}.dump(),
-              "during-" + std::to_string(n));
-          v.add("batch", r, keel::real_clock{}.now() - t0, batch_bound);
+          const std::string body =
+              json{{"tenant", tenant}, {"learner", "l" + std::to_string(n)}, {"sessions", {"one"}}}.dump();
+          const std::string key = "during-" + std::to_string(n);
+          const gateway::reply r = core->batch_submit(body, key);
+          v.add("batch", r, keel::real_clock{}.now() - t0, batch_bound, key, body);
         }
         std::this_thread::sleep_for(20ms);  // pacing only: ~100 requests a second in all
       }
@@ -158,6 +165,13 @@ TEST_CASE("provider out while the job store's PostgreSQL restarts: every request
     }
     CHECK(refused_batches > 0);
     CHECK(answered > 0);  // fallback answers through the outage, and model answers after
+    // A submission whose outcome was unknown is settled by the same key:
+    // the job if it landed (200), a new one if not (202), never a conflict.
+    for (const auto& [key, body] : v.unknown) {
+      const gateway::reply r = core->batch_submit(body, key);
+      INFO("resubmitted " << key << ": " << r.body);
+      CHECK((r.status == 200 || r.status == 202));
+    }
   }
 
   // Every job queued before the faults finishes (bounded wait, real time).

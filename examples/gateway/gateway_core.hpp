@@ -144,6 +144,7 @@ namespace detail {
     case absl::StatusCode::kAborted: return "ABORTED";
     case absl::StatusCode::kUnavailable: return "UNAVAILABLE";
     case absl::StatusCode::kUnauthenticated: return "UNAUTHENTICATED";
+    case absl::StatusCode::kUnknown: return "UNKNOWN";
     default: return "INTERNAL";
   }
 }
@@ -154,6 +155,11 @@ namespace detail {
 // the client did nothing wrong.
 [[nodiscard]] inline int http_status(const absl::Status& s) {
   if (keel::is_conflict(s) || keel::is_in_flight(s)) return 409;
+  // A write the store lost in transit (its server died mid-commit): it may
+  // have applied. The store is unavailable, and a retry with the same
+  // Idempotency-Key settles it (the job or decision if it landed, a new one
+  // if not), so the client is told 503, not 500.
+  if (keel::is_unknown_outcome(s)) return 503;
   const std::optional<std::string> by = keel::refused_by(s);
   // A quota table full of other tenants' keys is not the tenant's own quota.
   const bool own_quota = by && by->starts_with("tenant:") && !by->ends_with(":table_full");
@@ -188,6 +194,7 @@ namespace detail {
   if (after) e["retry_after_ms"] = to_ms(*after);
   if (keel::is_conflict(s)) e["condition"] = "conflict";
   if (keel::is_in_flight(s)) e["condition"] = "in_flight";
+  if (keel::is_unknown_outcome(s)) e["condition"] = "unknown_outcome";
   return {.status = status != 0 ? status : http_status(s), .body = dump(json{{"error", e}}), .retry_after = after};
 }
 
