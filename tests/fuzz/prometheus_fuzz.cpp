@@ -312,6 +312,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::string out = "kept";
   const absl::Status s = keel::append_prometheus_text(snap, out);
   if (!s.ok()) {
+    if (std::getenv("KEEL_FUZZ_DUMP") != nullptr) std::fprintf(stderr, "refused: %s\n", std::string(s.message()).c_str());
     KEEL_FUZZ_CHECK(out == "kept", "a refused snapshot writes nothing");
     KEEL_FUZZ_CHECK(s.code() == absl::StatusCode::kInvalidArgument, "refusals are InvalidArgument");
     return 0;
