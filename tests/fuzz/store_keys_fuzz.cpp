@@ -2,10 +2,12 @@
 // stored key on any backend.
 //
 //   Redis      keys are derived strings (detail::redis_record_key, _lease_key,
-//              _result_key, _quota_key): for up to six things (a record's
+//              _result_key, _quota_key, _concurrency_key (+ ":id"),
+//              _fleet_key): for up to six things (a record's
 //              tenant/endpoint/key, a work key, a result key, a quota name,
-//              each under a store prefix) distinct things must give distinct
-//              keys, the prefix + kind must be what precedes the first '{'
+//              a shared concurrency limit's name, a failure domain's scoped
+//              labels, each under a store prefix) distinct things must give
+//              distinct keys, the prefix + kind must be what precedes the first '{'
 //              (so stores with other prefixes on one server stay apart), and
 //              no key may be cut short by the key buffer.
 //   SQLite     the identity is the (tenant, endpoint, key) BLOB primary key:
@@ -16,7 +18,8 @@
 //              its statements are covered by the conformance suite.)
 //
 // Parts are drawn half the time from the bytes keys and SQL care about:
-// { } : digits (the record key's length prefixes), quotes, backslash, % _ ;
+// { } : digits (the record key's length prefixes), quotes, backslash, % _ ; and
+// the , = a failure domain's display name is made of
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -26,13 +29,15 @@
 #include "check.hpp"
 #include "keel/store/memory.hpp"
 #include "keel/store/redis.hpp"
+#include "keel/store/shared_concurrency.hpp"
+#include "keel/store/shared_provider_state.hpp"
 #include "keel/store/shared_quota.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "sqlite_fixture.hpp"
 
 namespace {
 
-constexpr std::string_view tricky = "{}:0123456789'\"\\%_;-x";
+constexpr std::string_view tricky = "{}:0123456789'\"\\%_;-x,=";
 
 std::string part(keel::fuzz::reader& in, std::size_t max) {
   const std::uint8_t how = in.u8();
@@ -42,11 +47,12 @@ std::string part(keel::fuzz::reader& in, std::size_t max) {
   return s;
 }
 
-enum kind : int { record, lease, result, quota };
+enum kind : int { record, lease, result, quota, concurrency, concurrency_ids, fleet, kinds };
 
 struct thing {
   int k = record;
-  std::string prefix, a, b, c;
+  std::string prefix, a, b, c, d;
+  std::uint8_t scope = 0;  // fleet: bits 1, 2, 4, 8 = a..d (endpoint, model, region, tenant) make the domain
   friend bool operator==(const thing&, const thing&) = default;
 };
 
@@ -56,7 +62,13 @@ std::string key_of(const thing& t) {
     case record: return std::string(d::redis_record_key(t.prefix, {t.a, t.b, t.c}).view());
     case lease: return std::string(d::redis_lease_key(t.prefix, t.a).view());
     case result: return std::string(d::redis_result_key(t.prefix, t.a).view());
-    default: return d::redis_quota_key(t.prefix, t.a);
+    case quota: return d::redis_quota_key(t.prefix, t.a);
+    case concurrency: return d::redis_concurrency_key(t.prefix, t.a);
+    case concurrency_ids: return d::redis_concurrency_key(t.prefix, t.a) + ":id";
+    default:
+      return d::redis_fleet_key(t.prefix, {.endpoint = t.a, .model = t.b, .region = t.c, .tenant = t.d},
+                                {.endpoint = (t.scope & 1) != 0, .model = (t.scope & 2) != 0,
+                                 .region = (t.scope & 4) != 0, .tenant = (t.scope & 8) != 0});
   }
 }
 
@@ -66,16 +78,25 @@ std::size_t expected_size(const thing& t) {
     case record: return t.prefix.size() + 6 + len(t.a) + len(t.b) + len(t.c) + 1;
     case lease: return t.prefix.size() + 7 + t.a.size() + 1;
     case result: return t.prefix.size() + 8 + t.a.size() + 1;
-    default: return t.prefix.size() + 7 + t.a.size() + 1;
+    default: return 0;  // a std::string: no buffer to cut it short
   }
 }
 
 std::string_view kind_word(int k) {
-  return k == record ? "idem:" : k == lease ? "lease:" : k == result ? "result:" : "quota:";
+  switch (k) {
+    case record: return "idem:";
+    case lease: return "lease:";
+    case result: return "result:";
+    case quota: return "quota:";
+    case concurrency:
+    case concurrency_ids: return "conc:";
+    default: return "fleet:";
+  }
 }
 
 bool valid(const thing& t) {
   if (t.prefix.size() > 128 || t.prefix.find_first_of("{}") != std::string::npos) return false;
+  if (t.k == fleet) return t.scope != 0;
   if (!keel::validate_key("a", t.a).ok()) return false;
   if (t.k == record) return keel::validate_key("b", t.b).ok() && keel::validate_key("c", t.c).ok();
   return true;
@@ -92,12 +113,16 @@ void check_redis(keel::fuzz::reader& in) {
   for (int i = 0; i < n && !in.empty(); ++i) {
     thing t;
     const std::uint8_t sel = in.u8();
-    t.k = sel % 4;
-    t.prefix = prefixes[(sel >> 2) % 3];
+    t.k = sel % kinds;
+    t.prefix = prefixes[(sel >> 3) % 3];
     t.a = part(in, 255);
-    if (t.k == record) {
+    if (t.k == record || t.k == fleet) {
       t.b = part(in, 255);
       t.c = part(in, 255);
+    }
+    if (t.k == fleet) {
+      t.d = part(in, 255);
+      t.scope = in.u8() & 15;
     }
     if ((sel & 0x40) && !things.empty()) {  // a near-copy of an earlier one: one part changed by a byte
       t = things.back();
@@ -106,8 +131,14 @@ void check_redis(keel::fuzz::reader& in) {
       else p = "{";
     }
     if (!valid(t)) continue;
+    if (t.k == fleet) {  // labels outside the scope are not part of the domain
+      if (!(t.scope & 1)) t.a.clear();
+      if (!(t.scope & 2)) t.b.clear();
+      if (!(t.scope & 4)) t.c.clear();
+      if (!(t.scope & 8)) t.d.clear();
+    }
     const std::string key = key_of(t);
-    KEEL_FUZZ_CHECK(key.size() == expected_size(t), "a key is never cut short by the key buffer");
+    if (t.k <= result) KEEL_FUZZ_CHECK(key.size() == expected_size(t), "a key is never cut short by the key buffer");
     const std::string head = t.prefix + std::string(kind_word(t.k));
     KEEL_FUZZ_CHECK(key.substr(0, key.find('{')) == head, "prefix + kind is what precedes the first '{'");
     for (std::size_t j = 0; j < things.size(); ++j)
