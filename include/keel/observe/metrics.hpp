@@ -313,8 +313,10 @@ struct metrics_snapshot {
       for (std::size_t i = 1; i < seen.size(); ++i) {
         if (*seen[i] == *seen[i - 1]) {
           return absl::InvalidArgumentError(absl::StrCat("keel: two series of ", f.name, " have the labels {",
-                                                         absl::StrJoin(*seen[i], ","),
-                                                         "} (as written: bytes that are not UTF-8 become U+FFFD)"));
+                                                         absl::StrJoin(*seen[i], ","), "}",
+                                                         replaced.empty()
+                                                             ? ""
+                                                             : " (as written: bytes that are not UTF-8 become U+FFFD)"));
         }
       }
     }
