@@ -548,3 +548,68 @@ TEST_CASE("purge_expired removes expired records, results and free leases only",
   CHECK(store->load_result("forever")->has_value());
   CHECK_FALSE(store->claim("held", keel::owner_id::random(), 10h)->acquired);
 }
+
+// Found by the sqlite_records fuzz target (tests/fuzz/corpus/sqlite_records/
+// regression_*): rows the store did not write were trusted as read. A
+// negative fence gave a claim fence 0 or below, a fence of 2^63 - 1
+// overflowed on the next claim (undefined behaviour), and a committed row
+// with a status code absl does not have or an empty decision id was
+// replayed as a decision. Each is now DataLoss naming the row and the
+// column, and the row is left as it is.
+TEST_CASE("a damaged or foreign row is DataLoss naming it, never trusted, and left as it is", "[sqlite][errors][fuzz]") {
+  keel_durable::temp_dir dir;
+  const std::string db = dir.file("damaged.db");
+  manual_clock clock;
+  auto store = keel_durable::open_sqlite(db, clock);
+  const keel::owner_id me = keel::owner_id::random();
+  // A committed decision to damage, column by column.
+  auto b = store->begin(receipt_key, receipt("A"), me, bo);
+  REQUIRE(b.ok());
+  REQUIRE(store->commit(receipt_key, b->ownership, {.id = "d-1", .result = "approve"}, 2h).ok());
+  REQUIRE(store->begin(receipt_key, receipt("A"), me, bo)->state == keel::begin_state::replay);
+
+  struct damage {
+    const char* sql;
+    const char* says;
+  };
+  const damage cases[] = {
+      {"UPDATE keel_idempotency SET fence = -5", "fence -5 is outside"},
+      {"UPDATE keel_idempotency SET fence = 9223372036854775807", "fence 9223372036854775807 is outside"},
+      {"UPDATE keel_idempotency SET error_code = 99", "error code 99 is not a status code"},
+      {"UPDATE keel_idempotency SET decision_id = X''", "decision id must not be empty"},
+      {"UPDATE keel_idempotency SET state = 7", "state 7 is not 0, 1 or 2"},
+      {"UPDATE keel_idempotency SET owner = X'01'", "owner is 1 bytes, not 16"},
+      {"UPDATE keel_idempotency SET request = X'00'", "request digest is 1 bytes, not 32"},
+      {"UPDATE keel_idempotency SET record_expires = 'soon'", "record_expires is not an integer"},
+  };
+  for (const damage& d : cases) {
+    DYNAMIC_SECTION(d.sql) {
+      raw_exec(db, d.sql);
+      for (int i = 0; i < 2; ++i) {  // the same answer again: the row was left alone
+        const auto again = store->begin(receipt_key, receipt("A"), me, bo);
+        REQUIRE(again.status().code() == absl::StatusCode::kDataLoss);
+        CHECK(contains(again.status().message(), "the record for key 'key-47'"));
+        CHECK(contains(again.status().message(), d.says));
+        CHECK(keel::marked_outcome(again.status()) == keel::outcome_kind::permanent);
+      }
+      // Waiting out the retention does not make the store overwrite it either.
+      clock.advance(3h);
+      CHECK(store->begin(receipt_key, receipt("A"), me, bo).status().code() == absl::StatusCode::kDataLoss);
+    }
+  }
+
+  SECTION("a lease with a negative fence, and a purged-fence floor at the top") {
+    auto l = store->claim("nightly", me, 30s);
+    REQUIRE(l.ok());
+    raw_exec(db, "UPDATE keel_lease SET fence = -1 WHERE work_key = 'nightly' OR work_key = X'6e696768746c79'");
+    const auto c = store->claim("nightly", keel::owner_id::random(), 30s);
+    REQUIRE(c.status().code() == absl::StatusCode::kDataLoss);
+    CHECK(contains(c.status().message(), "the lease of work key 'nightly'"));
+    CHECK(store->release("nightly", l->ownership).code() == absl::StatusCode::kDataLoss);
+
+    raw_exec(db, "INSERT INTO keel_lease VALUES (X'00', X'', 9223372036854775807, 9223372036854775807, 0)");
+    const auto fresh = store->claim("never-seen", me, 30s);
+    REQUIRE(fresh.status().code() == absl::StatusCode::kDataLoss);
+    CHECK(contains(fresh.status().message(), "the highest purged fence"));
+  }
+}

@@ -23,6 +23,7 @@ DETAIL = {
     "redis_connection": "store",
     "redis_scripts": "store",
     "sqlite_db": "store",
+    "stored_record": "durable",
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"keel/([^"]+)"', re.M)
 

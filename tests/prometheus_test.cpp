@@ -228,6 +228,58 @@ TEST_CASE("an invalid snapshot is refused and nothing is written", "[prometheus]
   CHECK(keel::to_prometheus_text(missing_help).status().code() == absl::StatusCode::kInvalidArgument);
 }
 
+// Found by the prometheus fuzz target (tests/fuzz/corpus/prometheus/
+// regression_invalid_utf8_label_collision): label values that differ only
+// in bytes the writer replaces were written as one series twice, and
+// Prometheus refuses a scrape with a duplicate series.
+TEST_CASE("series whose labels differ only in invalid UTF-8 are never written twice", "[prometheus][fuzz]") {
+  keel::metrics_snapshot s;
+  s.families.push_back({.name = "a",
+                        .help = "h",
+                        .type = keel::metric_type::counter,
+                        .label_names = {"l"},
+                        .series = {{.labels = {"\xff"}, .value = 1}, {.labels = {"\xfe"}, .value = 2}}});
+  const absl::StatusOr<std::string> text = keel::to_prometheus_text(s);
+  REQUIRE(text.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(std::string(text.status().message()).find("two series of a have the labels") != std::string::npos);
+  // The literal replacement character and an invalid byte are written alike too.
+  s.families[0].series[1].labels = {"\xef\xbf\xbd"};
+  CHECK(keel::to_prometheus_text(s).status().code() == absl::StatusCode::kInvalidArgument);
+  // Distinct as written: accepted.
+  s.families[0].series[1].labels = {"\xffx"};
+  CHECK(keel::to_prometheus_text(s).ok());
+
+  // The registry files such values under the series they are written as.
+  keel::metrics_registry r;
+  auto& f = r.counter({.name = "tenant_requests_total", .help = "h", .labels = {"tenant"}});
+  keel::counter_metric& one = f.with({"t\xff"});
+  CHECK(&f.with({"t\xfe"}) == &one);
+  CHECK(&f.with({"t\xef\xbf\xbd"}) == &one);
+  CHECK(f.with_at_most(std::vector<std::string_view>{"t\xc0"}, 10) == &one);
+  CHECK(&f.with({"t"}) != &one);
+  one.inc();
+  f.with({"t\xfe"}).inc();
+  const absl::StatusOr<std::string> body = keel::to_prometheus_text(r.snapshot());
+  REQUIRE(body.ok());
+  CHECK(body->find("tenant_requests_total{tenant=\"t\xef\xbf\xbd\"} 2\n") != std::string::npos);
+}
+
+// Found by the prometheus fuzz target (tests/fuzz/corpus/prometheus/
+// regression_summary_quantile_twice): a summary series with one quantile
+// twice was written as two identical samples.
+TEST_CASE("a summary series with a quantile twice is refused", "[prometheus][fuzz]") {
+  keel::metrics_snapshot s;
+  s.families.push_back({.name = "lat",
+                        .help = "h",
+                        .type = keel::metric_type::summary,
+                        .series = {{.quantiles = {{.quantile = 0.5, .value = 1}, {.quantile = 0.5, .value = 2}}}}});
+  const absl::StatusOr<std::string> text = keel::to_prometheus_text(s);
+  REQUIRE(text.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(std::string(text.status().message()).find("has quantile 0.5 twice") != std::string::npos);
+  s.families[0].series[0].quantiles[1].quantile = 0.9;
+  CHECK(keel::to_prometheus_text(s).ok());
+}
+
 TEST_CASE("an independent parser reads back every family, label and value", "[prometheus][interop]") {
   keel::metrics_registry r;
   fill(r);

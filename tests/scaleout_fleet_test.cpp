@@ -451,6 +451,46 @@ TEST_CASE("a provider's cooldown hint heard by one replica is honoured by all, u
   CHECK(calls == 3);
 }
 
+// Found by the store_keys fuzz target (docs/fuzzing.md): the domain's hash
+// was keyed by its display name "endpoint=e,model=m", so a label holding
+// ",model=" made two domains one key, and one's cooldown refused the other.
+TEST_CASE("failure domains whose display names coincide keep separate fleet state",
+          "[scaleout][fleet][state][fuzz]") {
+  auto offset = std::make_shared<std::atomic<std::int64_t>>(0);
+  const std::string prefix = keel_scaleout::fresh_name("state");
+  manual_clock clock;
+  const keel::shared_provider_state_options o{.scope = {.endpoint = true, .model = true, .region = false},
+                                              .refresh_every = 0ms,
+                                              .max_cooldown = 1min};
+  keel::shared_provider_state a(fleet_redis(prefix, offset), o);
+  keel::shared_provider_state b(fleet_redis(prefix, offset), o);
+  auto pipe_a = keel::pipeline(a).on(clock);
+  auto pipe_b = keel::pipeline(b).on(clock);
+  int calls = 0;
+  auto throttled = [&](const keel::attempt&) -> absl::StatusOr<int> {
+    ++calls;
+    return keel::with_retry_after(absl::ResourceExhaustedError("429 rate limited"), 20s);
+  };
+  auto ok = [&](const keel::attempt&) -> absl::StatusOr<int> {
+    ++calls;
+    return 1;
+  };
+  const keel::labels x{.model = "x", .endpoint = "api,model=m"};
+  const keel::labels y{.model = "m,model=x", .endpoint = "api"};
+  REQUIRE(keel::failure_domain::of(x, o.scope).to_string(o.scope) ==
+          keel::failure_domain::of(y, o.scope).to_string(o.scope));  // the names coincide
+  keel::call first(clock.now(), {.labels = x});
+  CHECK(pipe_a.run(first, throttled).status().code() == absl::StatusCode::kResourceExhausted);
+  keel::call other(clock.now(), {.labels = y});
+  const absl::StatusOr<int> r = pipe_b.run(other, ok);
+  INFO(r.status().ToString());
+  CHECK(r.ok());
+  CHECK(calls == 2);
+  keel::call same(clock.now(), {.labels = x});  // x itself is still cooling down, for every replica
+  CHECK(pipe_b.run(same, ok).status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK(calls == 2);
+}
+
 TEST_CASE("Redis unreachable: the provider state decides alone, says so, and asks again after the hold",
           "[scaleout][fleet][state][faults]") {
   manual_clock clock;

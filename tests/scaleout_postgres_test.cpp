@@ -5,7 +5,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -519,4 +521,81 @@ TEST_CASE("postgres: a transaction commits only when told to and rolls back on e
     CHECK(tx->commit().code() == absl::StatusCode::kFailedPrecondition);
     admin.exec("DROP TABLE public." + table);
   }
+}
+
+namespace {
+
+// A begin-statement result built client-side, as libpq hands it over:
+// binary values, nullopt for NULL.
+keel::detail::pg_result pg_row(const std::vector<std::optional<std::string>>& values) {
+  PGresult* res = PQmakeEmptyPGresult(nullptr, PGRES_TUPLES_OK);
+  REQUIRE(res != nullptr);
+  std::vector<std::string> names;
+  for (std::size_t c = 0; c < values.size(); ++c) names.push_back("c" + std::to_string(c));
+  std::vector<PGresAttDesc> attrs;
+  for (std::string& n : names)
+    attrs.push_back({.name = n.data(), .tableid = 0, .columnid = 0, .format = 1, .typid = 17, .typlen = -1, .atttypmod = -1});
+  REQUIRE(PQsetResultAttrs(res, static_cast<int>(attrs.size()), attrs.data()) != 0);
+  for (std::size_t c = 0; c < values.size(); ++c) {
+    const auto& v = values[c];
+    REQUIRE(PQsetvalue(res, 0, static_cast<int>(c), v ? const_cast<char*>(v->data()) : nullptr,
+                       v ? static_cast<int>(v->size()) : -1) != 0);
+  }
+  return keel::detail::pg_result(res);
+}
+
+std::string int_be(std::int64_t v, std::size_t width) {
+  std::string out(width, '\0');
+  for (std::size_t i = 0; i < width; ++i) out[width - 1 - i] = static_cast<char>(static_cast<std::uint64_t>(v) >> (8 * i));
+  return out;
+}
+
+// The row a committed record answers with (k = 1), with the given fence and error code.
+std::vector<std::optional<std::string>> committed_row(std::int64_t fence, std::int64_t code,
+                                                      std::optional<std::string> id) {
+  return {int_be(1, 4), int_be(fence, 8), int_be(-5, 8), int_be(1, 4), int_be(1, 1), int_be(1000, 8), int_be(0, 1),
+          id, std::string(), std::string("rev"), std::string("result"), int_be(code, 8), std::string(), int_be(42, 8)};
+}
+
+}  // namespace
+
+// Found while factoring the decoding out for the pg_records fuzz target
+// (tests/fuzz/pg_records_fuzz.cpp): the begin row's decision was trusted as
+// read, so a status code absl does not have or a NULL decision id came
+// back as a replay.
+TEST_CASE("a PostgreSQL begin row no keel would write is DataLoss, never an outcome", "[postgres][fuzz]") {
+  const keel::request_identity id{.tenant = "t", .endpoint = "e", .key = "k"};
+  const keel::owner_id me{1, 2};
+  const auto decode = [&](const std::vector<std::optional<std::string>>& row) {
+    return keel::detail::pg_begin_outcome(pg_row(row), id, me, {}, "postgres store 'test'");
+  };
+  const auto good = decode(committed_row(3, 0, "d1"));
+  REQUIRE(good.has_value());
+  REQUIRE(good->ok());
+  CHECK((*good)->state == keel::begin_state::replay);
+  CHECK((*good)->decision.id == "d1");
+  CHECK((*good)->committed_at_ns == 42);
+
+  struct bad {
+    std::vector<std::optional<std::string>> row;
+    const char* says;
+  };
+  const bad cases[] = {
+      {committed_row(3, 99, "d1"), "error code 99 is not a status code"},
+      {committed_row(3, 0, std::nullopt), "has no decision id"},
+      {committed_row(3, 0, ""), "decision id must not be empty"},
+      {committed_row(0, 0, "d1"), "fence 0 is outside"},
+      {committed_row(INT64_MAX, 0, "d1"), "fence 9223372036854775807 is outside"},
+      {{int_be(0, 4), int_be(3, 8)}, "answered 2 columns, not 14"},
+  };
+  for (const bad& b : cases) {
+    INFO(b.says);
+    const auto out = decode(b.row);
+    REQUIRE(out.has_value());
+    REQUIRE(out->status().code() == absl::StatusCode::kDataLoss);
+    CHECK(std::string(out->status().message()).find(b.says) != std::string::npos);
+  }
+  std::vector<std::optional<std::string>> state_nine = committed_row(3, 0, "d1");
+  state_nine[3] = int_be(9, 4);
+  CHECK(decode(state_nine)->status().code() == absl::StatusCode::kDataLoss);
 }

@@ -429,3 +429,77 @@ TEST_CASE("redis: the pool never exceeds pool_size and refuses after acquire_tim
   CHECK(extended[1].ok());
   CHECK(s->connections() == 2);
 }
+
+namespace {
+
+// A reply as the store would get it: RESP text through hiredis' reader.
+std::unique_ptr<redisReply, void (*)(void*)> resp_reply(std::string_view wire) {
+  redisReader* reader = redisReaderCreate();
+  REQUIRE(reader != nullptr);
+  REQUIRE(redisReaderFeed(reader, wire.data(), wire.size()) == REDIS_OK);
+  void* raw = nullptr;
+  const int rc = redisReaderGetReply(reader, &raw);
+  redisReaderFree(reader);
+  REQUIRE(rc == REDIS_OK);
+  REQUIRE(raw != nullptr);
+  return {static_cast<redisReply*>(raw), freeReplyObject};
+}
+
+}  // namespace
+
+// Found while factoring the decoding out for the redis_records fuzz target
+// (tests/fuzz/redis_records_fuzz.cpp): replies were read with missing
+// elements as 0 or "". A damaged hash field makes Lua end the reply array
+// at its first nil, so a replay came back as a decision with an empty id; a
+// reply that is not an array read as "claimed, fence 0".
+TEST_CASE("a Redis reply no keel script would send is DataLoss, never an outcome", "[redis][fuzz]") {
+  const keel::request_identity id{.tenant = "t", .endpoint = "e", .key = "k"};
+  const keel::owner_id me{1, 2};
+  const auto begin = [&](std::string_view wire) {
+    auto r = resp_reply(wire);
+    return keel::detail::redis_begin_outcome(r.get(), id, me, {}, "redis store 'test'");
+  };
+  // Well-formed: a claim, and a replay.
+  auto claimed = begin("*4\r\n:0\r\n:7\r\n:30000000\r\n:0\r\n");
+  REQUIRE(claimed.ok());
+  CHECK(claimed->state == keel::begin_state::claimed);
+  CHECK(claimed->ownership == keel::ownership{me, 7});
+  auto replay = begin("*9\r\n:2\r\n:7\r\n:5\r\n:0\r\n$2\r\nd1\r\n$0\r\n\r\n$0\r\n\r\n$1\r\nr\r\n$0\r\n\r\n");
+  REQUIRE(replay.ok());
+  CHECK(replay->state == keel::begin_state::replay);
+  CHECK(replay->decision.id == "d1");
+  CHECK(replay->committed_at_ns == 5000);
+
+  struct bad {
+    const char* wire;
+    const char* says;
+  };
+  const bad cases[] = {
+      {":1\r\n", "is not {kind, fence"},                                        // not an array
+      {"*2\r\n:2\r\n:7\r\n", "committed at or error code is not a number"},    // cut at a nil
+      {"*4\r\n:2\r\n:7\r\n:5\r\n:0\r\n", "a decision field is missing"},
+      {"*9\r\n:2\r\n:7\r\n:5\r\n:99\r\n$2\r\nd1\r\n$0\r\n\r\n$0\r\n\r\n$0\r\n\r\n$0\r\n\r\n", "error code 99"},
+      {"*9\r\n:2\r\n:7\r\n:5\r\n:0\r\n$0\r\n\r\n$0\r\n\r\n$0\r\n\r\n$0\r\n\r\n$0\r\n\r\n", "decision id must not be empty"},
+      {"*9\r\n:2\r\n:7\r\n:9223372036854775807\r\n:0\r\n$1\r\nd\r\n$0\r\n\r\n$0\r\n\r\n$0\r\n\r\n$0\r\n\r\n",
+       "commit time"},
+      {"*4\r\n:0\r\n:0\r\n:1\r\n:0\r\n", "fence 0 is outside"},
+      {"*4\r\n:0\r\n:9223372036854775807\r\n:1\r\n:0\r\n", "fence 9223372036854775807 is outside"},
+      {"*3\r\n:9\r\n:7\r\n:0\r\n", "answered kind 9"},
+  };
+  for (const bad& b : cases) {
+    INFO(b.wire);
+    const auto out = begin(b.wire);
+    REQUIRE(out.status().code() == absl::StatusCode::kDataLoss);
+    CHECK(std::string(out.status().message()).find(b.says) != std::string::npos);
+    CHECK(std::string(out.status().message()).find("the record for key 'k'") != std::string::npos);
+  }
+  // A lease claim reply, the same way; a huge "left" saturates rather than overflows.
+  auto lease = [&](std::string_view wire) {
+    auto r = resp_reply(wire);
+    return keel::detail::redis_claim_outcome(r.get(), "w", me, 5s, "redis store 'test'");
+  };
+  CHECK(lease("*3\r\n:0\r\n:3\r\n:9223372036854775807\r\n")->remaining > 1000h);
+  CHECK(lease(":0\r\n").status().code() == absl::StatusCode::kDataLoss);
+  CHECK(lease("*3\r\n:1\r\n:3\r\n:5\r\n").status().code() == absl::StatusCode::kDataLoss);  // acquired without how
+  CHECK(lease("*4\r\n:1\r\n:-3\r\n:5\r\n:0\r\n").status().code() == absl::StatusCode::kDataLoss);
+}

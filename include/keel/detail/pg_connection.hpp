@@ -75,6 +75,7 @@ class pg_result {
 
   [[nodiscard]] PGresult* get() const noexcept { return r_.get(); }
   [[nodiscard]] int rows() const noexcept { return r_ ? PQntuples(r_.get()) : 0; }
+  [[nodiscard]] int columns() const noexcept { return r_ ? PQnfields(r_.get()) : 0; }
   [[nodiscard]] bool is_null(int row, int col) const noexcept { return PQgetisnull(r_.get(), row, col) != 0; }
   [[nodiscard]] std::string_view bytes(int row, int col) const noexcept {
     return {PQgetvalue(r_.get(), row, col), static_cast<std::size_t>(PQgetlength(r_.get(), row, col))};

@@ -184,6 +184,8 @@ class sqlite_stmt {
     }
     [[nodiscard]] std::int64_t i64(int col) const { return sqlite3_column_int64(s_, col); }
     [[nodiscard]] bool is_null(int col) const { return sqlite3_column_type(s_, col) == SQLITE_NULL; }
+    // SQLITE_INTEGER, SQLITE_FLOAT, SQLITE_TEXT, SQLITE_BLOB or SQLITE_NULL.
+    [[nodiscard]] int type(int col) const { return sqlite3_column_type(s_, col); }
     [[nodiscard]] std::string_view bytes(int col) const {
       const void* p = sqlite3_column_blob(s_, col);
       const int n = sqlite3_column_bytes(s_, col);

@@ -113,6 +113,44 @@ inline thread_local ctx_slot thread_ctx;
   throw std::bad_alloc();
 }
 
+// The framing of digest_builder (version 1), written to any sink with
+// `void update(const unsigned char*, std::size_t)`: the builder's sink
+// hashes, the fuzz target's (tests/fuzz/digest_fuzz.cpp) keeps the bytes and
+// checks that distinct field lists never frame to the same ones.
+inline constexpr std::string_view digest_domain_tag = "keel.digest.v1";
+
+template <class Sink>
+void frame_bytes(Sink& sink, std::string_view s) {
+  if (!s.empty()) sink.update(reinterpret_cast<const unsigned char*>(s.data()), s.size());
+}
+template <class Sink>
+void frame_u64(Sink& sink, std::uint64_t v) {
+  unsigned char b[8];
+  for (int i = 7; i >= 0; --i) {
+    b[i] = static_cast<unsigned char>(v & 0xff);
+    v >>= 8;
+  }
+  sink.update(b, sizeof b);
+}
+template <class Sink>
+void frame_header(Sink& sink, char type, std::string_view name) {
+  const auto t = static_cast<unsigned char>(type);
+  sink.update(&t, 1);
+  frame_u64(sink, name.size());
+  frame_bytes(sink, name);
+}
+template <class Sink>
+void frame_field(Sink& sink, std::string_view name, std::string_view value) {
+  frame_header(sink, 's', name);
+  frame_u64(sink, value.size());
+  frame_bytes(sink, value);
+}
+template <class Sink>
+void frame_field(Sink& sink, std::string_view name, std::int64_t value) {
+  frame_header(sink, 'i', name);
+  frame_u64(sink, static_cast<std::uint64_t>(value));
+}
+
 }  // namespace detail
 
 // Builds a digest over typed, named, length-framed fields.
@@ -135,7 +173,8 @@ class digest_builder {
       give_back();
       detail::digest_failure();
     }
-    update("keel.digest.v1");
+    hasher h = sink();
+    detail::frame_bytes(h, detail::digest_domain_tag);
   }
   ~digest_builder() { give_back(); }
   digest_builder(const digest_builder&) = delete;
@@ -143,9 +182,8 @@ class digest_builder {
 
   // A byte-string field.
   digest_builder& field(std::string_view name, std::string_view value) & {
-    header('s', name);
-    u64(value.size());
-    update(value);
+    hasher h = sink();
+    detail::frame_field(h, name, value);
     return *this;
   }
   digest_builder&& field(std::string_view name, std::string_view value) && { return std::move(field(name, value)); }
@@ -157,8 +195,8 @@ class digest_builder {
 
   // An integer field (fixed width: 7 and "7" are different fields).
   digest_builder& field(std::string_view name, std::int64_t value) & {
-    header('i', name);
-    u64(static_cast<std::uint64_t>(value));
+    hasher h = sink();
+    detail::frame_field(h, name, value);
     return *this;
   }
   digest_builder&& field(std::string_view name, std::int64_t value) && { return std::move(field(name, value)); }
@@ -181,23 +219,14 @@ class digest_builder {
     }
     ctx_ = nullptr;
   }
-  void update(std::string_view s) {
-    if (!s.empty() && EVP_DigestUpdate(ctx_, s.data(), s.size()) != 1) detail::digest_failure();
-  }
-  void u64(std::uint64_t v) {
-    unsigned char b[8];
-    for (int i = 7; i >= 0; --i) {
-      b[i] = static_cast<unsigned char>(v & 0xff);
-      v >>= 8;
+  // The framing's sink (detail::frame_*): hashes what it is given.
+  struct hasher {
+    EVP_MD_CTX* ctx;
+    void update(const unsigned char* p, std::size_t n) const {
+      if (EVP_DigestUpdate(ctx, p, n) != 1) detail::digest_failure();
     }
-    if (EVP_DigestUpdate(ctx_, b, sizeof b) != 1) detail::digest_failure();
-  }
-  void header(char type, std::string_view name) {
-    const auto t = static_cast<unsigned char>(type);
-    if (EVP_DigestUpdate(ctx_, &t, 1) != 1) detail::digest_failure();
-    u64(name.size());
-    update(name);
-  }
+  };
+  [[nodiscard]] hasher sink() const noexcept { return {ctx_}; }
 
   EVP_MD_CTX* ctx_ = nullptr;
 };

@@ -18,7 +18,10 @@
 // Names follow Prometheus' data model: metric names match
 // [a-zA-Z_:][a-zA-Z0-9_:]*, label names [a-zA-Z_][a-zA-Z0-9_]* and must not
 // start with "__"; histograms may not use the label "le" nor summaries
-// "quantile" (the format adds them). Help text is required. Registering the
+// "quantile" (the format adds them). Label values may be any bytes: those
+// that are not valid UTF-8 are replaced by U+FFFD, as the exposition writes
+// them, so values differing only there share one series (a scrape never
+// holds one series twice). Help text is required. Registering the
 // same name twice returns the same family when type, labels and buckets
 // agree, and is refused otherwise.
 //
@@ -108,6 +111,77 @@ namespace detail {
 
 [[nodiscard]] inline std::string quote_text(std::string_view s) { return absl::StrCat("\"", to_absl(s), "\""); }
 
+// Length of the valid UTF-8 sequence starting s[i], or 0 if it is not one
+// (overlong forms, surrogates and code points past U+10FFFF included).
+[[nodiscard]] inline std::size_t utf8_sequence(std::string_view s, std::size_t i) noexcept {
+  const auto b = [&](std::size_t k) { return static_cast<unsigned char>(s[k]); };
+  const unsigned char c = b(i);
+  if (c < 0x80) return 1;
+  std::size_t n = 0;
+  unsigned char lo = 0x80, hi = 0xBF;  // allowed range of the second byte
+  if (c >= 0xC2 && c <= 0xDF) {
+    n = 2;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    n = 3;
+    if (c == 0xE0) lo = 0xA0;
+    if (c == 0xED) hi = 0x9F;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    n = 4;
+    if (c == 0xF0) lo = 0x90;
+    if (c == 0xF4) hi = 0x8F;
+  } else {
+    return 0;
+  }
+  if (i + n > s.size() || b(i + 1) < lo || b(i + 1) > hi) return 0;
+  for (std::size_t k = 2; k < n; ++k) {
+    if (b(i + k) < 0x80 || b(i + k) > 0xBF) return 0;
+  }
+  return n;
+}
+
+// Whether s is valid UTF-8 (label values and help text must be).
+[[nodiscard]] inline bool valid_utf8(std::string_view s) noexcept {
+  for (std::size_t i = 0; i < s.size();) {
+    const std::size_t n = utf8_sequence(s, i);
+    if (n == 0) return false;
+    i += n;
+  }
+  return true;
+}
+
+// s with every byte that is not part of valid UTF-8 replaced by U+FFFD: how
+// the exposition writes it (Prometheus refuses a scrape with invalid UTF-8).
+[[nodiscard]] inline std::string replace_invalid_utf8(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (std::size_t i = 0; i < s.size();) {
+    const std::size_t n = utf8_sequence(s, i);
+    if (n == 0) {
+      out += "\xEF\xBF\xBD";
+      ++i;
+    } else {
+      out.append(s.substr(i, n));
+      i += n;
+    }
+  }
+  return out;
+}
+
+// Label values as written: unchanged when they are all valid UTF-8 (the
+// common case: the returned vector is empty and nothing is allocated),
+// otherwise every value with invalid bytes replaced.
+template <class Values>
+[[nodiscard]] std::vector<std::string> written_labels(const Values& values) {
+  bool valid = true;
+  for (std::string_view v : values) valid = valid && valid_utf8(v);
+  if (valid) return {};
+  std::vector<std::string> out;
+  out.reserve(values.size());
+  for (std::string_view v : values) out.push_back(replace_invalid_utf8(v));
+  return out;
+}
+
+
 }  // namespace detail
 
 // A family's definition.
@@ -180,9 +254,10 @@ struct metric_family_snapshot {
 struct metrics_snapshot {
   std::vector<metric_family_snapshot> families{};
 
-  // Checks names, label arity and uniqueness, histogram shapes and that no
-  // two families would render the same metric name (x_count beside a
-  // histogram x, say).
+  // Checks names, label arity and uniqueness (as written: invalid UTF-8
+  // replaced), histogram shapes, summary quantiles (in [0, 1], none twice)
+  // and that no two families would render the same metric name (x_count
+  // beside a histogram x, say).
   [[nodiscard]] absl::Status validate() const {
     std::map<std::string, std::string_view> emitted;  // rendered name -> its family
     for (const metric_family_snapshot& f : families) {
@@ -201,7 +276,11 @@ struct metrics_snapshot {
                                                          " and ", f.name, " both render ", it->first));
         }
       }
+      // Series are compared as written (invalid UTF-8 replaced): two that
+      // differ only in bytes the writer replaces would be one series twice.
       std::vector<const std::vector<std::string>*> seen;
+      std::vector<std::vector<std::string>> replaced;
+      replaced.reserve(f.series.size());  // seen points into it
       for (const metric_series& s : f.series) {
         if (s.labels.size() != f.label_names.size()) {
           return absl::InvalidArgumentError(absl::StrCat("keel: a series of ", f.name, " has ", s.labels.size(),
@@ -211,19 +290,33 @@ struct metrics_snapshot {
           return absl::InvalidArgumentError(absl::StrCat("keel: a series of ", f.name, " has ", s.buckets.size(),
                                                          " buckets for ", f.bounds.size(), " bounds (want bounds + 1)"));
         }
-        for (const quantile_value& q : s.quantiles) {
+        for (std::size_t i = 0; i < s.quantiles.size(); ++i) {
+          const quantile_value& q = s.quantiles[i];
           if (!(q.quantile >= 0.0 && q.quantile <= 1.0)) {
             return absl::InvalidArgumentError(
                 absl::StrCat("keel: a series of ", f.name, " has quantile ", q.quantile, ", outside [0, 1]"));
           }
+          for (std::size_t j = 0; j < i; ++j) {
+            if (s.quantiles[j].quantile == q.quantile)  // one sample written twice
+              return absl::InvalidArgumentError(
+                  absl::StrCat("keel: a series of ", f.name, " has quantile ", q.quantile, " twice"));
+          }
         }
-        seen.push_back(&s.labels);
+        if (std::vector<std::string> w = detail::written_labels(s.labels); !w.empty()) {
+          replaced.push_back(std::move(w));
+          seen.push_back(&replaced.back());
+        } else {
+          seen.push_back(&s.labels);
+        }
       }
       std::sort(seen.begin(), seen.end(), [](auto* a, auto* b) { return *a < *b; });
       for (std::size_t i = 1; i < seen.size(); ++i) {
         if (*seen[i] == *seen[i - 1]) {
           return absl::InvalidArgumentError(absl::StrCat("keel: two series of ", f.name, " have the labels {",
-                                                         absl::StrJoin(*seen[i], ","), "}"));
+                                                         absl::StrJoin(*seen[i], ","), "}",
+                                                         replaced.empty()
+                                                             ? ""
+                                                             : " (as written: bytes that are not UTF-8 become U+FFFD)"));
         }
       }
     }
@@ -344,6 +437,13 @@ class metric_family final : public detail::family_base {
           absl::StrCat("keel: metric ", options_.name, " takes ", options_.labels.size(), " label values {",
                        absl::StrJoin(options_.labels, ","), "}, got ", values.size())));
     }
+    // Values with invalid UTF-8 name the series they are written as, so that
+    // two that differ only in replaced bytes are one series, not a scrape
+    // with a duplicate (rare: only then does this allocate).
+    if (std::vector<std::string> w = detail::written_labels(values); !w.empty()) {
+      const std::vector<std::string_view> views(w.begin(), w.end());
+      return with(std::span<const std::string_view>(views));
+    }
     std::lock_guard lock(mu_);
     auto it = series_.find(values);
     if (it == series_.end()) {
@@ -358,6 +458,10 @@ class metric_family final : public detail::family_base {
   // bound.
   [[nodiscard]] Series* with_at_most(std::span<const std::string_view> values, std::size_t max_series) {
     if (values.size() != options_.labels.size()) return &with(values);  // throws, naming the labels
+    if (std::vector<std::string> w = detail::written_labels(values); !w.empty()) {  // as in with()
+      const std::vector<std::string_view> views(w.begin(), w.end());
+      return with_at_most(std::span<const std::string_view>(views), max_series);
+    }
     std::lock_guard lock(mu_);
     auto it = series_.find(values);
     if (it == series_.end()) {

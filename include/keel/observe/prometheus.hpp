@@ -12,7 +12,9 @@
 //   summary          name{...,quantile="<q>"} <value>   then name_sum and name_count
 //
 // Label values escape backslash (\\), double quote (\") and newline (\n);
-// bytes that are not valid UTF-8 become U+FFFD (Prometheus would refuse them).
+// bytes that are not valid UTF-8 become U+FFFD (Prometheus would refuse them;
+// metrics_snapshot::validate refuses two series that would then be written
+// alike, and the registry never makes such a pair).
 // Numbers are written in the shortest form that reads back exactly (1,
 // 0.25, 1e-05); NaN and infinities as NaN, +Inf, -Inf. A series without
 // labels is written without braces. The same snapshot always renders the
@@ -65,34 +67,6 @@ inline void append_number(std::string& out, std::uint64_t v) {
   char buf[24];
   const auto r = std::to_chars(buf, buf + sizeof buf, v);
   out.append(buf, r.ptr);
-}
-
-// Length of the valid UTF-8 sequence starting s[i], or 0 if it is not one
-// (overlong forms, surrogates and code points past U+10FFFF included).
-[[nodiscard]] inline std::size_t utf8_sequence(std::string_view s, std::size_t i) noexcept {
-  const auto b = [&](std::size_t k) { return static_cast<unsigned char>(s[k]); };
-  const unsigned char c = b(i);
-  if (c < 0x80) return 1;
-  std::size_t n = 0;
-  unsigned char lo = 0x80, hi = 0xBF;  // allowed range of the second byte
-  if (c >= 0xC2 && c <= 0xDF) {
-    n = 2;
-  } else if (c >= 0xE0 && c <= 0xEF) {
-    n = 3;
-    if (c == 0xE0) lo = 0xA0;
-    if (c == 0xED) hi = 0x9F;
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    n = 4;
-    if (c == 0xF0) lo = 0x90;
-    if (c == 0xF4) hi = 0x8F;
-  } else {
-    return 0;
-  }
-  if (i + n > s.size() || b(i + 1) < lo || b(i + 1) > hi) return 0;
-  for (std::size_t k = 2; k < n; ++k) {
-    if (b(i + k) < 0x80 || b(i + k) > 0xBF) return 0;
-  }
-  return n;
 }
 
 // Escapes backslash, newline and (in label values) double quote; a byte that

@@ -90,6 +90,7 @@
 #include "keel/detail/client_pool.hpp"
 #include "keel/detail/pg_connection.hpp"
 #include "keel/detail/pg_store.hpp"
+#include "keel/detail/stored_record.hpp"
 #include "keel/durable/digest.hpp"
 #include "keel/durable/idempotency.hpp"
 #include "keel/durable/lease.hpp"
@@ -289,6 +290,76 @@ struct pg_sql {
   }
 };
 
+// What one run of the begin statement (pg_sql::begin) answered, checked
+// before it is trusted: nullopt when the row changed under the statement
+// (run it again); otherwise the outcome, or DataLoss naming the record when
+// the row read back is one no keel would have written — a fence no claim
+// could issue, a state keel does not use, a replayed decision commit()
+// would refuse, or a result of another shape (detail/stored_record.hpp).
+[[nodiscard]] inline std::optional<absl::StatusOr<begin_outcome>> pg_begin_outcome(const pg_result& x,
+                                                                                  const request_identity& id,
+                                                                                  const owner_id& owner,
+                                                                                  const begin_options& o,
+                                                                                  std::string_view who) {
+  constexpr std::int64_t in_flight = 0, abandoned = 2;
+  if (x.rows() == 0) return std::nullopt;  // a concurrent first insert: look again
+  const auto damaged = [&](std::string_view why) -> absl::StatusOr<begin_outcome> {
+    return stored_damage(who, record_words(id), why);
+  };
+  // Integers come back binary, 1-8 bytes by their type; NULL only where the statement puts it.
+  const auto integer_at = [&](int col) { return !x.is_null(0, col) && !x.bytes(0, col).empty() && x.bytes(0, col).size() <= 8; };
+  if (x.columns() != 14) return damaged(absl::StrCat("the begin statement answered ", x.columns(), " columns, not 14"));
+  for (int c : {0, 1, 2, 3})
+    if (!integer_at(c)) return damaged("kind, fence, lease or state is not an integer");
+  const std::int64_t fence = x.integer(0, 1);
+  if (std::string why = stored_fence_problem(fence); !why.empty()) return damaged(why);
+  const duration lease_left = from_ns(x.integer(0, 2));
+  const std::int64_t kind = x.integer(0, 3);
+  if (x.integer(0, 0) == 0) {  // claimed
+    begin_outcome out{.state = begin_state::claimed, .ownership = {owner, fence}};
+    out.took_over = kind == 1;
+    out.superseded = kind == 2;
+    out.lease_remaining = kind == 3 ? lease_left : o.lease;
+    return out;
+  }
+  // Not applied: the row as the statement's snapshot saw it.
+  for (int c : {4, 5, 6})
+    if (!integer_at(c)) return damaged("same request, record left or same owner is not an answer");
+  const std::int64_t state = kind;
+  if (std::string why = stored_state_problem(state); !why.empty()) return damaged(why);
+  const bool same_request = x.integer(0, 4) != 0;
+  const bool live = x.integer(0, 5) > 0;
+  const bool same_owner = x.integer(0, 6) != 0;
+  if (!live || state == abandoned) return std::nullopt;  // claimable: it changed under us
+  if (!same_request) {
+    begin_outcome out{.state = begin_state::conflict};
+    out.conflict_in_flight = state == in_flight;
+    return out;
+  }
+  if (state == in_flight) {
+    if (same_owner || lease_left <= duration::zero()) return std::nullopt;
+    return begin_outcome{.state = begin_state::in_flight,
+                         .ownership = {.owner = {}, .fence = fence},
+                         .lease_remaining = lease_left};
+  }
+  const std::string_view revision = x.bytes(0, 9);  // committed
+  if (!o.supersede_revision.empty() && (x.is_null(0, 9) || revision != o.supersede_revision)) return std::nullopt;
+  if (x.is_null(0, 7)) return damaged("a committed record has no decision id");
+  if (!integer_at(11) || !integer_at(13)) return damaged("error code or commit time is not an integer");
+  const std::int64_t code = x.integer(0, 11);
+  if (!known_status_code(code)) return damaged(absl::StrCat("error code ", code, " is not a status code"));
+  begin_outcome out{.state = begin_state::replay, .ownership = {.owner = {}, .fence = fence}};
+  out.decision.id = std::string(x.bytes(0, 7));
+  out.decision.model_digest = std::string(x.bytes(0, 8));
+  out.decision.policy_revision = std::string(revision);
+  out.decision.result = std::string(x.bytes(0, 10));
+  out.decision.error_code = static_cast<absl::StatusCode>(code);
+  out.decision.error_message = std::string(x.bytes(0, 12));
+  out.committed_at_ns = x.integer(0, 13);
+  if (std::string why = stored_decision_problem(out.decision); !why.empty()) return damaged(why);
+  return out;
+}
+
 // Prepared statement names.
 inline constexpr const char* pg_begin = "keel_begin";
 inline constexpr const char* pg_extend = "keel_extend";
@@ -348,46 +419,8 @@ class postgres_store {
     for (int attempt = 0; attempt < max_races; ++attempt) {
       absl::StatusOr<detail::pg_result> r = run(detail::pg_begin, p, detail::pg_effect::write);
       if (!r.ok()) return r.status();
-      if (r->rows() == 0) continue;  // a concurrent first insert: look again
-      const detail::pg_result& x = *r;
-      const std::int64_t fence = x.integer(0, 1);
-      const duration lease_left = detail::from_ns(x.integer(0, 2));
-      const std::int64_t kind = x.integer(0, 3);
-      if (x.integer(0, 0) == 0) {  // claimed
-        begin_outcome out{.state = begin_state::claimed, .ownership = {owner, fence}};
-        out.took_over = kind == 1;
-        out.superseded = kind == 2;
-        out.lease_remaining = kind == 3 ? lease_left : o.lease;
-        return out;
-      }
-      // Not applied: the row as the statement's snapshot saw it.
-      const std::int64_t state = kind;
-      const bool same_request = x.integer(0, 4) != 0;
-      const bool live = x.integer(0, 5) > 0;
-      const bool same_owner = x.integer(0, 6) != 0;
-      if (!live || state == abandoned) continue;  // claimable: it changed under us
-      if (!same_request) {
-        begin_outcome out{.state = begin_state::conflict};
-        out.conflict_in_flight = state == in_flight;
-        return out;
-      }
-      if (state == in_flight) {
-        if (same_owner || lease_left <= duration::zero()) continue;
-        return begin_outcome{.state = begin_state::in_flight,
-                             .ownership = {.owner = {}, .fence = fence},
-                             .lease_remaining = lease_left};
-      }
-      const std::string_view revision = x.bytes(0, 9);
-      if (!o.supersede_revision.empty() && (x.is_null(0, 9) || revision != o.supersede_revision)) continue;
-      begin_outcome out{.state = begin_state::replay, .ownership = {.owner = {}, .fence = fence}};
-      out.decision.id = std::string(x.bytes(0, 7));
-      out.decision.model_digest = std::string(x.bytes(0, 8));
-      out.decision.policy_revision = std::string(revision);
-      out.decision.result = std::string(x.bytes(0, 10));
-      out.decision.error_code = static_cast<absl::StatusCode>(x.integer(0, 11));
-      out.decision.error_message = std::string(x.bytes(0, 12));
-      out.committed_at_ns = x.integer(0, 13);
-      return out;
+      if (std::optional<absl::StatusOr<begin_outcome>> out = detail::pg_begin_outcome(*r, id, owner, o, who_))
+        return *std::move(out);
     }
     return raced("begin");
   }

@@ -68,6 +68,7 @@
 #include <charconv>
 #include <chrono>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -83,6 +84,7 @@
 #include "keel/detail/client_pool.hpp"
 #include "keel/detail/redis_connection.hpp"
 #include "keel/detail/redis_scripts.hpp"
+#include "keel/detail/stored_record.hpp"
 #include "keel/durable/digest.hpp"
 #include "keel/durable/idempotency.hpp"
 #include "keel/durable/lease.hpp"
@@ -210,6 +212,131 @@ class redis_key {
   std::size_t len_ = 0;
 };
 
+// The store's keys (what redis_store::record_key, lease_key and
+// result_key return): the prefix, the kind, then the identity inside one
+// hash tag. The record's parts are length-prefixed, so no two identities
+// share a key whatever bytes ({, }, :) they hold; the prefix may not hold
+// '{', so the text before the first '{' is always prefix + kind + ':'.
+// (tests/fuzz/store_keys_fuzz.cpp checks both.)
+[[nodiscard]] inline redis_key redis_record_key(std::string_view prefix, const request_identity& id) noexcept {
+  redis_key k;
+  k.add(prefix).add("idem:{").add_length(id.tenant.size()).add(id.tenant);
+  k.add_length(id.endpoint.size()).add(id.endpoint).add_length(id.key.size()).add(id.key).add("}");
+  return k;
+}
+[[nodiscard]] inline redis_key redis_lease_key(std::string_view prefix, std::string_view work_key) noexcept {
+  redis_key k;
+  k.add(prefix).add("lease:{").add(work_key).add("}");
+  return k;
+}
+[[nodiscard]] inline redis_key redis_result_key(std::string_view prefix, std::string_view key) noexcept {
+  redis_key k;
+  k.add(prefix).add("result:{").add(key).add("}");
+  return k;
+}
+
+// Microseconds from a script as a duration, saturating (a damaged hash can
+// make a script answer any number).
+[[nodiscard]] constexpr duration redis_from_us(std::int64_t us) noexcept {
+  constexpr std::int64_t limit = INT64_MAX / 1000;
+  return std::chrono::duration_cast<duration>(std::chrono::nanoseconds(std::clamp(us, -limit, limit) * 1000));
+}
+
+// The shape of a script reply: an array of `n` elements (at least), element
+// i of type t (REDIS_REPLY_INTEGER or REDIS_REPLY_STRING).
+[[nodiscard]] inline bool reply_is(const redisReply* r, std::size_t i, int t) noexcept {
+  return r != nullptr && r->type == REDIS_REPLY_ARRAY && i < r->elements && r->element[i] != nullptr &&
+         r->element[i]->type == t;
+}
+
+// What the begin script's reply means (redis_lua_begin lists the replies),
+// checked before it is trusted: a reply of another shape (a damaged hash
+// makes Lua drop the array's tail at its first nil), a fence no claim could
+// have issued, or a replayed decision commit() would refuse is DataLoss
+// naming the record (detail/stored_record.hpp). `who` names the store.
+[[nodiscard]] inline absl::StatusOr<begin_outcome> redis_begin_outcome(const redisReply* x, const request_identity& id,
+                                                                       const owner_id& owner, const begin_options& o,
+                                                                       std::string_view who) {
+  const auto damaged = [&](std::string_view why) { return stored_damage(who, record_words(id), why); };
+  if (!reply_is(x, 0, REDIS_REPLY_INTEGER) || !reply_is(x, 1, REDIS_REPLY_INTEGER))
+    return damaged("the begin script's reply is not {kind, fence, ...}");
+  const std::int64_t kind = reply_int(x, 0);
+  const std::int64_t fence = reply_int(x, 1);
+  if (std::string why = stored_fence_problem(fence); !why.empty()) return damaged(why);
+  const auto ints = [&](std::initializer_list<std::size_t> cols) {
+    for (std::size_t c : cols)
+      if (!reply_is(x, c, REDIS_REPLY_INTEGER)) return false;
+    return true;
+  };
+  switch (kind) {
+    case 0: {
+      if (!ints({2, 3})) return damaged("a claim reply is not {0, fence, lease left, how}");
+      const std::int64_t how = reply_int(x, 3);
+      begin_outcome out{.state = begin_state::claimed, .ownership = {owner, fence}};
+      out.took_over = how == 1;
+      out.superseded = how == 2;
+      out.lease_remaining = how == 3 ? redis_from_us(reply_int(x, 2)) : o.lease;
+      return out;
+    }
+    case 1:
+      if (!ints({2})) return damaged("an in-flight reply is not {1, fence, lease left}");
+      return begin_outcome{.state = begin_state::in_flight,
+                           .ownership = {.owner = {}, .fence = fence},
+                           .lease_remaining = redis_from_us(reply_int(x, 2))};
+    case 2: {
+      if (!ints({2, 3})) return damaged("committed at or error code is not a number");
+      for (std::size_t c = 4; c <= 8; ++c)
+        if (!reply_is(x, c, REDIS_REPLY_STRING)) return damaged("a decision field is missing");
+      const std::int64_t at_us = reply_int(x, 2), code = reply_int(x, 3);
+      if (at_us < INT64_MIN / 1000 || at_us > INT64_MAX / 1000)
+        return damaged(absl::StrCat("commit time ", at_us, " us is out of range"));
+      if (!known_status_code(code)) return damaged(absl::StrCat("error code ", code, " is not a status code"));
+      begin_outcome out{.state = begin_state::replay, .ownership = {.owner = {}, .fence = fence}};
+      out.committed_at_ns = at_us * 1000;
+      out.decision.error_code = static_cast<absl::StatusCode>(code);
+      out.decision.id = std::string(reply_str(x, 4));
+      out.decision.model_digest = std::string(reply_str(x, 5));
+      out.decision.policy_revision = std::string(reply_str(x, 6));
+      out.decision.result = std::string(reply_str(x, 7));
+      out.decision.error_message = std::string(reply_str(x, 8));
+      if (std::string why = stored_decision_problem(out.decision); !why.empty()) return damaged(why);
+      return out;
+    }
+    case 3: {
+      if (!ints({3})) return damaged("a conflict reply is not {3, fence, 0, state}");
+      begin_outcome out{.state = begin_state::conflict};
+      out.conflict_in_flight = reply_int(x, 3) == 0;
+      return out;
+    }
+    default:
+      return damaged(absl::StrCat("the begin script answered kind ", kind));
+  }
+}
+
+// What the claim script's reply means (redis_lua_claim), checked the same way.
+[[nodiscard]] inline absl::StatusOr<lease_claim> redis_claim_outcome(const redisReply* x, std::string_view work_key,
+                                                                     const owner_id& owner, duration ttl,
+                                                                     std::string_view who) {
+  const auto damaged = [&](std::string_view why) {
+    return stored_damage(who, absl::StrCat("the lease of work key '", to_absl(work_key), "'"), why);
+  };
+  if (!reply_is(x, 0, REDIS_REPLY_INTEGER) || !reply_is(x, 1, REDIS_REPLY_INTEGER) ||
+      !reply_is(x, 2, REDIS_REPLY_INTEGER))
+    return damaged("the claim script's reply is not {acquired, fence, left, ...}");
+  const std::int64_t fence = reply_int(x, 1);
+  if (std::string why = stored_fence_problem(fence); !why.empty()) return damaged(why);
+  if (reply_int(x, 0) == 1) {
+    if (!reply_is(x, 3, REDIS_REPLY_INTEGER)) return damaged("an acquired reply is not {1, fence, left, how}");
+    const std::int64_t how = reply_int(x, 3);
+    return lease_claim{.acquired = true,
+                       .ownership = {owner, fence},
+                       .took_over = how == 1,
+                       .remaining = how == 3 ? redis_from_us(reply_int(x, 2)) : ttl};
+  }
+  if (reply_int(x, 0) != 0) return damaged(absl::StrCat("the claim script answered ", reply_int(x, 0)));
+  return lease_claim{.acquired = false, .ownership = {.owner = {}, .fence = fence}, .remaining = redis_from_us(reply_int(x, 2))};
+}
+
 struct redis_store_scripts {
   redis_script begin, extend, commit, abandon, claim, renew, release, save, load;
 
@@ -285,41 +412,7 @@ class redis_store {
                                             o.supersede_revision, forget.view()},
             detail::redis_effect::write, "begin");
     if (!r.ok()) return r.status();
-    const redisReply* x = r->get();
-    const std::int64_t kind = detail::reply_int(x, 0);
-    const std::int64_t fence = detail::reply_int(x, 1);
-    switch (kind) {
-      case 0: {
-        const std::int64_t how = detail::reply_int(x, 3);
-        begin_outcome out{.state = begin_state::claimed, .ownership = {owner, fence}};
-        out.took_over = how == 1;
-        out.superseded = how == 2;
-        out.lease_remaining = how == 3 ? from_us(detail::reply_int(x, 2)) : o.lease;
-        return out;
-      }
-      case 1:
-        return begin_outcome{.state = begin_state::in_flight,
-                             .ownership = {.owner = {}, .fence = fence},
-                             .lease_remaining = from_us(detail::reply_int(x, 2))};
-      case 2: {
-        begin_outcome out{.state = begin_state::replay, .ownership = {.owner = {}, .fence = fence}};
-        out.committed_at_ns = detail::reply_int(x, 2) * 1000;
-        out.decision.error_code = static_cast<absl::StatusCode>(detail::reply_int(x, 3));
-        out.decision.id = std::string(detail::reply_str(x, 4));
-        out.decision.model_digest = std::string(detail::reply_str(x, 5));
-        out.decision.policy_revision = std::string(detail::reply_str(x, 6));
-        out.decision.result = std::string(detail::reply_str(x, 7));
-        out.decision.error_message = std::string(detail::reply_str(x, 8));
-        return out;
-      }
-      case 3: {
-        begin_outcome out{.state = begin_state::conflict};
-        out.conflict_in_flight = detail::reply_int(x, 3) == 0;
-        return out;
-      }
-      default:
-        return unexpected("begin");
-    }
+    return detail::redis_begin_outcome(r->get(), id, owner, o, who_);
   }
 
   [[nodiscard]] absl::Status extend(const request_identity& id, const ownership& token, duration ttl) {
@@ -379,17 +472,7 @@ class redis_store {
             std::array<std::string_view, 5>{key, off.view(), bytes_of(ob), t.view(), forget.view()},
             detail::redis_effect::write, "claim");
     if (!r.ok()) return r.status();
-    const redisReply* x = r->get();
-    const std::int64_t fence = detail::reply_int(x, 1);
-    if (detail::reply_int(x, 0) == 1) {
-      const std::int64_t how = detail::reply_int(x, 3);
-      return lease_claim{.acquired = true,
-                         .ownership = {owner, fence},
-                         .took_over = how == 1,
-                         .remaining = how == 3 ? from_us(detail::reply_int(x, 2)) : ttl};
-    }
-    return lease_claim{
-        .acquired = false, .ownership = {.owner = {}, .fence = fence}, .remaining = from_us(detail::reply_int(x, 2))};
+    return detail::redis_claim_outcome(r->get(), work_key, owner, ttl, who_);
   }
 
   [[nodiscard]] absl::Status renew(std::string_view work_key, const ownership& token, duration ttl) {
@@ -473,27 +556,17 @@ class redis_store {
         pool_(static_cast<std::size_t>(options_.pool_size), [this] { return connect(); }) {}
 
   [[nodiscard]] detail::redis_key record_key_of(const request_identity& id) const noexcept {
-    detail::redis_key k;
-    k.add(options_.key_prefix).add("idem:{").add_length(id.tenant.size()).add(id.tenant);
-    k.add_length(id.endpoint.size()).add(id.endpoint).add_length(id.key.size()).add(id.key).add("}");
-    return k;
+    return detail::redis_record_key(options_.key_prefix, id);
   }
   [[nodiscard]] detail::redis_key lease_key_of(std::string_view work_key) const noexcept {
-    detail::redis_key k;
-    k.add(options_.key_prefix).add("lease:{").add(work_key).add("}");
-    return k;
+    return detail::redis_lease_key(options_.key_prefix, work_key);
   }
   [[nodiscard]] detail::redis_key result_key_of(std::string_view key) const noexcept {
-    detail::redis_key k;
-    k.add(options_.key_prefix).add("result:{").add(key).add("}");
-    return k;
+    return detail::redis_result_key(options_.key_prefix, key);
   }
 
   static std::string_view bytes_of(const std::array<unsigned char, 16>& b) noexcept {
     return {reinterpret_cast<const char*>(b.data()), b.size()};
-  }
-  static duration from_us(std::int64_t us) noexcept {
-    return std::chrono::duration_cast<duration>(std::chrono::microseconds(us));
   }
   [[nodiscard]] std::int64_t offset_us() const noexcept {
     return options_.testing_clock_offset ? options_.testing_clock_offset->load(std::memory_order_relaxed) / 1000 : 0;

@@ -304,6 +304,12 @@ inline const redis_script& permit_release_script() {
   return s;
 }
 
+// The permits' sorted set: the prefix, "conc:", the name inside one hash tag;
+// the permit ids' counter is that key + ":id" (same tag, same slot).
+[[nodiscard]] inline std::string redis_concurrency_key(std::string_view prefix, std::string_view name) {
+  return absl::StrCat(to_absl(prefix), "conc:{", to_absl(name), "}");
+}
+
 }  // namespace detail
 
 class shared_concurrency {
@@ -314,7 +320,7 @@ class shared_concurrency {
   shared_concurrency(redis_options redis, shared_concurrency_options o)
       : redis_((detail::require_valid(redis.validate()), std::move(redis))),
         options_((detail::require_valid(o.validate()), std::move(o))),
-        permits_key_(absl::StrCat(redis_.key_prefix, "conc:{", options_.name, "}")),
+        permits_key_(detail::redis_concurrency_key(redis_.key_prefix, options_.name)),
         ids_key_(absl::StrCat(permits_key_, ":id")),
         who_(absl::StrCat("shared concurrency '", options_.name, "'")),
         owner_(owner_id::random().hex()),

@@ -273,6 +273,28 @@ inline const redis_script& fleet_script(int which) {
   }
 }
 
+// The domain's hash: the prefix, "fleet:", then inside one hash tag each
+// scoped label as a letter, its length, ':' and its bytes, e.g.
+// "svc:fleet:{e12:api.provider,m7:m-large}". Not the display name
+// ("endpoint=api.provider,model=m-large"): labels may hold ',' and '=', and
+// two domains must never share a hash (tests/fuzz/store_keys_fuzz.cpp).
+[[nodiscard]] inline std::string redis_fleet_key(std::string_view prefix, const failure_domain& d,
+                                                 const breaker_scope& scope) {
+  std::string k = absl::StrCat(to_absl(prefix), "fleet:{");
+  bool first = true;
+  const auto part = [&](bool on, std::string_view letter, std::string_view v) {
+    if (!on) return;
+    absl::StrAppend(&k, first ? "" : ",", to_absl(letter), v.size(), ":", to_absl(v));
+    first = false;
+  };
+  part(scope.endpoint, "e", d.endpoint);
+  part(scope.model, "m", d.model);
+  part(scope.region, "r", d.region);
+  part(scope.tenant, "t", d.tenant);
+  k += '}';
+  return k;
+}
+
 }  // namespace detail
 
 class shared_provider_state {
@@ -382,9 +404,7 @@ class shared_provider_state {
     }
   };
   struct entry {
-    entry(std::string d, const std::string& prefix)
-        : domain(std::move(d)),
-          state_key(absl::StrCat(prefix, "fleet:{", domain, "}")) {}
+    entry(std::string d, std::string key) : domain(std::move(d)), state_key(std::move(key)) {}
     std::string domain, state_key;
     std::atomic<std::int64_t> fresh_until{none};     // local clock: the cached state is good until
     std::atomic<std::int64_t> breaker_until{none};   // local clock: the fleet's breaker open until (none: closed)
@@ -413,7 +433,7 @@ class shared_provider_state {
                          [&] {
                            std::string name = d.to_string(scope_);
                            if (name.empty()) name = "(no labels)";
-                           return entry(std::move(name), redis_.key_prefix);
+                           return entry(std::move(name), detail::redis_fleet_key(redis_.key_prefix, d, scope_));
                          });
     if (e == nullptr) overflowed_.fetch_add(1, std::memory_order_relaxed);
     return e;

@@ -179,6 +179,12 @@ struct shared_quota_refused {
 
 namespace detail {
 
+// The quota's key: the prefix, "quota:", the name inside one hash tag (a
+// prefix may not hold '{': see detail::redis_record_key).
+[[nodiscard]] inline std::string redis_quota_key(std::string_view prefix, std::string_view name) {
+  return absl::StrCat(to_absl(prefix), "quota:{", to_absl(name), "}");
+}
+
 // KEYS[1] the bucket. ARGV: 1 test offset (us), 2 interval (us per unit),
 // 3 tolerance (burst * interval, us), 4 units (negative: a refund),
 // 5 (optional) "1": take them unconditionally, into debt (a settlement).
@@ -211,7 +217,7 @@ class shared_quota {
   shared_quota(redis_options redis, shared_quota_options o)
       : redis_((detail::require_valid(redis.validate()), std::move(redis))),
         options_((detail::require_valid(o.validate()), std::move(o))),
-        key_(absl::StrCat(redis_.key_prefix, "quota:{", options_.name, "}")),
+        key_(detail::redis_quota_key(redis_.key_prefix, options_.name)),
         who_(absl::StrCat("shared quota '", options_.name, "'")),
         interval_us_(std::chrono::duration<double, std::micro>(options_.per).count() / options_.rate),
         tolerance_us_(interval_us_ * options_.burst),

@@ -66,6 +66,7 @@
 #include "keel/core/clock.hpp"
 #include "keel/core/status.hpp"
 #include "keel/detail/sqlite_db.hpp"
+#include "keel/detail/stored_record.hpp"
 #include "keel/durable/digest.hpp"
 #include "keel/durable/idempotency.hpp"
 #include "keel/durable/lease.hpp"
@@ -125,10 +126,12 @@ class sqlite_store {
         return claim_row(id, request, owner_view, owner, *fence, now, o, false, false);
       }
 
-      const auto state = static_cast<int>(row.i64(1));
-      const ownership holder{owner_from(row.bytes(2)), row.i64(3)};
-      const std::int64_t lease_expires = row.i64(4);
-      const std::int64_t record_expires = row.i64(5);
+      absl::StatusOr<record_row> read = read_record(row, id, true);
+      if (!read.ok()) return read.status();
+      const int state = read->state;
+      const ownership holder = read->holder;
+      const std::int64_t lease_expires = read->lease_expires;
+      const std::int64_t record_expires = read->record_expires;
       if (record_expires <= now.check || state == abandoned)
         return claim_row(id, request, owner_view, owner, holder.fence + 1, now, o, false, false);
       if (row.bytes(0) != request.view()) {
@@ -157,13 +160,8 @@ class sqlite_store {
       if (!o.supersede_revision.empty() && row.bytes(8) != o.supersede_revision)
         return claim_row(id, request, owner_view, owner, holder.fence + 1, now, o, false, true);
       begin_outcome out{.state = begin_state::replay, .ownership = {.owner = {}, .fence = holder.fence}};
-      out.decision.id = std::string(row.bytes(6));
-      out.decision.model_digest = std::string(row.bytes(7));
-      out.decision.policy_revision = std::string(row.bytes(8));
-      out.decision.result = std::string(row.bytes(9));
-      out.decision.error_code = static_cast<absl::StatusCode>(row.i64(10));
-      out.decision.error_message = std::string(row.bytes(11));
-      out.committed_at_ns = row.i64(12);
+      out.decision = std::move(read->decision);
+      out.committed_at_ns = read->committed_at;
       return out;
     });
   }
@@ -242,9 +240,11 @@ class sqlite_store {
           if (!first.ok()) return first.status();
           fence = *first;
         } else {
-          const ownership holder{owner_from(row.bytes(0)), row.i64(1)};
-          const std::int64_t expires = row.i64(2);
-          const bool held = row.i64(3) != 0;
+          absl::StatusOr<lease_row> read = read_lease(row, work_key);
+          if (!read.ok()) return read.status();
+          const ownership holder = read->holder;
+          const std::int64_t expires = read->expires;
+          const bool held = read->held;
           if (held && holder.owner == owner) {  // the holder claiming again
             const std::int64_t later = std::max(expires, until);
             detail::sqlite_stmt::use u(lease_renew_);
@@ -323,6 +323,9 @@ class sqlite_store {
     const int rc = q.step();
     if (rc == SQLITE_DONE) return std::optional<std::string>();
     if (rc != SQLITE_ROW) return failure(rc, "loading the result");
+    if (q.type(0) != SQLITE_BLOB && q.type(0) != SQLITE_TEXT)
+      return detail::stored_damage(who(), absl::StrCat("the result for key '", detail::to_absl(key), "'"),
+                                   "value is not bytes");
     return std::optional<std::string>(std::string(q.bytes(0)));
   }
 
@@ -462,6 +465,77 @@ class sqlite_store {
     return owner_id::from_bytes(a);
   }
 
+  [[nodiscard]] std::string who() const { return absl::StrCat("sqlite store '", db_.path(), "'"); }
+
+  // A keel_idempotency row (idem_select_'s columns) as read back, checked
+  // (detail/stored_record.hpp): integers where keel writes integers, bytes
+  // where it writes bytes, a known state, a 16-byte owner, a fence a claim
+  // could have issued, and (with_decision, committed) a decision commit()
+  // would have accepted. Anything else is DataLoss; the row is left alone.
+  struct record_row {
+    int state = 0;
+    ownership holder{};
+    std::int64_t lease_expires = 0, record_expires = 0, committed_at = 0;
+    keel::decision decision{};
+  };
+  absl::StatusOr<record_row> read_record(const detail::sqlite_stmt::use& row, const request_identity& id,
+                                         bool with_decision) const {
+    const auto damaged = [&](std::string_view why) { return detail::stored_damage(who(), detail::record_words(id), why); };
+    const auto is_bytes = [&](int c) { return row.type(c) == SQLITE_BLOB || row.type(c) == SQLITE_TEXT; };
+    static constexpr const char* names[] = {"request", "state", "owner", "fence", "lease_expires", "record_expires",
+                                            "decision_id", "model_digest", "policy_revision", "result", "error_code",
+                                            "error_message", "committed_at"};
+    for (int c : {1, 3, 4, 5})
+      if (row.type(c) != SQLITE_INTEGER) return damaged(absl::StrCat(names[c], " is not an integer"));
+    for (int c : {0, 2})
+      if (!is_bytes(c)) return damaged(absl::StrCat(names[c], " is not bytes"));
+    if (row.bytes(0).size() != 32) return damaged(absl::StrCat("request digest is ", row.bytes(0).size(), " bytes, not 32"));
+    record_row out;
+    if (std::string why = detail::stored_state_problem(row.i64(1)); !why.empty()) return damaged(why);
+    if (std::string why = detail::stored_owner_problem(row.bytes(2)); !why.empty()) return damaged(why);
+    if (std::string why = detail::stored_fence_problem(row.i64(3)); !why.empty()) return damaged(why);
+    out.state = static_cast<int>(row.i64(1));
+    out.holder = {owner_from(row.bytes(2)), row.i64(3)};
+    out.lease_expires = row.i64(4);
+    out.record_expires = row.i64(5);
+    if (!with_decision || out.state != committed) return out;
+    for (int c : {10, 12})
+      if (row.type(c) != SQLITE_INTEGER) return damaged(absl::StrCat(names[c], " is not an integer"));
+    for (int c : {6, 7, 8, 9, 11})
+      if (!is_bytes(c) && !(row.type(c) == SQLITE_NULL && c != 6)) return damaged(absl::StrCat(names[c], " is not bytes"));
+    if (!detail::known_status_code(row.i64(10)))
+      return damaged(absl::StrCat("error code ", row.i64(10), " is not a status code"));
+    out.decision.id = std::string(row.bytes(6));
+    out.decision.model_digest = std::string(row.bytes(7));
+    out.decision.policy_revision = std::string(row.bytes(8));
+    out.decision.result = std::string(row.bytes(9));
+    out.decision.error_code = static_cast<absl::StatusCode>(row.i64(10));
+    out.decision.error_message = std::string(row.bytes(11));
+    out.committed_at = row.i64(12);
+    if (std::string why = detail::stored_decision_problem(out.decision); !why.empty()) return damaged(why);
+    return out;
+  }
+
+  // A keel_lease row (lease_select_'s columns), checked the same way.
+  struct lease_row {
+    ownership holder{};
+    std::int64_t expires = 0;
+    bool held = false;
+  };
+  absl::StatusOr<lease_row> read_lease(const detail::sqlite_stmt::use& row, std::string_view work_key) const {
+    const auto damaged = [&](std::string_view why) {
+      return detail::stored_damage(who(), absl::StrCat("the lease of work key '", detail::to_absl(work_key), "'"), why);
+    };
+    static constexpr const char* names[] = {"owner", "fence", "expires", "held"};
+    for (int c : {1, 2, 3})
+      if (row.type(c) != SQLITE_INTEGER) return damaged(absl::StrCat(names[c], " is not an integer"));
+    if (row.type(0) != SQLITE_BLOB && row.type(0) != SQLITE_TEXT) return damaged("owner is not bytes");
+    if (std::string why = detail::stored_owner_problem(row.bytes(0)); !why.empty()) return damaged(why);
+    if (std::string why = detail::stored_fence_problem(row.i64(1)); !why.empty()) return damaged(why);
+    if (row.i64(3) != 0 && row.i64(3) != 1) return damaged(absl::StrCat("held is ", row.i64(3), ", not 0 or 1"));
+    return lease_row{.holder = {owner_from(row.bytes(0)), row.i64(1)}, .expires = row.i64(2), .held = row.i64(3) == 1};
+  }
+
   absl::StatusOr<begin_outcome> claim_row(const request_identity& id, const digest& request,
                                           std::string_view owner_view, const owner_id& owner, std::int64_t fence,
                                           const times& now, const begin_options& o, bool took_over, bool superseded) {
@@ -484,6 +558,11 @@ class sqlite_store {
     const int rc = q.step();
     if (rc == SQLITE_DONE) return 1;
     if (rc != SQLITE_ROW) return failure(rc, "reading the highest purged fence");
+    // The floor may be 0 (nothing purged had a fence yet); the next is one above.
+    if (q.type(0) != SQLITE_INTEGER || q.i64(0) < 0 || q.i64(0) >= detail::max_stored_fence)
+      return detail::stored_damage(who(), "the highest purged fence (keel_lease, work key X'00')",
+                                   q.type(0) != SQLITE_INTEGER ? std::string("fence is not an integer")
+                                                               : absl::StrCat("fence ", q.i64(0), " is out of range"));
     return q.i64(0) + 1;
   }
 
@@ -495,11 +574,14 @@ class sqlite_store {
     row.bind(1, id.tenant).bind(2, id.endpoint).bind(3, id.key);
     const int rc = row.step();
     if (rc != SQLITE_ROW && rc != SQLITE_DONE) return failure(rc, "reading the record");
-    if (rc == SQLITE_DONE || row.i64(5) <= now.check)
+    absl::StatusOr<record_row> read =
+        rc == SQLITE_ROW ? read_record(row, id, false) : absl::StatusOr<record_row>(record_row{});
+    if (!read.ok()) return read.status();
+    if (rc == SQLITE_DONE || read->record_expires <= now.check)
       return lost_ownership_error(absl::StrCat(detail::to_absl(op), " by fence ", token.fence,
                                                ": no live record for this key (expired or never claimed)"));
-    const auto state = static_cast<int>(row.i64(1));
-    const ownership holder{owner_from(row.bytes(2)), row.i64(3)};
+    const int state = read->state;
+    const ownership holder = read->holder;
     if (state == done_state && holder == token) return true;  // a repeat
     const std::string_view name = state == in_flight ? "in flight" : state == committed ? "committed" : "abandoned";
     return lost_ownership_error(absl::StrCat(detail::to_absl(op), " by fence ", token.fence, ": the record is ", detail::to_absl(name),
@@ -515,8 +597,10 @@ class sqlite_store {
     if (rc != SQLITE_ROW && rc != SQLITE_DONE) return failure(rc, "reading the lease");
     if (rc == SQLITE_DONE)
       return lost_ownership_error(absl::StrCat(detail::to_absl(op), " by fence ", token.fence, ": no lease for this key"));
-    const ownership holder{owner_from(row.bytes(0)), row.i64(1)};
-    const bool held = row.i64(3) != 0;
+    absl::StatusOr<lease_row> read = read_lease(row, work_key);
+    if (!read.ok()) return read.status();
+    const ownership holder = read->holder;
+    const bool held = read->held;
     if (release && !held && holder == token) return true;  // a repeated release
     return lost_ownership_error(absl::StrCat(detail::to_absl(op), " by fence ", token.fence, ": the lease is ", held ? "held" : "free",
                                              " at fence ", holder.fence,
