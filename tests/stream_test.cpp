@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <optional>
 #include <stop_token>
 #include <string>
@@ -209,6 +210,213 @@ TEST_CASE("sse: parsing a stream allocates nothing per token once its buffers ha
     REQUIRE(p.feed(std::string_view(body).substr(i, 37), on).ok());
   CHECK(allocations.count() == 0);
   CHECK(bytes > 0);
+}
+
+// --- the shape cache: exact, checked against the full read ------------------
+
+namespace {
+
+// Every field of a chunk, copied (views die with the callback).
+struct seen_chunk {
+  http::chunk_kind kind;
+  std::string text, finish, error_type, data;
+  bool has_usage;
+  std::int64_t prompt, completion, total, error_code;
+  bool operator==(const seen_chunk&) const = default;
+};
+
+struct seen_stream {
+  std::vector<seen_chunk> chunks;
+  bool failed = false;
+  std::size_t hits = 0;
+  bool operator==(const seen_stream& o) const { return chunks == o.chunks && failed == o.failed; }
+};
+
+// Feeds `body` cut at the given offsets (ascending, within the body).
+seen_stream read_cut(std::string_view body, const std::vector<std::size_t>& cuts, bool cache,
+                     std::size_t max_event = std::size_t{1} << 20) {
+  http::sse_parser p({.max_event_bytes = max_event, .shape_cache = cache});
+  seen_stream out;
+  auto on = [&](const http::chat_chunk& c) {
+    out.chunks.push_back({c.kind, std::string(c.text), std::string(c.finish_reason), std::string(c.error_type),
+                          std::string(c.data), c.has_usage, c.usage.prompt_tokens, c.usage.completion_tokens,
+                          c.usage.total_tokens, c.error_code});
+    return true;
+  };
+  std::size_t at = 0;
+  auto feed = [&](std::size_t to) {
+    if (!out.failed && to > at && !p.feed(body.substr(at, to - at), on).ok()) out.failed = true;
+    at = to;
+  };
+  for (std::size_t cut : cuts) feed(cut);
+  feed(body.size());
+  out.hits = p.shape_cache_hits();
+  return out;
+}
+
+seen_stream read_pieces(std::string_view body, std::size_t piece, bool cache,
+                        std::size_t max_event = std::size_t{1} << 20) {
+  std::vector<std::size_t> cuts;
+  for (std::size_t i = piece; i < body.size(); i += piece) cuts.push_back(i);
+  return read_cut(body, cuts, cache, max_event);
+}
+
+const std::string kHead =
+    "{\"id\":\"chatcmpl-AbC\",\"object\":\"chat.completion.chunk\",\"created\":1733200000,\"model\":\"gpt-4o-mini\","
+    "\"system_fingerprint\":\"fp_0\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"";
+const std::string kTail = "\"},\"logprobs\":null,\"finish_reason\":null}]}";
+
+std::string content_event(std::string_view raw, std::string_view head = kHead, std::string_view tail = kTail) {
+  return "data: " + std::string(head) + std::string(raw) + std::string(tail) + "\n\n";
+}
+
+// The streams the cache must read exactly as the full parser does.
+std::vector<std::string> shape_streams() {
+  std::vector<std::string> out;
+  const std::string role =
+      "data: {\"id\":\"chatcmpl-AbC\",\"object\":\"chat.completion.chunk\",\"created\":1733200000,\"model\":\"gpt-4o-"
+      "mini\",\"system_fingerprint\":\"fp_0\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":"
+      "\"\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n";
+  const std::string finish =
+      "data: {\"id\":\"chatcmpl-AbC\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n";
+  const std::string usage =
+      "data: {\"id\":\"chatcmpl-AbC\",\"choices\":[],\"usage\":{\"prompt_tokens\":20,\"completion_tokens\":9,"
+      "\"total_tokens\":29}}\n\n";
+  // 1. The recorded shape: role, tokens (some escaped), a keep-alive, finish, usage, [DONE].
+  {
+    std::string s = ": OPENROUTER PROCESSING\n\n" + role;
+    int i = 0;
+    for (std::string_view t : {"The", " quick", " caf\\u00e9", "\\n", " \\\"brown\\\"", " fox", ",", " a", " b"}) {
+      s += content_event(t);
+      if (++i == 4) s += ": keep-alive\n\n";
+    }
+    out.push_back(s + finish + usage + "data: [DONE]\n\n");
+  }
+  // 2. The id changes mid-stream, and back.
+  {
+    std::string other = kHead;
+    other.replace(other.find("AbC"), 3, "XyZ");
+    out.push_back(content_event("a") + content_event("b") + content_event("c", other) + content_event("d", other) +
+                  content_event("e") + content_event("f"));
+  }
+  // 3. Escapes: \" \\ \/ \u, a surrogate pair, a lone surrogate, a backslash
+  //    before the closing quote, and bad escapes (the full read: invalid).
+  out.push_back(content_event("x") + content_event("\\\"") + content_event("\\\\") + content_event("a\\\\\\\"b") +
+                content_event("\\/\\b\\f\\r\\t") + content_event("\\ud83d\\ude00") + content_event("\\ud83d!") +
+                content_event("\\u00") + content_event("\\q") + content_event("\\") + content_event("\\\\\\") +
+                content_event("y"));
+  // 4. The suffix differs: a finish_reason beside content, usage beside
+  //    content, a trailing member, whitespace.
+  out.push_back(content_event("a") +
+                content_event("b", kHead, "\"},\"logprobs\":null,\"finish_reason\":\"stop\"}]}") +
+                content_event("c", kHead, kTail + ",\"usage\":{\"completion_tokens\":3}") +
+                content_event("d", kHead, "\"} ,\"logprobs\":null,\"finish_reason\":null}]}") + content_event("e"));
+  // 5. The prefix matches, but the middle is not one string body: a raw
+  //    quote that ends the string early (invalid; or valid JSON of another
+  //    shape: a role member after the content), raw control characters.
+  out.push_back(content_event("a") + content_event("b\"c") + content_event("x\",\"role\":\"assistant") +
+                content_event("tab\there") + content_event("") + content_event("\x01") + content_event("z"));
+  // 6. Role chunks, usage and error objects between tokens; `event: error`
+  //    with data shaped like a token; a multi-line event whose data joins to
+  //    the cached shape; the same event with a comment and an id inside.
+  out.push_back(content_event("a") + role + content_event("b") + usage +
+                "data: {\"error\":{\"message\":\"overloaded\",\"type\":\"server_error\",\"code\":503}}\n\n" +
+                content_event("c") + "event: error\n" + content_event("d") + content_event("e") + "data: " + kHead +
+                "f\ndata: " + kTail + "\n\n" + "id: 7\n: note\n" + content_event("g") + content_event("h"));
+  // 7. Other shapes learned: n > 1 choices, a delta with role and content,
+  //    message instead of delta, duplicate keys.
+  {
+    const std::string two = "{\"choices\":[{\"delta\":{\"content\":\"";
+    const std::string two_tail = "\"}},{\"delta\":{\"content\":\"other\"}}]}";
+    const std::string both = "{\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"";
+    const std::string msg = "{\"choices\":[{\"message\":{\"content\":\"";
+    const std::string dup = "{\"choices\":[{\"delta\":{\"content\":\"q\",\"content\":\"";
+    const std::string dup_choices = "{\"choices\":[{\"delta\":{\"content\":\"q\"}}],\"choices\":[{\"delta\":{\"content\":\"";
+    std::string s;
+    for (const std::string* h : {&two, &both, &msg, &dup, &dup_choices}) {
+      const std::string tail = h == &two ? two_tail : "\"}}]}";
+      s += content_event("a", *h, tail) + content_event("b", *h, tail) + content_event("", *h, tail) +
+           content_event("c", *h, tail);
+    }
+    out.push_back(s);
+  }
+  // 8. CR LF and bare CR line ends, and a blank line of LF after CR LF.
+  {
+    std::string crlf = out[0], cr = out[0];
+    for (std::size_t i = 0; (i = crlf.find('\n', i)) != std::string::npos; i += 2) crlf.replace(i, 1, "\r\n");
+    for (char& ch : cr)
+      if (ch == '\n') ch = '\r';
+    out.push_back(crlf);
+    out.push_back(cr);
+    out.push_back("data: " + kHead + "a" + kTail + "\r\n\n" + "data: " + kHead + "b" + kTail + "\n\r\n" + "data: " +
+                  kHead + "c" + kTail + "\r\n\r\n" + "data:" + kHead + "d" + kTail + "\n\n" + "data: " + kHead + "e" +
+                  kTail + "\n\n");
+  }
+  // 9. No [DONE] and an event left unterminated at the end.
+  out.push_back(content_event("a") + content_event("b") + "data: " + kHead + "c" + kTail + "\n");
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("sse: the shape cache is exact: every stream reads the same with it off, split at every byte offset",
+          "[stream][sse][shape]") {
+  const std::vector<std::string> streams = shape_streams();
+  std::size_t hits = 0;
+  for (std::size_t n = 0; n < streams.size(); ++n) {
+    const std::string& body = streams[n];
+    INFO("stream " << n);
+    const seen_stream reference = read_pieces(body, body.size(), false);
+    REQUIRE_FALSE(reference.failed);
+    CHECK(reference.hits == 0);  // off is off
+    const seen_stream whole = read_pieces(body, body.size(), true);
+    CHECK(whole == reference);
+    hits += whole.hits;
+    for (std::size_t piece : {1, 2, 3, 7, 64, 1460}) {
+      INFO("piece " << piece);
+      CHECK(read_pieces(body, piece, true) == reference);
+    }
+    for (std::size_t cut = 1; cut < body.size(); ++cut) {
+      const seen_stream split = read_cut(body, {cut}, true);
+      if (!(split == reference)) {
+        INFO("cut at " << cut);
+        CHECK(split == reference);
+      }
+      CHECK(read_cut(body, {cut}, false) == reference);
+    }
+  }
+  CHECK(hits > 20);  // the cache did read most tokens
+}
+
+TEST_CASE("sse: the shape cache reads the recorded stream's tokens and hands over the same text", "[stream][sse][shape]") {
+  const std::string body = shape_streams()[0];
+  const seen_stream cached = read_pieces(body, body.size(), true);
+  // 9 tokens: the first is read in full (and learned), the other 8 by the cache.
+  CHECK(cached.hits == 8);
+  std::string text;
+  for (const seen_chunk& c : cached.chunks)
+    if (c.kind == http::chunk_kind::content) text += c.text;
+  CHECK(text == "The quick caf\xc3\xa9\n \"brown\" fox, a b");
+  // reset() forgets the shape: the next stream's first token is read in full.
+  http::sse_parser p;
+  auto on = [](const http::chat_chunk&) { return true; };
+  REQUIRE(p.feed(content_event("a") + content_event("b"), on).ok());
+  CHECK(p.shape_cache_hits() == 1);
+  p.reset();
+  CHECK(p.shape_cache_hits() == 0);
+  REQUIRE(p.feed(content_event("c"), on).ok());
+  CHECK(p.shape_cache_hits() == 0);
+}
+
+TEST_CASE("sse: an event the cache would read is still refused when over max_event_bytes", "[stream][sse][shape]") {
+  const std::string body = content_event("a") + content_event(std::string(300, 'x')) + content_event("b");
+  for (std::size_t piece : {body.size(), std::size_t{1}, std::size_t{100}}) {
+    INFO("piece " << piece);
+    const seen_stream off = read_pieces(body, piece, false, 400);
+    const seen_stream on = read_pieces(body, piece, true, 400);
+    CHECK(off.failed);
+    CHECK(on == off);
+  }
 }
 
 // --- the stream policy on the manual clock ------------------------------------

@@ -27,6 +27,21 @@
 // token's text is a view into the event's data (or, when the JSON string
 // has escapes, into a reused unescape buffer), valid during the callback.
 //
+// The shape cache (sse_options::shape_cache, on by default): a stream's
+// content chunks are byte-identical but for the content string (the same
+// id, model, created, fingerprint, and the same bytes after the string).
+// After a full read of a plain content chunk the parser keeps the bytes
+// before the string's opening quote and from its closing quote on; an
+// event that starts and ends with exactly those bytes and has a valid
+// string body between them is handed over as a content chunk with that
+// text, without reading its JSON again. It is exact, not a guess: the
+// reader's path through the bytes before the string cannot depend on what
+// follows them, a valid string body ends where the cached one did, and the
+// same bytes after it read the same way, so the full read would give the
+// same chunk; anything else (another id, a finish_reason, a raw quote or
+// control character in the middle, a bad escape) is read in full, and a
+// full read of a plain content chunk refreshes the cache.
+//
 // Example:
 //
 //   keel::http::sse_parser parser;
@@ -90,6 +105,11 @@ struct chat_chunk {
 struct sse_options {
   // An event (its data lines together) longer than this fails the parse; > 0.
   std::size_t max_event_bytes = std::size_t{1} << 20;
+  // The shape cache (see the header comment): content chunks that repeat the
+  // last plain content chunk's bytes around another string are not read
+  // again. Off, every event is read in full; the chunks are the same either
+  // way (the differential tests and the fuzz target check it). Any value is valid.
+  bool shape_cache = true;
 
   [[nodiscard]] absl::Status validate() const {
     if (max_event_bytes == 0) return keel::detail::invalid_field("sse_options", "max_event_bytes", "be > 0", 0);
@@ -108,6 +128,7 @@ class json_reader {
   json_reader(const char* p, const char* end) noexcept : p_(p), end_(end) {}
 
   [[nodiscard]] bool ok() const noexcept { return ok_; }
+  [[nodiscard]] const char* pos() const noexcept { return p_; }
   bool fail() noexcept { return ok_ = false; }
 
   void ws() noexcept {
@@ -308,9 +329,11 @@ class json_reader {
   static bool unescape(std::string_view raw, std::string& out) {
     out.clear();
     for (std::size_t i = 0; i < raw.size(); ++i) {
-      const char c = raw[i];
-      if (c != '\\') {
-        out.push_back(c);
+      if (raw[i] != '\\') {  // the run up to the next escape, at once
+        const std::size_t bs = raw.find('\\', i);
+        const std::size_t stop = bs == std::string_view::npos ? raw.size() : bs;
+        out.append(raw.data() + i, stop - i);
+        i = stop - 1;
         continue;
       }
       if (++i >= raw.size()) return false;
@@ -367,58 +390,38 @@ class sse_parser {
   // before reusing the parser). OutOfRange for an over-long event.
   template <class On>
   absl::Status feed(std::string_view bytes, On&& on) {
-    const char* p = bytes.data();
-    const char* const end = p + bytes.size();
-    if (stopped_) return absl::OkStatus();
-    if (skip_lf_ && p < end) {  // a CR LF split between two pieces
-      if (*p == '\n') ++p;
-      skip_lf_ = false;
+    absl::Status s = feed_piece(bytes, on);
+    // The event's data may still be a view into `bytes`: kept, it is copied.
+    if (data_in_view_) {
+      data_.assign(data_view_.data(), data_view_.size());
+      data_in_view_ = false;
     }
-    while (p < end) {
-      // The next line end: LF, CR or CR LF.
-      const char* eol = find_eol(p, end);
-      if (eol == end) {  // the line goes on in the next piece
-        if (line_.size() + static_cast<std::size_t>(end - p) > options_.max_event_bytes) return too_long();
-        line_.append(p, static_cast<std::size_t>(end - p));
-        break;
-      }
-      std::string_view line;
-      if (line_.empty()) {
-        line = std::string_view(p, static_cast<std::size_t>(eol - p));
-      } else {
-        line_.append(p, static_cast<std::size_t>(eol - p));
-        line = line_;
-      }
-      const char* next = eol + 1;
-      if (*eol == '\r') {
-        if (next < end) {
-          if (*next == '\n') ++next;
-        } else {
-          skip_lf_ = true;
-        }
-      }
-      p = next;
-      absl::Status s = on_line(line, on);
-      line_.clear();
-      if (!s.ok()) return s;
-      if (stopped_) return absl::OkStatus();
-    }
-    return absl::OkStatus();
+    return s;
   }
 
   // Starts a new stream: what was buffered is dropped.
   void reset() noexcept {
     line_.clear();
     data_.clear();
+    data_in_view_ = false;
     event_.clear();
     has_data_ = false;
     skip_lf_ = false;
     stopped_ = false;
     done_ = false;
+    shape_.clear();
+    shape_prefix_ = 0;
+    shape_valid_ = false;
+    shape_line_ = false;
+    shape_hits_ = 0;
   }
 
   // `data: [DONE]` was seen.
   [[nodiscard]] bool done() const noexcept { return done_; }
+
+  // Events read through the shape cache since construction or reset() (for
+  // tests and diagnostics: the rest were read in full).
+  [[nodiscard]] std::size_t shape_cache_hits() const noexcept { return shape_hits_; }
 
   // Reads one event's data as a chat completion chunk (also for callers
   // that have the data already). Views into `data` and the parser's buffer.
@@ -431,8 +434,15 @@ class sse_parser {
     }
     detail::json_reader j(data.data(), data.data() + data.size());
     bool has_content = false, has_role = false, has_error = false;
+    plain_ = plain_shape{};
     const bool parsed = j.members(0, [&](std::string_view key) -> bool {
-      if (key == "choices") return j.elements(1, [&](int i) { return i == 0 ? choice(j, c, has_content, has_role) : j.skip(2); });
+      if (key == "choices") {
+        ++plain_.choices_keys;
+        return j.elements(1, [&](int i) {
+          plain_.choices = i + 1;
+          return i == 0 ? choice(j, c, has_content, has_role) : j.skip(2);
+        });
+      }
       if (key == "usage") {
         if (j.at_null()) return j.literal("null");
         c.has_usage = true;
@@ -494,15 +504,75 @@ class sse_parser {
     return cr != nullptr ? static_cast<const char*>(cr) : stop;
   }
 
+  template <class On>
+  absl::Status feed_piece(std::string_view bytes, On& on) {
+    const char* p = bytes.data();
+    const char* const end = p + bytes.size();
+    if (stopped_) return absl::OkStatus();
+    if (skip_lf_ && p < end) {  // a CR LF split between two pieces
+      if (*p == '\n') ++p;
+      skip_lf_ = false;
+    }
+    while (p < end) {
+      if (shape_line_ && line_.empty() && !has_data_ && event_.empty()) {
+        const char* past = nullptr;
+        chat_chunk c;
+        if (same_shape_event(p, end, past, c)) {
+          p = past;
+          ++shape_hits_;
+          if (!on(static_cast<const chat_chunk&>(c))) {
+            stopped_ = true;
+            return absl::OkStatus();
+          }
+          continue;
+        }
+      }
+      // The next line end: LF, CR or CR LF.
+      const char* eol = find_eol(p, end);
+      if (eol == end) {  // the line goes on in the next piece
+        if (line_.size() + static_cast<std::size_t>(end - p) > options_.max_event_bytes) return too_long();
+        line_.append(p, static_cast<std::size_t>(end - p));
+        break;
+      }
+      std::string_view line;
+      if (line_.empty()) {
+        line = std::string_view(p, static_cast<std::size_t>(eol - p));
+      } else {
+        line_.append(p, static_cast<std::size_t>(eol - p));
+        line = line_;
+      }
+      const char* next = eol + 1;
+      if (*eol == '\r') {
+        if (next < end) {
+          if (*next == '\n') ++next;
+        } else {
+          skip_lf_ = true;
+        }
+      }
+      p = next;
+      absl::Status s = on_line(line, line.data() != line_.data(), on);
+      line_.clear();
+      if (!s.ok()) return s;
+      if (stopped_) return absl::OkStatus();
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status too_long() {
     stopped_ = true;
     return absl::OutOfRangeError(
         absl::StrCat("keel::http: server-sent event over ", options_.max_event_bytes, " bytes"));
   }
 
+  // `in_piece`: the line is a view into the piece being fed (not line_).
   template <class On>
-  absl::Status on_line(std::string_view line, On& on) {
+  absl::Status on_line(std::string_view line, bool in_piece, On& on) {
     if (line.empty()) return dispatch(on);
+    if (line.size() >= 5 && std::memcmp(line.data(), "data:", 5) == 0) {
+      std::string_view value = line.substr(5);
+      if (!value.empty() && value.front() == ' ') value.remove_prefix(1);
+      return on_data(value, in_piece);
+    }
     if (line.front() == ':') {
       chat_chunk c;
       c.kind = chunk_kind::keepalive;
@@ -514,15 +584,32 @@ class sse_parser {
     const std::string_view field = line.substr(0, colon);
     std::string_view value = colon == std::string_view::npos ? std::string_view{} : line.substr(colon + 1);
     if (!value.empty() && value.front() == ' ') value.remove_prefix(1);
-    if (field == "data") {
-      if (data_.size() + value.size() + 1 > options_.max_event_bytes) return too_long();
-      if (has_data_) data_.push_back('\n');
-      data_.append(value.data(), value.size());
-      has_data_ = true;
-    } else if (field == "event") {
+    if (field == "data") return on_data(value, false);
+    if (field == "event") {
       event_.assign(value.data(), value.size());
     }
     // id, retry and unknown fields: nothing a chat stream needs.
+    return absl::OkStatus();
+  }
+
+  // A data line: the event's first, from the piece, is kept as a view
+  // (copied by feed() if the event is not dispatched within the piece).
+  absl::Status on_data(std::string_view value, bool in_piece) {
+    const std::size_t have = data_in_view_ ? data_view_.size() : data_.size();
+    if (have + value.size() + 1 > options_.max_event_bytes) return too_long();
+    if (!has_data_ && in_piece) {
+      data_view_ = value;
+      data_in_view_ = true;
+      has_data_ = true;
+      return absl::OkStatus();
+    }
+    if (data_in_view_) {
+      data_.assign(data_view_.data(), data_view_.size());
+      data_in_view_ = false;
+    }
+    if (has_data_) data_.push_back('\n');
+    data_.append(value.data(), value.size());
+    has_data_ = true;
     return absl::OkStatus();
   }
 
@@ -532,23 +619,135 @@ class sse_parser {
       event_.clear();
       return absl::OkStatus();
     }
-    const chat_chunk c = read(data_, event_ == "error");
+    const bool error_event = event_ == "error";
+    const std::string_view data = data_in_view_ ? data_view_ : std::string_view(data_);
+    chat_chunk c;
+    if (options_.shape_cache && !error_event && same_shape(data, c)) {
+      ++shape_hits_;
+    } else {
+      c = read(data, error_event);
+      if (options_.shape_cache && !error_event) learn_shape(data, c);
+    }
     if (c.kind == chunk_kind::done) done_ = true;
+    // The callback first: clearing data_ writes its terminator over the
+    // first byte c.data (and a text at its start) views.
+    const bool go_on = on(c);
     data_.clear();
+    data_in_view_ = false;
     event_.clear();
     has_data_ = false;
-    if (!on(c)) stopped_ = true;
+    if (!go_on) stopped_ = true;
     return absl::OkStatus();
+  }
+
+  // The shape cache's fast path: data_ is the cached prefix, a string body,
+  // the cached suffix (see the header comment for why this is exact).
+  bool same_shape(std::string_view data, chat_chunk& c) {
+    if (!shape_valid_) return false;
+    const std::size_t pre = shape_prefix_, suf = shape_.size() - shape_prefix_;
+    const std::size_t n = data.size();
+    if (n <= pre + suf) return false;  // an empty string is no token: read in full
+    const char* d = data.data();
+    if (std::memcmp(d, shape_.data(), pre) != 0 || std::memcmp(d + n - suf, shape_.data() + pre, suf) != 0)
+      return false;
+    const std::string_view body(d + pre, n - pre - suf);
+    bool escaped = false;
+    for (std::size_t i = 0; i < body.size(); ++i) {
+      const auto b = static_cast<unsigned char>(body[i]);
+      if (b == '"' || b < 0x20) return false;  // an unescaped quote ends the string elsewhere
+      if (b == '\\') {
+        if (++i == body.size()) return false;  // the closing quote would be escaped
+        escaped = true;
+      }
+    }
+    c.data = data;
+    c.kind = chunk_kind::content;
+    if (!escaped) {
+      c.text = body;
+    } else {
+      if (!detail::json_reader::unescape(body, text_scratch_)) return false;  // read in full: invalid
+      c.text = text_scratch_;
+      if (c.text.empty()) return false;
+    }
+    return true;
+  }
+
+  // The shape cache on a whole event in the piece, line split included:
+  // `data: `, the cached prefix, a string body, the cached suffix, and a
+  // blank line (LF LF or CR LF CR LF). Neither the cached bytes
+  // (shape_line_) nor the body (no control characters) have a line end, so
+  // this is exactly the one-line event the line split would find and
+  // dispatch; then same_shape's reasoning holds. `past`: after the event.
+  bool same_shape_event(const char* p, const char* end, const char*& past, chat_chunk& c) {
+    const std::size_t pre = shape_prefix_, suf = shape_.size() - shape_prefix_;
+    const std::size_t avail = static_cast<std::size_t>(end - p);
+    if (avail < 6 + pre + suf + 2 || std::memcmp(p, "data: ", 6) != 0 || std::memcmp(p + 6, shape_.data(), pre) != 0)
+      return false;
+    const char* const body = p + 6 + pre;
+    const char* q = body;
+    bool escaped = false;
+    for (; q < end; ++q) {
+      const auto b = static_cast<unsigned char>(*q);
+      if (b == '"') break;  // the first unescaped quote: where the string ends
+      if (b < 0x20) return false;
+      if (b == '\\') {
+        if (++q == end || static_cast<unsigned char>(*q) < 0x20) return false;
+        escaped = true;
+      }
+    }
+    if (q == body || static_cast<std::size_t>(end - q) < suf + 2 || std::memcmp(q, shape_.data() + pre, suf) != 0)
+      return false;
+    const char* t = q + suf;
+    // An event the line split would refuse as over-long is left to it.
+    if (static_cast<std::size_t>(t - p - 6) + 1 > options_.max_event_bytes) return false;
+    if (t[0] == '\n' && t[1] == '\n') {
+      past = t + 2;
+    } else if (end - t >= 4 && std::memcmp(t, "\r\n\r\n", 4) == 0) {
+      past = t + 4;
+    } else {
+      return false;
+    }
+    const std::string_view raw(body, static_cast<std::size_t>(q - body));
+    if (escaped) {
+      if (!detail::json_reader::unescape(raw, text_scratch_)) return false;  // read in full: invalid
+      c.text = text_scratch_;
+    } else {
+      c.text = raw;
+    }
+    c.kind = chunk_kind::content;
+    c.data = std::string_view(p + 6, static_cast<std::size_t>(t - p - 6));
+    return true;
+  }
+
+  // After a full read: a plain content chunk (one choice, a delta with its
+  // content alone, no finish_reason, usage or error) becomes the cached shape.
+  void learn_shape(std::string_view data, const chat_chunk& c) {
+    const bool plain = c.kind == chunk_kind::content && plain_.open != nullptr && plain_.choices_keys == 1 &&
+                       plain_.choices == 1 && plain_.deltas == 1 && plain_.delta_keys == 1 &&
+                       c.finish_reason.empty() && !c.has_usage && c.error_type.empty() && c.error_code == 0 &&
+                       c.data.data() == data.data();
+    if (!plain) return;
+    const char* d = data.data();
+    shape_prefix_ = static_cast<std::size_t>(plain_.open + 1 - d);
+    shape_.assign(d, shape_prefix_);
+    shape_.append(plain_.close, static_cast<std::size_t>(d + data.size() - plain_.close));
+    shape_valid_ = true;
+    shape_line_ = std::memchr(shape_.data(), '\n', shape_.size()) == nullptr &&
+                  std::memchr(shape_.data(), '\r', shape_.size()) == nullptr;
   }
 
   bool choice(detail::json_reader& j, chat_chunk& c, bool& has_content, bool& has_role) {
     return j.members(2, [&](std::string_view key) -> bool {
       if (key == "delta" || key == "message") {
+        ++plain_.deltas;
         if (j.at_null()) return j.literal("null");
         return j.members(3, [&](std::string_view k) -> bool {
+          ++plain_.delta_keys;
           if (k == "content") {
             if (!j.at('"')) return j.skip(4);  // null, or a structured content array
+            plain_.open = j.pos();
             if (!j.text(c.text, text_scratch_)) return false;
+            plain_.close = j.pos() - 1;
             has_content = !c.text.empty();
             return true;
           }
@@ -569,9 +768,23 @@ class sse_parser {
 
   sse_options options_;
   std::string line_;   // the unfinished line of the previous piece
-  std::string data_;   // the event's data lines so far
+  std::string data_;   // the event's data lines so far (unless data_in_view_)
+  std::string_view data_view_;  // the event's one data line, in the piece being fed
+  bool data_in_view_ = false;
   std::string event_;  // the event's `event:` field
   std::string text_scratch_, error_scratch_, type_scratch_, finish_scratch_;
+  // What the last full read saw of the chunk's structure, for the cache.
+  struct plain_shape {
+    const char* open = nullptr;   // choice 0's content string: its opening quote
+    const char* close = nullptr;  // and its closing quote
+    int choices_keys = 0, choices = 0, deltas = 0, delta_keys = 0;
+  };
+  plain_shape plain_;
+  std::string shape_;             // the cached prefix, then the cached suffix
+  std::size_t shape_prefix_ = 0;  // the prefix's length (through the opening quote)
+  bool shape_valid_ = false;
+  bool shape_line_ = false;       // valid, and no line end in it: same_shape_event applies
+  std::size_t shape_hits_ = 0;
   bool has_data_ = false;
   bool skip_lf_ = false;
   bool stopped_ = false;
