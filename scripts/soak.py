@@ -14,6 +14,7 @@ Standard library only. Usage (normally through scripts/soak):
           [--minutes 10] [--cycle-seconds 60] [--rate 30] [--report FILE]
 """
 import argparse
+import itertools
 import json
 import os
 import re
@@ -143,15 +144,6 @@ def driver(gw, tally, stop, rate, cls, seq):
         time.sleep(max(0.0, nxt - time.time()))
 
 
-def counter():
-    n = 0
-    lock = threading.Lock()
-    while True:
-        with lock:
-            n += 1
-        yield n
-
-
 def pct(xs, q):
     if not xs:
         return float("nan")
@@ -224,7 +216,7 @@ def main():
     phases = [("normal", 0.35), ("fault", 0.30), ("recovery", 0.25)]
     total = Tally()
     rows = []
-    seq = counter()
+    seq = itertools.count(1)  # next() on it is atomic; a generator shared by threads is not
     started = time.time()
     for c in range(cycles):
         fault = FAULTS[c % len(FAULTS)]

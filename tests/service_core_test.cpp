@@ -534,3 +534,17 @@ TEST_CASE("question ids with a fallback rubric degrade in an outage; ids without
   CHECK(message.find("no rubric for question 'q-unknown'") != std::string::npos);
   CHECK(parse(r)["error"]["refused_by"] == "breaker:endpoint=sim-llm");
 }
+
+TEST_CASE("a write the store lost in transit is 503 unknown_outcome, not a bare 500", "[service][faults]") {
+  // What tests/service_faults_test.cpp meets only when a kill lands mid-commit.
+  const absl::Status lost =
+      keel::unknown_outcome_error("postgres job store 'reports'", absl::UnavailableError("connection lost"));
+  const gateway::reply r = gateway::detail::error_reply(lost);
+  CHECK(r.status == 503);
+  const json e = parse(r).at("error");
+  CHECK(e.at("status") == "UNKNOWN");
+  CHECK(e.at("condition") == "unknown_outcome");
+  // Other failures keep their mapping.
+  CHECK(gateway::detail::error_reply(absl::UnknownError("a bug")).status == 500);
+  CHECK(gateway::detail::error_reply(absl::UnavailableError("down")).status == 503);
+}

@@ -126,7 +126,9 @@ class service {
         server_(server_options(core_->options()), [this](const http_request& r) { return route(r); },
                 [this](const http_refusal& f) { return refused(f); },
                 // Operators and monitoring have workers of their own.
-                [](const http_request& r) { return r.path == "/healthz" || r.path == "/metrics" || r.path.starts_with("/admin/"); }) {}
+                [](const http_request& r) {
+                  return r.path == "/healthz" || r.path == "/metrics" || r.path.starts_with("/admin/");
+                }) {}
 
   static http_server_options server_options(const gateway_options& o) {
     return {.threads = o.http_threads,

@@ -149,21 +149,25 @@ namespace detail {
   return true;
 }
 
+// Appends the UTF-8 sequence at s[i], or U+FFFD for a byte that does not
+// start one; returns the bytes it consumed. The one place the exposition's
+// rule for invalid UTF-8 lives (the writer and replace_invalid_utf8 share it).
+inline std::size_t append_utf8_at(std::string& out, std::string_view s, std::size_t i) {
+  const std::size_t n = utf8_sequence(s, i);
+  if (n == 0) {
+    out += "\xEF\xBF\xBD";
+    return 1;
+  }
+  out.append(s.substr(i, n));
+  return n;
+}
+
 // s with every byte that is not part of valid UTF-8 replaced by U+FFFD: how
 // the exposition writes it (Prometheus refuses a scrape with invalid UTF-8).
 [[nodiscard]] inline std::string replace_invalid_utf8(std::string_view s) {
   std::string out;
   out.reserve(s.size());
-  for (std::size_t i = 0; i < s.size();) {
-    const std::size_t n = utf8_sequence(s, i);
-    if (n == 0) {
-      out += "\xEF\xBF\xBD";
-      ++i;
-    } else {
-      out.append(s.substr(i, n));
-      i += n;
-    }
-  }
+  for (std::size_t i = 0; i < s.size();) i += append_utf8_at(out, s, i);
   return out;
 }
 

@@ -76,14 +76,7 @@ inline void append_escaped(std::string& out, std::string_view s, bool quotes) {
   for (std::size_t i = 0; i < s.size();) {
     const char c = s[i];
     if (static_cast<unsigned char>(c) >= 0x80) {
-      const std::size_t n = utf8_sequence(s, i);
-      if (n == 0) {
-        out += "\xEF\xBF\xBD";
-        ++i;
-      } else {
-        out.append(s.substr(i, n));
-        i += n;
-      }
+      i += append_utf8_at(out, s, i);
       continue;
     }
     ++i;
