@@ -77,8 +77,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "text.hpp"
+#include "keel/compose/executor.hpp"
 #include "keel/compose/fallback.hpp"
 #include "keel/compose/pipeline.hpp"
+#include "keel/compose/stream.hpp"
+#include "keel/compose/token_estimate.hpp"
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
 #include "keel/core/status.hpp"
@@ -88,6 +91,7 @@
 #include "keel/observe/metrics.hpp"
 #include "keel/observe/prometheus.hpp"
 #include "keel/observe/slo.hpp"
+#include "keel/observe/stream_slo.hpp"
 #include "keel/observe/telemetry_metrics.hpp"
 #include "keel/policy/adaptive_timeout.hpp"
 #include "keel/policy/admission.hpp"
@@ -99,6 +103,7 @@
 #include "keel/policy/time_limit.hpp"
 #include "keel/store/sqlite.hpp"
 #include "batch_worker.hpp"
+#include "chat.hpp"
 #include "effect_log.hpp"
 #include "gateway_options.hpp"
 #include "simulated_provider.hpp"
@@ -112,6 +117,7 @@ struct reply {
   std::string body{};
   std::string content_type = "application/json";
   std::optional<keel::duration> retry_after{};  // sent as Retry-After (whole seconds, rounded up)
+  bool streamed = false;  // the answer went to the chat_sink as server-sent events; nothing more to send
 };
 
 enum class work_class : std::uint8_t { interactive, batch, recovery };
@@ -285,6 +291,8 @@ class gateway_core {
   using queue_type = keel::job_queue<JobStore, env_type>;
   using worker_type = batch_worker<Clock, JobStore, gateway_listener>;
   using once_type = keel::once<keel::sqlite_store<>, env_type>;
+  using guard_type = keel::stream_guard<Clock>;
+  using chat_stream = keel::token_stream<guard_type, relay_token>;
 
   // Opens the stores under o.data_dir (keel.db, jobs.db, effects.db) with
   // `open_jobs(path)` for the job store; invalid options are refused
@@ -430,6 +438,137 @@ class gateway_core {
     return answered(endpoint, detail::error_reply(s, status));
   }
 
+  // POST /v1/chat/completions (OpenAI-compatible): {"tenant", ["model"],
+  // "messages": [{"role", "content"}], ["max_tokens"], ["stream"]}. One
+  // deadline (options().chat.deadline) for the whole stream; admission
+  // reserves the model's token estimate and settles it to what the streams
+  // were billed; the "streaming" bulkhead class; then the model's stream
+  // through retry, the fleet's gate and the provider's breaker, under the
+  // guard's three budgets and its first-token hedge. Before the first token
+  // a failed stream fails over to the second model (chat.backup); after it,
+  // a stream cut short is continued there (degraded). With "stream": true
+  // and a sink the tokens go to `sink` as they come (reply.streamed);
+  // otherwise the answer is one chat.completion. Nothing is sent before the
+  // first token: a failure until then is an ordinary JSON error.
+  reply chat_completions(std::string_view body, chat_sink* sink) {
+    const keel::time_point t0 = clock_.now();
+    absl::StatusOr<chat_request> parsed = parse_chat(body);
+    if (!parsed.ok()) return answered("chat", detail::error_reply(parsed.status()));
+    const chat_request& rq = *parsed;
+    const bool streaming = rq.stream && sink != nullptr;
+    const tenant_state& tenant = tenant_of(rq.tenant);
+    model_state& model = *models_.find(rq.model)->second;
+    const chat_call carried{.body = rq,
+                            .tenant_key = tenant.key ? &tenant.key : nullptr,
+                            .reserved = model.tokens.estimate(rq.input_tokens, rq.max_tokens)};
+    // The call stops for a service shutdown or a client that went away.
+    std::stop_source stop;
+    auto forward = [&stop] { stop.request_stop(); };
+    std::stop_callback<decltype(forward)> on_shutdown(stop_.get_token(), forward);
+    std::optional<std::stop_callback<decltype(forward)>> on_gone;
+    if (streaming) on_gone.emplace(sink->client_gone(), forward);
+    const std::int64_t created =
+        std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+    const std::string id = cat("chatcmpl-", chat_ids_.fetch_add(1, std::memory_order_relaxed) + 1);
+    chat_relay relay(streaming ? sink : nullptr, id, created, rq.model, stop);
+    chat_stream stream(guard_, relay_token{&relay});
+    stream.reserve(static_cast<std::size_t>(rq.max_tokens) * 8);
+    keel::call call(t0,
+                    {.timeout = options_.chat.deadline,
+                     .stop = stop.get_token(),
+                     .labels = {.tenant = rq.tenant,
+                                .model = rq.model,
+                                .endpoint = provider_.name(),
+                                .region = tenant.config->region,
+                                .work_class = "streaming"},
+                     .max_attempts = 2 * options_.chat.attempts + 4},
+                    carried);
+    chat_route route;
+    absl::StatusOr<keel::stream_result> r = model.chat(call, t0, stream, route);
+    const keel::time_point done = clock_.now();
+    stream_metrics_.record(rq.model, r);
+    keel::record_time_to_first_token(*chat_ttft_, r, done);
+
+    if (!r.ok()) {
+      const absl::Status& s = r.status();
+      if (std::optional<std::string_view> reason = admission_refusal(s)) {
+        const bool own_quota = *reason == "tenant_quota";
+        rejections_->with({"streaming", *reason}).inc();
+        if (!own_quota) chat_slo_->record(keel::request_outcome::rejected, done - t0, done);
+        absl::Status refused = s;
+        if (!keel::retry_after(refused)) refused = keel::with_retry_after(std::move(refused), options_.interactive.admit);
+        return answered("chat", detail::error_reply(refused));
+      }
+      chat_slo_->record(absl::IsCancelled(s) ? keel::request_outcome::abandoned : keel::request_outcome::failure,
+                        done - t0, done);
+      return answered("chat", detail::error_reply(s));
+    }
+    keel::stream_result& a = *r;
+    stream_metrics_.record_tokens(rq.model, carried.reserved, a.charged);
+    model.tokens.record(r);
+    const bool answered_whole = a.complete;
+    chat_slo_->record(answered_whole ? keel::request_outcome::success
+                      : a.reason == keel::stream_stop::cancelled ? keel::request_outcome::abandoned
+                                                                 : keel::request_outcome::partial,
+                      done - t0, done);
+    const std::string served_by = route.failed_over ? cat("backup:", backup_.name())
+                                  : a.continuations > 0 ? cat("model:", rq.model, "+backup:", backup_.name())
+                                                        : cat("model:", rq.model);
+    answers_->with({"streaming", served_by}).inc();
+    detail::json keel_view = {{"complete", a.complete},
+                              {"partial", a.partial},
+                              {"degraded", a.degraded || route.failed_over},
+                              {"continuations", a.continuations},
+                              {"failed_over", route.failed_over},
+                              {"hedged", a.hedge == 1},
+                              {"served_by", served_by},
+                              {"ttft_ms", std::chrono::duration<double, std::milli>(a.time_to_first_token).count()},
+                              {"elapsed_ms", detail::to_ms(done - t0)},
+                              {"tokens", a.tokens},
+                              {"reserved_tokens", carried.reserved},
+                              {"charged_tokens", a.charged},
+                              {"attempts", call.record().attempts}};
+    if (!a.complete) {
+      keel_view["reason"] = std::string(keel::to_string(a.reason));
+      keel_view["cause"] = std::string(a.cause.message());
+      keel_view["continuable"] = a.continuable;
+      if (!a.continuation_failure.ok()) keel_view["continuation_failure"] = std::string(a.continuation_failure.message());
+    }
+    const std::int64_t prompt_tokens = a.usage.prompt_tokens >= 0 ? a.usage.prompt_tokens : rq.input_tokens;
+    const detail::json usage = {{"prompt_tokens", prompt_tokens},
+                                {"completion_tokens", a.tokens},
+                                {"total_tokens", prompt_tokens + a.tokens}};
+    const char* finish = a.tokens >= rq.max_tokens ? "length" : "stop";
+    if (streaming) {
+      if (a.complete) {
+        relay.open();
+        relay.event(cat(R"({"index":0,"delta":{},"finish_reason":")", finish, "\"}]"));
+        relay.event(cat("],\"usage\":", detail::dump(usage), ",\"keel\":", detail::dump(keel_view)));
+        relay.done();
+      } else {
+        relay.fail(detail::dump({{"error",
+                                  {{"message", cat("the stream ended early (", keel::to_string(a.reason),
+                                                   "): ", a.cause.message())},
+                                   {"type", "stream_interrupted"},
+                                   {"code", std::string(keel::to_string(a.reason))}}},
+                                 {"keel", keel_view}}));
+      }
+      return answered("chat", {.status = 200, .streamed = true});
+    }
+    detail::json out = {{"id", id},
+                        {"object", "chat.completion"},
+                        {"created", created},
+                        {"model", rq.model},
+                        {"choices",
+                         {{{"index", 0},
+                           {"message", {{"role", "assistant"}, {"content", a.text}}},
+                           {"finish_reason", a.complete ? finish : "partial"}}}},
+                        {"usage", usage},
+                        {"degraded", a.degraded || route.failed_over || !a.complete},
+                        {"keel", keel_view}};
+    return answered("chat", {.status = 200, .body = detail::dump(out)});
+  }
+
   // POST /v1/batch: {"tenant", "learner", "sessions": [...], ["model"], ["class"]}
   // with an Idempotency-Key. 202 with the job (200 when the key was seen).
   reply batch_submit(std::string_view body, const std::optional<std::string_view>& key_header) {
@@ -544,6 +683,13 @@ class gateway_core {
       if (!j.ok()) return detail::error_reply(j.status());
       absl::StatusOr<std::string> kind = detail::string_field(*j, "kind", 32);
       if (!kind.ok()) return detail::error_reply(kind.status());
+      absl::StatusOr<std::string> which = detail::string_field(*j, "provider", 64, provider_.name());
+      if (!which.ok()) return detail::error_reply(which.status());
+      if (*which != provider_.name() && *which != backup_.name()) {
+        return detail::error_reply(
+            absl::NotFoundError(cat("no provider '", *which, "' (known: ", provider_.name(), ", ", backup_.name(), ")")));
+      }
+      simulated_provider<Clock>& target = *which == provider_.name() ? provider_ : backup_;
       const std::optional<fault_kind> k = parse_fault_kind(*kind);
       if (!k) {
         return detail::error_reply(detail::bad_input(cat(
@@ -564,8 +710,8 @@ class gateway_core {
           f.retry_after = std::chrono::duration_cast<keel::duration>(std::chrono::duration<double, std::milli>(v));
         }
       }
-      if (absl::Status s = provider_.set_fault(f); !s.ok()) return detail::error_reply(s);
-      return {.status = 200, .body = detail::dump({{"provider", provider_.name()}, {"fault", *kind}})};
+      if (absl::Status s = target.set_fault(f); !s.ok()) return detail::error_reply(s);
+      return {.status = 200, .body = detail::dump({{"provider", target.name()}, {"fault", *kind}})};
     });
   }
 
@@ -630,6 +776,18 @@ class gateway_core {
                               {"requests", s.in_window.requests()}};
       }
       out["slo"] = slos;
+      const keel::stream_figures g = guard_.figures();
+      out["streams"] = {{"attempts", g.attempts},
+                        {"committed", g.committed},
+                        {"first_token_timeouts", g.first_token_timeouts},
+                        {"stalls", g.stalls},
+                        {"mid_stream_failures", g.mid_stream_failures},
+                        {"hedges_started", g.hedges_started},
+                        {"hedge_wins", g.hedge_wins},
+                        {"continuations", g.continuations},
+                        {"hedge_delay_ms", std::chrono::duration<double, std::milli>(guard_.current_hedge_delay()).count()},
+                        {"backup", {{"provider", backup_.name()},
+                                    {"fault", std::string(to_string(backup_.current_fault().kind))}}}};
       return {.status = 200, .body = detail::dump(out)};
     });
   }
@@ -647,13 +805,16 @@ class gateway_core {
   reply not_found(std::string_view path) {
     return answered("other", detail::error_reply(absl::NotFoundError(
                                  cat("no endpoint ", path.substr(0, 100),
-                                              " (try POST /v1/feedback, POST /v1/batch, GET /v1/batch/<id>, "
+                                              " (try POST /v1/feedback, POST /v1/chat/completions, POST /v1/batch, GET /v1/batch/<id>, "
                                               "GET /healthz, GET /metrics, POST /admin/{breaker,shed,fault})"))));
   }
 
   // ---- the in-process operator API ----------------------------------------
 
   simulated_provider<Clock>& provider() noexcept { return provider_; }
+  // The second model: chat streams fail over and continue on it.
+  simulated_provider<Clock>& backup_provider() noexcept { return backup_; }
+  guard_type& stream_guard() noexcept { return guard_; }
   keel::breaker_registry& breakers() noexcept { return breakers_; }
   keel::circuit_breaker& provider_breaker() { return breakers_.breaker_for(provider_domain()); }
   // What the replicas share through Redis; null without one.
@@ -693,6 +854,11 @@ class gateway_core {
     std::string tenant, model, key, payload;
   };
 
+  // How a chat request was served, beyond its stream_result.
+  struct chat_route {
+    bool failed_over = false;  // the second model served: the first failed before its first token
+  };
+
   struct model_state {
     explicit model_state(model_config c, const gateway_options& o)
         : config(std::move(c)), interactive_timeout(o.model_timeout), batch_timeout(o.batch_timeout) {}
@@ -703,6 +869,11 @@ class gateway_core {
     // The interactive path for this model: one pipeline, built in the
     // constructor (interactive_pipeline()), run as pipeline.run(call, now, provider).
     std::function<absl::StatusOr<detail::answer>(keel::call&, keel::time_point)> interactive;
+    // Tokens to reserve per chat request: input + max_tokens, then the learned p95 of output.
+    keel::token_estimate tokens{{.percentile = 0.95, .samples = 512, .min_samples = 50}};
+    // The streaming path for this model (chat_pipeline()).
+    std::function<absl::StatusOr<keel::stream_result>(keel::call&, keel::time_point, chat_stream&, chat_route&)>
+        chat;
   };
 
   // A tenant's configuration and its quota key, resolved at startup for the
@@ -734,7 +905,11 @@ class gateway_core {
                         {.name = "recovery",
                          .capacity = options_.recovery_slots,
                          .max_queue = options_.recovery_queue,
-                         .max_queue_age = options_.recovery_queue_age}}}),
+                         .max_queue_age = options_.recovery_queue_age},
+                        {.name = "streaming",
+                         .capacity = options_.chat.slots,
+                         .max_queue = options_.chat.queue,
+                         .max_queue_age = options_.chat.queue_age}}}),
         quotas_(admission_options(options_)),
         slos_(slo_classes(options_)),
         ids_(std::move(ids)),
@@ -751,7 +926,18 @@ class gateway_core {
         jobs_(std::move(jobs)),
         queue_(*jobs_, report_queue_options(options_),
                env()),
-        effects_(std::move(effects)) {
+        effects_(std::move(effects)),
+        backup_(options_.chat.backup, clock_),
+        hedge_pool_({.threads = options_.chat.hedge_threads, .queue_capacity = options_.chat.hedge_threads}),
+        guard_(keel::stream_options{.first_token = options_.chat.first_token,
+                                    .stall = options_.chat.stall,
+                                    .whole = options_.chat.whole,
+                                    .hedge_delay = options_.chat.hedge_delay,
+                                    .hedge_percentile = options_.chat.hedge_percentile,
+                                    .hedge_min_delay = options_.chat.hedge_min_delay,
+                                    .budget = &budget_},
+               hedge_pool_, clock_),
+        stream_metrics_(registry_) {
     if (options_.fleet.enabled()) fleet_ = std::make_unique<fleet_sharing>(options_.fleet, breakers_, provider_.name());
     const keel::time_point now = clock_.now();
     // Every configured tenant and model is an override in the quota tables,
@@ -761,9 +947,12 @@ class gateway_core {
       auto state = std::make_unique<model_state>(m, options_);
       state->quota_key = quotas_.model_key(m.name, now).value();
       state->interactive = interactive_pipeline(*state);
+      state->chat = chat_pipeline(*state);
       models_.emplace(m.name, std::move(state));
     }
     full_answers_ = slos_.find("interactive-full-answers");
+    chat_slo_ = slos_.find("streaming");
+    chat_ttft_ = slos_.find("streaming-ttft");
     interactive_cls_ = *pools_.class_index("interactive");
     recovery_cls_ = *pools_.class_index("recovery");
     http_requests_ = &registry_.counter({.name = "gateway_http_requests_total",
@@ -861,6 +1050,54 @@ class gateway_core {
     };
   }
 
+  // The streaming path of model `m`, outer to inner: the shed switch
+  // (streams are interactive work), admission in tokens (the reservation
+  // settles to what the call was charged: keel::stream_options::charge_tokens),
+  // the "streaming" bulkhead class; then, on the same call, the first model
+  // (retry under the service's budget, the fleet's gate, the provider's
+  // breaker; the guard's budgets and first-token hedge around each attempt)
+  // and, when it fails before its first token or is cut after it, the
+  // second model behind its own breaker. Built once; shared by every request.
+  std::function<absl::StatusOr<keel::stream_result>(keel::call&, keel::time_point, chat_stream&, chat_route&)>
+  chat_pipeline(model_state& m) {
+    auto outer =
+        keel::pipeline(
+            shed_switch{&shed_[idx(work_class::interactive)], work_class_names[idx(work_class::interactive)]},
+            quotas_.for_model(m.quota_key)
+                .with_estimate(keel::from_request<chat_call>([](const chat_call& c) { return c.reserved; },
+                                                             std::int64_t{0}))
+                .with_tenant_key(keel::from_request<chat_call>(
+                    [](const chat_call& c) { return c.tenant_key; }, static_cast<const keel::admission_key*>(nullptr))),
+            pools_.for_class("streaming"))
+            .in(env());
+    auto first = keel::pipeline(keel::retry({.max_attempts = options_.chat.attempts, .budget = &budget_},
+                                            options_.backoff),
+                                fleet_gate{fleet_.get()}, breakers_)
+                     .in(env());
+    auto second = keel::pipeline(breakers_.breaker_for(keel::failure_domain{.endpoint = backup_.name()})).in(env());
+    return [this, outer = std::move(outer), first = std::move(first), second = std::move(second)](
+               keel::call& call, keel::time_point now, chat_stream& stream, chat_route& route) {
+      chat_model_call<Clock> primary{&provider_}, backup{&backup_};
+      return outer.run(call, now, [&](const keel::attempt& a) -> absl::StatusOr<keel::stream_result> {
+        absl::StatusOr<keel::stream_result> r = first.run(call, a.start, stream.attempts(primary));
+        if (!options_.chat.continue_on_backup || call.stop_token().stop_requested()) return r;
+        if (!r.ok()) {
+          // Nothing was shown yet: the second model may answer instead. A
+          // request the first refused as invalid would be refused there too.
+          if (absl::IsInvalidArgument(r.status()) || absl::IsCancelled(r.status())) return r;
+          absl::StatusOr<keel::stream_result> b = second.run(call, clock_.now(), stream.attempts(backup));
+          if (!b.ok()) return r;  // the first model's failure is the answer's
+          route.failed_over = true;
+          b->degraded = true;
+          call.mark_degraded();
+          return b;
+        }
+        if (r->partial && r->continuable) return stream.resume(call, second, backup, std::move(*r));
+        return r;
+      });
+    };
+  }
+
   // The one environment every component runs in: the gateway's clock and
   // its metrics listener.
   [[nodiscard]] env_type env() const { return env_type{clock_, {}, listener_}; }
@@ -902,7 +1139,27 @@ class gateway_core {
               .window_buckets = 60,
               .rejected = keel::counts_as::bad,
               .partial = keel::counts_as::bad,
-              .abandoned = keel::counts_as::not_eligible}}};
+              .abandoned = keel::counts_as::not_eligible}},
+            // Streams: answered whole (continued or failed over included) is
+            // good; cut short and not continued, or refused by the service, is bad.
+            {"streaming",
+             {.target = o.chat.availability_target,
+              .window = o.slo_window,
+              .window_buckets = 60,
+              .rejected = keel::counts_as::bad,
+              .partial = keel::counts_as::bad,
+              .abandoned = keel::counts_as::not_eligible}},
+            // Time to first token: the share of streams that showed a token
+            // within ttft_threshold (keel::record_time_to_first_token).
+            {"streaming-ttft",
+             {.target = o.chat.availability_target,
+              .window = o.slo_window,
+              .window_buckets = 60,
+              .rejected = keel::counts_as::not_eligible,
+              .partial = keel::counts_as::good,
+              .abandoned = keel::counts_as::not_eligible,
+              .latency_threshold = o.chat.ttft_threshold,
+              .latency_target = o.chat.ttft_target}}};
   }
 
   static constexpr std::size_t idx(work_class w) noexcept { return static_cast<std::size_t>(w); }
@@ -973,6 +1230,49 @@ class gateway_core {
                          .model = std::move(*model),
                          .key = std::move(*k),
                          .payload = detail::dump(payload)};
+  }
+
+  [[nodiscard]] absl::StatusOr<chat_request> parse_chat(std::string_view body) const {
+    absl::StatusOr<detail::json> j = detail::parse_object(body);
+    if (!j.ok()) return j.status();
+    chat_request r;
+    absl::StatusOr<std::string> tenant = detail::string_field(*j, "tenant", 64);
+    if (!tenant.ok()) return tenant.status();
+    absl::StatusOr<std::string> model = detail::string_field(*j, "model", 64, options_.models.front().name);
+    if (!model.ok()) return model.status();
+    if (absl::Status s = detail::check_name("tenant", *tenant); !s.ok()) return s;
+    if (!models_.contains(*model)) return detail::bad_input(cat("unknown model '", *model, "'"));
+    r.tenant = std::move(*tenant);
+    r.model = std::move(*model);
+    const auto messages = j->find("messages");
+    if (messages == j->end() || !messages->is_array() || messages->empty() || messages->size() > 64)
+      return detail::bad_input("'messages' must be an array of 1-64 messages");
+    for (const detail::json& m : *messages) {
+      if (!m.is_object()) return detail::bad_input("each message must be an object with a role and a content");
+      const auto role = m.find("role");
+      const auto content = m.find("content");
+      if (role == m.end() || !role->is_string()) return detail::bad_input("each message needs a 'role' string");
+      const std::string rl = role->get<std::string>();
+      if (rl != "system" && rl != "user" && rl != "assistant" && rl != "tool")
+        return detail::bad_input(cat("unknown role '", rl.substr(0, 32), "' (known: system, user, assistant, tool)"));
+      if (content == m.end() || !content->is_string())
+        return detail::bad_input("each message needs a 'content' string");
+      absl::StrAppend(&r.prompt, rl, ": ", content->get<std::string>(), "\n");
+      if (r.prompt.size() > 32 * 1024) return detail::bad_input("the messages must be at most 32768 bytes in all");
+    }
+    r.max_tokens = options_.chat.default_max_tokens;
+    if (const auto mt = j->find("max_tokens"); mt != j->end() && !mt->is_null()) {
+      if (!mt->is_number_integer() || mt->get<std::int64_t>() < 1 ||
+          mt->get<std::int64_t>() > options_.chat.max_tokens_limit)
+        return detail::bad_input(cat("'max_tokens' must be an integer in [1, ", options_.chat.max_tokens_limit, "]"));
+      r.max_tokens = mt->get<int>();
+    }
+    if (const auto st = j->find("stream"); st != j->end() && !st->is_null()) {
+      if (!st->is_boolean()) return detail::bad_input("'stream' must be true or false");
+      r.stream = st->get<bool>();
+    }
+    r.input_tokens = static_cast<std::int64_t>(r.prompt.size() / 4 + 1);
+    return r;
   }
 
   void finish_body(detail::json& out, const keel::call& call, keel::time_point t0, const interactive_progress& p,
@@ -1125,7 +1425,29 @@ class gateway_core {
     budget.series.push_back({.labels = {"requests"}, .value = static_cast<double>(b.requests)});
     budget.series.push_back({.labels = {"retries"}, .value = static_cast<double>(b.retries)});
     budget.series.push_back({.labels = {"allowed"}, .value = static_cast<double>(b.allowed)});
-    for (auto* f : {&active, &queued, &refused, &breaker, &calls, &abandoned, &shed, &jobs, &readable, &budget}) {
+    keel::metric_family_snapshot streams =
+        counter("gateway_provider_streams_total", "Streams the simulated providers served, by what happened.",
+                {"provider", "result"});
+    for (const simulated_provider<Clock>* p : {&provider_, &backup_}) {
+      const provider_figures f = p->figures();
+      const std::pair<const char*, std::int64_t> stream_results[] = {
+          {"started", f.streams}, {"complete", f.streams_complete}, {"cut", f.streams_cut},
+          {"stopped", f.streams_stopped}};
+      for (const auto& [label, n] : stream_results)
+        streams.series.push_back({.labels = {p->name(), label}, .value = static_cast<double>(n)});
+    }
+    keel::metric_family_snapshot guard =
+        counter("gateway_stream_guard_total", "What the stream guard did: attempts, commits, budgets, hedges.",
+                {"event"});
+    const keel::stream_figures g = guard_.figures();
+    const std::pair<const char*, std::int64_t> guard_events[] = {
+        {"attempt", g.attempts}, {"committed", g.committed}, {"first_token_timeout", g.first_token_timeouts},
+        {"stall", g.stalls}, {"whole_timeout", g.whole_timeouts}, {"mid_stream_failure", g.mid_stream_failures},
+        {"hedge_started", g.hedges_started}, {"hedge_won", g.hedge_wins}, {"hedge_skipped", g.hedges_skipped},
+        {"continuation", g.continuations}};
+    for (const auto& [label, n] : guard_events) guard.series.push_back({.labels = {label}, .value = static_cast<double>(n)});
+    for (auto* f : {&active, &queued, &refused, &breaker, &calls, &abandoned, &shed, &jobs, &readable, &budget, &streams,
+                    &guard}) {
       s.families.push_back(std::move(*f));
     }
   }
@@ -1152,6 +1474,15 @@ class gateway_core {
   queue_type queue_;
   std::unique_ptr<effect_log> effects_;
   std::unique_ptr<worker_type> workers_;
+  // Streaming: the second model, the hedges' threads, the guard (after the
+  // pool it submits to, before nothing that outlives it), what streams did.
+  simulated_provider<Clock> backup_;
+  keel::bounded_pool hedge_pool_;
+  guard_type guard_;
+  keel::stream_metrics stream_metrics_;
+  std::atomic<std::int64_t> chat_ids_{0};
+  keel::work_class_slo* chat_slo_ = nullptr;
+  keel::work_class_slo* chat_ttft_ = nullptr;
   keel::work_class_slo* full_answers_ = nullptr;
   std::size_t interactive_cls_ = 0, recovery_cls_ = 0;
   std::array<std::atomic<bool>, 3> shed_{};

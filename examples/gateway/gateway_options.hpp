@@ -95,6 +95,66 @@ struct model_config {
   std::int64_t token_estimate = 600;   // reserved from the tenant's compute budget per request
 };
 
+// The streaming endpoint (POST /v1/chat/completions with "stream": true,
+// gateway/chat.hpp): one deadline per stream, the stream's three budgets
+// (keel::stream_guard), the first-token hedge, the continuation on a second
+// model, and its own bulkhead class: a stream holds its slot for seconds.
+struct chat_config {
+  keel::duration deadline = 20s;      // the whole request, first token to last
+  keel::duration first_token = 1s;    // per attempt: the first content token
+  keel::duration stall = 400ms;       // the longest gap between two tokens
+  keel::duration whole = 15s;         // one stream attempt, end to end
+  // First-token hedge: after the learned `hedge_percentile` of recent times
+  // to first token (hedge_delay until 20 are known, never below hedge_min_delay).
+  keel::duration hedge_delay = 400ms;
+  double hedge_percentile = 0.95;
+  keel::duration hedge_min_delay = 50ms;
+  int hedge_threads = 16;             // the hedges' executor
+  int attempts = 2;                   // per model, before the commit
+  int slots = 32, queue = 16;         // the "streaming" bulkhead class
+  keel::duration queue_age = 200ms;
+  int default_max_tokens = 256, max_tokens_limit = 4096;
+  // A stream that fails before its first token is failed over, and one cut
+  // mid-stream is continued, on this model (degraded); false: neither.
+  bool continue_on_backup = true;
+  provider_options backup{.name = "sim-llm-backup", .median_latency = 500ms, .capacity = 40,
+                          .first_token_latency = 300ms, .tail_ratio = 0.01, .token_gap = 20ms};
+  // The objective on time to first token: `ttft_target` of streams show a
+  // token within `ttft_threshold`.
+  keel::duration ttft_threshold = 1s;
+  double ttft_target = 0.95;
+  double availability_target = 0.99;  // answered (complete, continued or failed over)
+
+  [[nodiscard]] absl::Status validate() const {
+    constexpr std::string_view who = "gateway_options.chat";
+    const std::pair<std::string_view, keel::duration> positive[] = {
+        {"deadline", deadline}, {"first_token", first_token}, {"stall", stall}, {"whole", whole},
+        {"ttft_threshold", ttft_threshold}, {"queue_age", queue_age}};
+    for (const auto& [field, d] : positive) {
+      if (d <= keel::duration::zero()) return keel::detail::invalid_field(who, field, "be > 0", d);
+    }
+    if (first_token >= deadline)
+      return keel::detail::invalid_field(who, "first_token", "be shorter than the deadline", first_token);
+    if (hedge_delay < keel::duration::zero())
+      return keel::detail::invalid_field(who, "hedge_delay", "be >= 0 (0: no hedge)", hedge_delay);
+    if (!(hedge_percentile == 0.0 || (hedge_percentile > 0.0 && hedge_percentile < 1.0)))
+      return keel::detail::invalid_field(who, "hedge_percentile", "be 0 (fixed delay) or in (0, 1)", hedge_percentile);
+    if (hedge_threads < 1) return keel::detail::invalid_field(who, "hedge_threads", "be >= 1", hedge_threads);
+    if (attempts < 1) return keel::detail::invalid_field(who, "attempts", "be >= 1", attempts);
+    if (slots < 1 || slots > 32767) return keel::detail::invalid_field(who, "slots", "be in [1, 32767]", slots);
+    if (queue < 0) return keel::detail::invalid_field(who, "queue", "be >= 0", queue);
+    if (max_tokens_limit < 1) return keel::detail::invalid_field(who, "max_tokens_limit", "be >= 1", max_tokens_limit);
+    if (default_max_tokens < 1 || default_max_tokens > max_tokens_limit)
+      return keel::detail::invalid_field(who, "default_max_tokens", "be in [1, max_tokens_limit]", default_max_tokens);
+    if (!(ttft_target > 0 && ttft_target < 1))
+      return keel::detail::invalid_field(who, "ttft_target", "be in (0, 1)", ttft_target);
+    if (!(availability_target > 0 && availability_target < 1))
+      return keel::detail::invalid_field(who, "availability_target", "be in (0, 1)", availability_target);
+    if (absl::Status s = backup.validate(); !s.ok()) return keel::annotate(s, "gateway_options.chat.backup");
+    return absl::OkStatus();
+  }
+};
+
 struct gateway_options {
   deadline_plan interactive{};
 
@@ -166,6 +226,8 @@ struct gateway_options {
 
   // The simulated provider and database.
   provider_options provider{.capacity = 40};
+  // Streaming chat completions (and their second model, chat.backup).
+  chat_config chat{};
   keel::duration rubric_latency = 5ms;
 
   // Replicas: with fleet.redis set ("host:port"), the provider's concurrency
@@ -233,6 +295,9 @@ struct gateway_options {
     if (!(batch_target > 0 && batch_target < 1))
       return keel::detail::invalid_field(who, "batch_target", "be in (0, 1)", batch_target);
     if (absl::Status s = provider.validate(); !s.ok()) return s;
+    if (absl::Status s = chat.validate(); !s.ok()) return s;
+    if (chat.backup.name == provider.name)
+      return keel::detail::invalid_field(who, "chat.backup.name", "differ from provider.name", chat.backup.name);
     if (absl::Status s = fleet.validate(); !s.ok()) return s;
     if (absl::Status s = model_timeout.validate(); !s.ok()) return keel::annotate(s, "gateway_options.model_timeout");
     if (absl::Status s = batch_timeout.validate(); !s.ok()) return keel::annotate(s, "gateway_options.batch_timeout");
@@ -259,7 +324,12 @@ inline void scale_time(gateway_options& o, double f) {
                             &o.backoff.base, &o.backoff.cap, &o.idempotency_lease, &o.store_busy_timeout,
                             &o.batch_job_deadline, &o.batch_lease, &o.batch_poll, &o.batch_retry_backoff,
                             &o.batch_retry_backoff_cap, &o.provider.median_latency, &o.provider.close_latency,
-                            &o.provider.refuse_latency, &o.rubric_latency}) {
+                            &o.provider.refuse_latency, &o.rubric_latency, &o.provider.first_token_latency,
+                            &o.provider.token_gap, &o.chat.deadline, &o.chat.first_token, &o.chat.stall,
+                            &o.chat.whole, &o.chat.hedge_delay, &o.chat.hedge_min_delay, &o.chat.queue_age,
+                            &o.chat.ttft_threshold, &o.chat.backup.median_latency, &o.chat.backup.close_latency,
+                            &o.chat.backup.refuse_latency, &o.chat.backup.first_token_latency,
+                            &o.chat.backup.token_gap}) {
     s(*d);
   }
   // Rates per second grow by 1/f so a quota admits the same share of the
@@ -276,6 +346,7 @@ inline void scale_time(gateway_options& o, double f) {
   s(o.slo_window);
   s(o.batch_max_age);
   s(o.provider.overload_retry_after);
+  s(o.chat.backup.overload_retry_after);
 }
 
 }  // namespace gateway

@@ -16,14 +16,28 @@
 //     ends the wait at once with Cancelled;
 //   - closing the attempt costs `close_latency` (the seed's cancel window).
 //
+// stream() is the same provider as a token stream (OpenAI-compatible chat
+// completions with "stream": true, seen through keel::stream_writer): the
+// first token after a draw around `first_token_latency`, a share
+// `tail_ratio` of streams `tail_factor` times later (a cold replica, a long
+// prefill queue: what first-token hedging is for), then tokens `token_gap`
+// apart. The text is a deterministic function of the prompt, and a
+// continuation (a writer whose text_so_far() is not empty) goes on from the
+// token where the earlier stream stopped, so a stitched answer reads as one.
+// A fault switched while a stream runs reaches it at its next token: an
+// outage cuts it (Unavailable after the commit), a stall stops its tokens.
+//
 // Faults (one at a time, affecting a share `ratio` of calls):
 //
 //   slowdown        latency times `factor`
-//   stall           no answer at all: the attempt waits out its deadline
+//   stall           no answer at all: the attempt waits out its deadline; a
+//                   stream stops sending after half its tokens
 //   rate_limit      429 at once: ResourceExhausted with a retry-after hint
 //                   (also, without any fault, past `capacity` concurrent calls)
-//   outage          503 at once: Unavailable (connection refused)
-//   invalid_output  an answer that is not the JSON the contract promises
+//   outage          503 at once: Unavailable (connection refused); a running
+//                   stream is cut at its next token
+//   invalid_output  an answer that is not the JSON the contract promises; a
+//                   stream sends an error event halfway
 //
 // rubric_store is the shared database the interactive path reads in its
 // retrieve stage: question id -> rubric points, with its own small latency.
@@ -41,10 +55,12 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -58,6 +74,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "text.hpp"
+#include "keel/compose/stream.hpp"
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
 #include "keel/core/outcome.hpp"
@@ -116,6 +133,13 @@ struct provider_options {
   // `overload_retry_after` at once (a real provider's concurrency limit). 0: unlimited.
   int capacity = 0;
   keel::duration overload_retry_after = 100ms;  // >= 0
+  // Streams (stream()): time to the first token (log-normal around it,
+  // `spread`), the heavy tail, the gap between tokens, tokens per answer.
+  keel::duration first_token_latency = 200ms;  // > 0
+  double tail_ratio = 0.03;                    // in [0, 1]
+  double tail_factor = 8.0;                    // in [1, 1000]
+  keel::duration token_gap = 15ms;             // >= 0
+  int stream_tokens = 40;                      // >= 1; at most the request's max_tokens
 
   [[nodiscard]] absl::Status validate() const {
     if (name.empty()) return keel::detail::invalid_field("provider_options", "name", "not be empty", "\"\"");
@@ -132,6 +156,16 @@ struct provider_options {
     if (capacity < 0) return keel::detail::invalid_field("provider_options", "capacity", "be >= 0", capacity);
     if (overload_retry_after < keel::duration::zero())
       return keel::detail::invalid_field("provider_options", "overload_retry_after", "be >= 0", overload_retry_after);
+    if (first_token_latency <= keel::duration::zero())
+      return keel::detail::invalid_field("provider_options", "first_token_latency", "be > 0", first_token_latency);
+    if (!(tail_ratio >= 0.0 && tail_ratio <= 1.0))
+      return keel::detail::invalid_field("provider_options", "tail_ratio", "be in [0, 1]", tail_ratio);
+    if (!(tail_factor >= 1.0 && tail_factor <= 1000.0))
+      return keel::detail::invalid_field("provider_options", "tail_factor", "be in [1, 1000]", tail_factor);
+    if (token_gap < keel::duration::zero())
+      return keel::detail::invalid_field("provider_options", "token_gap", "be >= 0", token_gap);
+    if (stream_tokens < 1)
+      return keel::detail::invalid_field("provider_options", "stream_tokens", "be >= 1", stream_tokens);
     return absl::OkStatus();
   }
 };
@@ -147,6 +181,11 @@ struct provider_figures {
   std::int64_t rate_limited = 0;
   std::int64_t unavailable = 0;
   int in_flight = 0;
+  std::int64_t streams = 0;          // stream() calls
+  std::int64_t streams_complete = 0;
+  std::int64_t streams_cut = 0;      // ended by a fault after their first token (cut, error event)
+  std::int64_t streams_stopped = 0;  // stopped by the caller (a budget, a lost race, a client gone)
+  std::int64_t stream_tokens = 0;    // tokens sent
 };
 
 namespace detail {
@@ -246,6 +285,85 @@ class simulated_provider {
                         score < 7 ? " and expand the trade-offs" : "", ".\"}");
   }
 
+  // One streamed completion of `prompt`: at most `max_tokens` tokens into
+  // `w`, after the ones w.text_so_far() already holds (a continuation).
+  // OK when the stream reached its end; a failure before the first token
+  // is the provider's refusal (429, 503) or a stop; after it, a cut (an
+  // outage), an error event (invalid_output) or a stop.
+  absl::Status stream(const keel::attempt& /*a*/, keel::stream_writer& w, std::string_view prompt, int max_tokens) {
+    calls_.fetch_add(1, std::memory_order_relaxed);
+    streams_.fetch_add(1, std::memory_order_relaxed);
+    const in_flight_scope busy(in_flight_);
+    const double draw = detail::unit_draw();
+    auto affected = [&](const fault& f) { return f.kind != fault_kind::none && draw < f.ratio; };
+    const fault at_start = current_fault();
+    const keel::time_point start = clock_.now();
+    if (options_.capacity > 0 && busy.count > options_.capacity) {
+      if (!wait(start + options_.refuse_latency, w)) return stopped();
+      rate_limited_.fetch_add(1, std::memory_order_relaxed);
+      return keel::with_retry_after(
+          absl::ResourceExhaustedError(cat(options_.name, ": 429 over its concurrency limit of ", options_.capacity)),
+          options_.overload_retry_after);
+    }
+    if (affected(at_start) && at_start.kind == fault_kind::outage) {
+      if (!wait(start + options_.refuse_latency, w)) return stopped();
+      unavailable_.fetch_add(1, std::memory_order_relaxed);
+      return absl::UnavailableError(cat(options_.name, ": 503 service unavailable"));
+    }
+    if (affected(at_start) && at_start.kind == fault_kind::rate_limit) {
+      if (!wait(start + options_.refuse_latency, w)) return stopped();
+      rate_limited_.fetch_add(1, std::memory_order_relaxed);
+      return keel::with_retry_after(absl::ResourceExhaustedError(cat(options_.name, ": 429 too many requests")),
+                                    at_start.retry_after);
+    }
+    const double slow = affected(at_start) && at_start.kind == fault_kind::slowdown ? at_start.factor : 1.0;
+    keel::duration ttft = draw_around(options_.first_token_latency);
+    if (detail::unit_draw() < options_.tail_ratio) ttft = scaled(ttft, options_.tail_factor);
+    const keel::duration gap = scaled(options_.token_gap, slow);
+    ttft = scaled(ttft, slow);
+
+    // Where this stream starts: after the tokens already shown (each ends in a space).
+    const std::string_view so_far = w.text_so_far();
+    const int total = std::min(max_tokens, options_.stream_tokens);
+    int next = static_cast<int>(std::count(so_far.begin(), so_far.end(), ' '));
+    const int half = next + std::max(1, (total - next) / 2);
+    const std::uint64_t seed = std::hash<std::string_view>{}(prompt);
+    keel::time_point at = start + ttft;
+    int sent = 0;
+    while (next < total) {
+      if (!wait(at, w)) return stopped();
+      const fault now = current_fault();
+      if (affected(now) && now.kind == fault_kind::outage) {
+        if (sent == 0) {
+          unavailable_.fetch_add(1, std::memory_order_relaxed);
+          return absl::UnavailableError(cat(options_.name, ": 503 service unavailable"));
+        }
+        streams_cut_.fetch_add(1, std::memory_order_relaxed);
+        return absl::UnavailableError(cat(options_.name, ": connection reset after ", sent, " tokens"));
+      }
+      if (affected(now) && now.kind == fault_kind::stall && next >= half) {
+        // The server keeps the connection and sends nothing more.
+        (void)wait(keel::time_point::max(), w);
+        return stopped();
+      }
+      if (affected(now) && now.kind == fault_kind::invalid_output && next >= half && sent > 0) {
+        streams_cut_.fetch_add(1, std::memory_order_relaxed);
+        return absl::InternalError(cat(options_.name, ": error event mid-stream: server_error"));
+      }
+      const std::string_view word = stream_words[(seed + static_cast<std::uint64_t>(next) * 7) % stream_words.size()];
+      if (!w.token(word, clock_.now())) return stopped();
+      ++next;
+      ++sent;
+      stream_tokens_.fetch_add(1, std::memory_order_relaxed);
+      at = clock_.now() + gap;
+    }
+    const auto prompt_tokens = static_cast<std::int64_t>(prompt.size() / 4 + 1);
+    w.usage({.prompt_tokens = prompt_tokens, .completion_tokens = sent, .total_tokens = prompt_tokens + sent});
+    streams_complete_.fetch_add(1, std::memory_order_relaxed);
+    answered_.fetch_add(1, std::memory_order_relaxed);
+    return absl::OkStatus();
+  }
+
   [[nodiscard]] provider_figures figures() const noexcept {
     return {.calls = calls_.load(std::memory_order_relaxed),
             .answered = answered_.load(std::memory_order_relaxed),
@@ -255,7 +373,12 @@ class simulated_provider {
             .cancelled = cancelled_.load(std::memory_order_relaxed),
             .rate_limited = rate_limited_.load(std::memory_order_relaxed),
             .unavailable = unavailable_.load(std::memory_order_relaxed),
-            .in_flight = in_flight_.load(std::memory_order_relaxed)};
+            .in_flight = in_flight_.load(std::memory_order_relaxed),
+            .streams = streams_.load(std::memory_order_relaxed),
+            .streams_complete = streams_complete_.load(std::memory_order_relaxed),
+            .streams_cut = streams_cut_.load(std::memory_order_relaxed),
+            .streams_stopped = streams_stopped_.load(std::memory_order_relaxed),
+            .stream_tokens = stream_tokens_.load(std::memory_order_relaxed)};
   }
 
  private:
@@ -271,26 +394,45 @@ class simulated_provider {
 
   // False when the attempt was asked to stop first.
   bool wait(keel::time_point until, const keel::attempt& a) const { return clock_.sleep_until(until, a.stop); }
+  bool wait(keel::time_point until, const keel::stream_writer& w) const {
+    return clock_.sleep_until(until, w.stop_token());
+  }
+
+  absl::Status stopped() {
+    streams_stopped_.fetch_add(1, std::memory_order_relaxed);
+    return absl::CancelledError(cat(options_.name, ": stream stopped, connection closed"));
+  }
+
+  static constexpr std::array<std::string_view, 16> stream_words = {
+      "Start ", "with ", "one ", "deadline ", "for ", "the ", "whole ", "request; ", "each ", "stage ",
+      "spends ", "what ", "is ", "left, ", "never ", "more. "};
+
+  [[nodiscard]] static keel::duration scaled(keel::duration d, double f) {
+    return std::chrono::duration_cast<keel::duration>(d * f);
+  }
+
+  [[nodiscard]] keel::duration draw_around(keel::duration median_d) const {
+    if (options_.spread == 0.0) return median_d;
+    const double median = std::chrono::duration<double>(median_d).count();
+    std::lognormal_distribution<double> d(std::log(median), options_.spread);
+    const double s = std::clamp(d(detail::thread_rng()), median / 4, median * 4);
+    return std::chrono::duration_cast<keel::duration>(std::chrono::duration<double>(s));
+  }
 
   absl::Status cancelled() {
     cancelled_.fetch_add(1, std::memory_order_relaxed);
     return absl::CancelledError(cat(options_.name, ": attempt cancelled, connection closed"));
   }
 
-  [[nodiscard]] keel::duration draw_latency() const {
-    if (options_.spread == 0.0) return options_.median_latency;
-    const double median = std::chrono::duration<double>(options_.median_latency).count();
-    std::lognormal_distribution<double> d(std::log(median), options_.spread);
-    const double s = std::clamp(d(detail::thread_rng()), median / 4, median * 4);
-    return std::chrono::duration_cast<keel::duration>(std::chrono::duration<double>(s));
-  }
+  [[nodiscard]] keel::duration draw_latency() const { return draw_around(options_.median_latency); }
 
   provider_options options_;
   Clock clock_;
   mutable std::mutex mu_;
   fault fault_{};  // guarded by mu_
   std::atomic<std::int64_t> calls_{0}, answered_{0}, invalid_{0}, timed_out_{0}, abandoned_{0}, cancelled_{0},
-      rate_limited_{0}, unavailable_{0};
+      rate_limited_{0}, unavailable_{0}, streams_{0}, streams_complete_{0}, streams_cut_{0}, streams_stopped_{0},
+      stream_tokens_{0};
   std::atomic<int> in_flight_{0};
 };
 
