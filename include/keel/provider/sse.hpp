@@ -306,55 +306,62 @@ class json_reader {
     }
     return true;
   }
-  static void utf8(std::uint32_t cp, std::string& out) {
+  static char* utf8(std::uint32_t cp, char* w) noexcept {
     if (cp < 0x80) {
-      out.push_back(static_cast<char>(cp));
+      *w++ = static_cast<char>(cp);
     } else if (cp < 0x800) {
-      out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+      *w++ = static_cast<char>(0xC0 | (cp >> 6));
+      *w++ = static_cast<char>(0x80 | (cp & 0x3F));
     } else if (cp < 0x10000) {
-      out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+      *w++ = static_cast<char>(0xE0 | (cp >> 12));
+      *w++ = static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      *w++ = static_cast<char>(0x80 | (cp & 0x3F));
     } else {
-      out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+      *w++ = static_cast<char>(0xF0 | (cp >> 18));
+      *w++ = static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+      *w++ = static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      *w++ = static_cast<char>(0x80 | (cp & 0x3F));
     }
+    return w;
   }
 
  public:
   // JSON string escapes undone into `out` (cleared first). A lone
-  // surrogate becomes U+FFFD, as decoders of model output do.
+  // surrogate becomes U+FFFD, as decoders of model output do. Every escape
+  // is longer than what it stands for, so `out` is sized to `raw` once and
+  // written through a pointer (no push_back per escape), then trimmed.
   static bool unescape(std::string_view raw, std::string& out) {
-    out.clear();
-    for (std::size_t i = 0; i < raw.size(); ++i) {
+    out.resize(raw.size());
+    char* const start = out.data();
+    char* w = start;
+    const std::size_t n = raw.size();
+    for (std::size_t i = 0; i < n; ++i) {
       if (raw[i] != '\\') {  // the run up to the next escape, at once
         const std::size_t bs = raw.find('\\', i);
-        const std::size_t stop = bs == std::string_view::npos ? raw.size() : bs;
-        out.append(raw.data() + i, stop - i);
+        const std::size_t stop = bs == std::string_view::npos ? n : bs;
+        std::memcpy(w, raw.data() + i, stop - i);
+        w += stop - i;
         i = stop - 1;
         continue;
       }
-      if (++i >= raw.size()) return false;
+      if (++i >= n) return false;
       switch (raw[i]) {
-        case '"': out.push_back('"'); break;
-        case '\\': out.push_back('\\'); break;
-        case '/': out.push_back('/'); break;
-        case 'b': out.push_back('\b'); break;
-        case 'f': out.push_back('\f'); break;
-        case 'n': out.push_back('\n'); break;
-        case 'r': out.push_back('\r'); break;
-        case 't': out.push_back('\t'); break;
+        case '"': *w++ = '"'; break;
+        case '\\': *w++ = '\\'; break;
+        case '/': *w++ = '/'; break;
+        case 'b': *w++ = '\b'; break;
+        case 'f': *w++ = '\f'; break;
+        case 'n': *w++ = '\n'; break;
+        case 'r': *w++ = '\r'; break;
+        case 't': *w++ = '\t'; break;
         case 'u': {
           std::uint32_t cp = 0;
           if (!hex4(raw, i + 1, cp)) return false;
           i += 4;
           if (cp >= 0xD800 && cp <= 0xDBFF) {
             std::uint32_t lo = 0;
-            if (i + 2 < raw.size() && raw[i + 1] == '\\' && raw[i + 2] == 'u' && hex4(raw, i + 3, lo) &&
-                lo >= 0xDC00 && lo <= 0xDFFF) {
+            if (i + 2 < n && raw[i + 1] == '\\' && raw[i + 2] == 'u' && hex4(raw, i + 3, lo) && lo >= 0xDC00 &&
+                lo <= 0xDFFF) {
               cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
               i += 6;
             } else {
@@ -363,12 +370,13 @@ class json_reader {
           } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
             cp = 0xFFFD;
           }
-          utf8(cp, out);
+          w = utf8(cp, w);
           break;
         }
         default: return false;
       }
     }
+    out.resize(static_cast<std::size_t>(w - start));
     return true;
   }
 
