@@ -40,7 +40,11 @@
 // same bytes after it read the same way, so the full read would give the
 // same chunk; anything else (another id, a finish_reason, a raw quote or
 // control character in the middle, a bad escape) is read in full, and a
-// full read of a plain content chunk refreshes the cache.
+// full read of a plain content chunk refreshes the cache. A whole event in
+// the piece skips the line split too; a piece that ends inside an event
+// matching so far leaves its bytes in a small stash, and the next piece
+// completes the match there (a mismatch hands the stashed bytes to the
+// line split as the piece they came in: where pieces end changes nothing).
 //
 // Example:
 //
