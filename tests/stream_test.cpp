@@ -354,6 +354,24 @@ std::vector<std::string> shape_streams() {
   }
   // 9. No [DONE] and an event left unterminated at the end.
   out.push_back(content_event("a") + content_event("b") + "data: " + kHead + "c" + kTail + "\n");
+  // 10. What the bytes after a cut decide (split at every offset, these take
+  //     the stash between reads): a line that is the whole cached shape and
+  //     then another data line; a suffix that differs in its last bytes
+  //     (whitespace: valid, other data; a brace too many: invalid); LF CR LF
+  //     after the suffix; CR LF CR then another event (the CR alone is the
+  //     blank line); bodies of escapes longer than small reads, one within
+  //     the stash and one beyond it.
+  {
+    std::string escapes;
+    for (int i = 0; i < 40; ++i) escapes += "\\u00e9\\\"x\\\\";
+    out.push_back(content_event("a") + "data: " + kHead + "b" + kTail + "\ndata: " + kHead + "c" + kTail + "\n\n" +
+                  content_event("d") + content_event("e", kHead, kTail + " ") + content_event("f", kHead, kTail + "}") +
+                  "data: " + kHead + "g" + kTail + "\n\r\n" + "data: " + kHead + "h" + kTail + "\r\n\r" +
+                  content_event("i") + content_event(escapes) + content_event(escapes + escapes) +
+                  content_event("j"));
+  }
+  // 11. The body ends in CR LF CR: the CR alone dispatches the last event.
+  out.push_back(content_event("a") + content_event("b") + "data: " + kHead + "c" + kTail + "\r\n\r");
   return out;
 }
 
@@ -408,9 +426,67 @@ TEST_CASE("sse: the shape cache reads the recorded stream's tokens and hands ove
   CHECK(p.shape_cache_hits() == 0);
 }
 
+TEST_CASE("sse: an event split across two reads is still read by the cache, wherever the cut", "[stream][sse][shape]") {
+  // The first event is read in full (and learned); the other two by the
+  // cache however the body is cut, escapes, the suffix and the blank line
+  // included: the piece that ends inside an event leaves its bytes in a stash
+  // and the next piece completes them, instead of the line split.
+  const std::string body = content_event("a") + content_event("b c\\u00e9\\\"\\n") + content_event("d");
+  const seen_stream reference = read_pieces(body, body.size(), false);
+  for (std::size_t cut = 1; cut < body.size(); ++cut) {
+    INFO("cut at " << cut);
+    const seen_stream split = read_cut(body, {cut}, true);
+    CHECK(split == reference);
+    CHECK(split.hits == 2);
+  }
+  // Small reads: an event over many pieces, the same with CR LF line ends.
+  std::string crlf = body;
+  for (std::size_t i = 0; (i = crlf.find('\n', i)) != std::string::npos; i += 2) crlf.replace(i, 1, "\r\n");
+  for (const std::string* b : {&body, static_cast<const std::string*>(&crlf)}) {
+    for (std::size_t piece : {1, 2, 3, 7, 64}) {
+      INFO("piece " << piece);
+      const seen_stream split = read_pieces(*b, piece, true);
+      CHECK(split == read_pieces(*b, b->size(), false));
+      CHECK(split.hits == 2);
+    }
+  }
+  // A mismatch found only in the second piece: the suffix differs in its
+  // last byte, the cut just before it. The stashed bytes go to the line split.
+  const std::string late = content_event("a") + content_event("b", kHead, kTail + " ");
+  const std::size_t cut = late.size() - 3;
+  const seen_stream split = read_cut(late, {cut}, true);
+  CHECK(split == read_pieces(late, late.size(), false));
+  CHECK(split.hits == 0);
+  REQUIRE(split.chunks.size() == 2);
+  CHECK(split.chunks[1].text == "b");
+  CHECK(split.chunks[1].data.back() == ' ');
+}
+
+TEST_CASE("sse: the cache's stash between reads allocates nothing per token", "[stream][sse][shape][alloc]") {
+  if (!keel_test::allocations_counted()) {
+    SUCCEED("allocation counting is off in this build");
+    return;
+  }
+  std::string body;
+  for (int i = 0; i < 400; ++i) body += content_event(i % 3 == 0 ? "caf\\u00e9" : " word");
+  http::sse_parser p;
+  std::size_t tokens = 0;
+  auto on = [&](const http::chat_chunk& c) {
+    tokens += c.kind == http::chunk_kind::content;
+    return true;
+  };
+  for (std::size_t i = 0; i < 101 * 40; i += 101) REQUIRE(p.feed(std::string_view(body).substr(i, 101), on).ok());
+  keel_test::count_allocations allocations;
+  for (std::size_t i = 101 * 40; i < body.size(); i += 101)
+    REQUIRE(p.feed(std::string_view(body).substr(i, 101), on).ok());
+  CHECK(allocations.count() == 0);
+  CHECK(tokens == 400);
+  CHECK(p.shape_cache_hits() == 399);
+}
+
 TEST_CASE("sse: an event the cache would read is still refused when over max_event_bytes", "[stream][sse][shape]") {
   const std::string body = content_event("a") + content_event(std::string(300, 'x')) + content_event("b");
-  for (std::size_t piece : {body.size(), std::size_t{1}, std::size_t{100}}) {
+  for (std::size_t piece : {body.size(), std::size_t{1}, std::size_t{7}, std::size_t{100}, std::size_t{300}}) {
     INFO("piece " << piece);
     const seen_stream off = read_pieces(body, piece, false, 400);
     const seen_stream on = read_pieces(body, piece, true, 400);

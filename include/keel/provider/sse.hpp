@@ -40,7 +40,11 @@
 // same bytes after it read the same way, so the full read would give the
 // same chunk; anything else (another id, a finish_reason, a raw quote or
 // control character in the middle, a bad escape) is read in full, and a
-// full read of a plain content chunk refreshes the cache.
+// full read of a plain content chunk refreshes the cache. A whole event in
+// the piece skips the line split too; a piece that ends inside an event
+// matching so far leaves its bytes in a small stash, and the next piece
+// completes the match there (a mismatch hands the stashed bytes to the
+// line split as the piece they came in: where pieces end changes nothing).
 //
 // Example:
 //
@@ -61,6 +65,7 @@
 // Thread-safety: a parser belongs to one stream; distinct parsers are independent.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -305,55 +310,62 @@ class json_reader {
     }
     return true;
   }
-  static void utf8(std::uint32_t cp, std::string& out) {
+  static char* utf8(std::uint32_t cp, char* w) noexcept {
     if (cp < 0x80) {
-      out.push_back(static_cast<char>(cp));
+      *w++ = static_cast<char>(cp);
     } else if (cp < 0x800) {
-      out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+      *w++ = static_cast<char>(0xC0 | (cp >> 6));
+      *w++ = static_cast<char>(0x80 | (cp & 0x3F));
     } else if (cp < 0x10000) {
-      out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+      *w++ = static_cast<char>(0xE0 | (cp >> 12));
+      *w++ = static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      *w++ = static_cast<char>(0x80 | (cp & 0x3F));
     } else {
-      out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+      *w++ = static_cast<char>(0xF0 | (cp >> 18));
+      *w++ = static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+      *w++ = static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      *w++ = static_cast<char>(0x80 | (cp & 0x3F));
     }
+    return w;
   }
 
  public:
   // JSON string escapes undone into `out` (cleared first). A lone
-  // surrogate becomes U+FFFD, as decoders of model output do.
+  // surrogate becomes U+FFFD, as decoders of model output do. Every escape
+  // is longer than what it stands for, so `out` is sized to `raw` once and
+  // written through a pointer (no push_back per escape), then trimmed.
   static bool unescape(std::string_view raw, std::string& out) {
-    out.clear();
-    for (std::size_t i = 0; i < raw.size(); ++i) {
+    out.resize(raw.size());
+    char* const start = out.data();
+    char* w = start;
+    const std::size_t n = raw.size();
+    for (std::size_t i = 0; i < n; ++i) {
       if (raw[i] != '\\') {  // the run up to the next escape, at once
         const std::size_t bs = raw.find('\\', i);
-        const std::size_t stop = bs == std::string_view::npos ? raw.size() : bs;
-        out.append(raw.data() + i, stop - i);
+        const std::size_t stop = bs == std::string_view::npos ? n : bs;
+        std::memcpy(w, raw.data() + i, stop - i);
+        w += stop - i;
         i = stop - 1;
         continue;
       }
-      if (++i >= raw.size()) return false;
+      if (++i >= n) return false;
       switch (raw[i]) {
-        case '"': out.push_back('"'); break;
-        case '\\': out.push_back('\\'); break;
-        case '/': out.push_back('/'); break;
-        case 'b': out.push_back('\b'); break;
-        case 'f': out.push_back('\f'); break;
-        case 'n': out.push_back('\n'); break;
-        case 'r': out.push_back('\r'); break;
-        case 't': out.push_back('\t'); break;
+        case '"': *w++ = '"'; break;
+        case '\\': *w++ = '\\'; break;
+        case '/': *w++ = '/'; break;
+        case 'b': *w++ = '\b'; break;
+        case 'f': *w++ = '\f'; break;
+        case 'n': *w++ = '\n'; break;
+        case 'r': *w++ = '\r'; break;
+        case 't': *w++ = '\t'; break;
         case 'u': {
           std::uint32_t cp = 0;
           if (!hex4(raw, i + 1, cp)) return false;
           i += 4;
           if (cp >= 0xD800 && cp <= 0xDBFF) {
             std::uint32_t lo = 0;
-            if (i + 2 < raw.size() && raw[i + 1] == '\\' && raw[i + 2] == 'u' && hex4(raw, i + 3, lo) &&
-                lo >= 0xDC00 && lo <= 0xDFFF) {
+            if (i + 2 < n && raw[i + 1] == '\\' && raw[i + 2] == 'u' && hex4(raw, i + 3, lo) && lo >= 0xDC00 &&
+                lo <= 0xDFFF) {
               cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
               i += 6;
             } else {
@@ -362,12 +374,13 @@ class json_reader {
           } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
             cp = 0xFFFD;
           }
-          utf8(cp, out);
+          w = utf8(cp, w);
           break;
         }
         default: return false;
       }
     }
+    out.resize(static_cast<std::size_t>(w - start));
     return true;
   }
 
@@ -376,6 +389,19 @@ class json_reader {
   const char* end_;
   bool ok_ = true;
 };
+
+// The bytes of a JSON string body, by what the shape cache's scan does
+// with them: 0 goes on, 1 is a quote, 2 a backslash, 3 a control character.
+inline constexpr auto string_byte_class = [] {
+  struct table {
+    std::uint8_t v[256];
+    constexpr std::uint8_t operator[](std::size_t i) const noexcept { return v[i]; }
+  } t{};
+  for (int i = 0; i < 0x20; ++i) t.v[i] = 3;
+  t.v[static_cast<unsigned char>('"')] = 1;
+  t.v[static_cast<unsigned char>('\\')] = 2;
+  return t;
+}();
 
 }  // namespace detail
 
@@ -402,6 +428,7 @@ class sse_parser {
   // Starts a new stream: what was buffered is dropped.
   void reset() noexcept {
     line_.clear();
+    stash_.clear();
     data_.clear();
     data_in_view_ = false;
     event_.clear();
@@ -508,7 +535,20 @@ class sse_parser {
   absl::Status feed_piece(std::string_view bytes, On& on) {
     const char* p = bytes.data();
     const char* const end = p + bytes.size();
-    if (stopped_) return absl::OkStatus();
+    if (stopped_ || p == end) return absl::OkStatus();
+    if (!stash_.empty()) {
+      absl::Status s = resume(p, end, on);
+      if (!s.ok() || stopped_) return s;
+    }
+    return scan(p, end, on, true);
+  }
+
+  // The line split, with the shape cache's fast path at each event's start.
+  // `stash`: a piece that ends inside an event matching the cached shape so
+  // far leaves its bytes in stash_ (resume() goes on with the next piece)
+  // instead of in the line buffer.
+  template <class On>
+  absl::Status scan(const char* p, const char* const end, On& on, bool stash) {
     if (skip_lf_ && p < end) {  // a CR LF split between two pieces
       if (*p == '\n') ++p;
       skip_lf_ = false;
@@ -517,14 +557,20 @@ class sse_parser {
       if (shape_line_ && line_.empty() && !has_data_ && event_.empty()) {
         const char* past = nullptr;
         chat_chunk c;
-        if (same_shape_event(p, end, past, c)) {
+        const shape_match m = same_shape_event(p, end, past, c);
+        if (m == shape_match::hit || m == shape_match::hit_cr) {
           p = past;
+          if (m == shape_match::hit_cr) skip_lf_ = true;
           ++shape_hits_;
           if (!on(static_cast<const chat_chunk&>(c))) {
             stopped_ = true;
             return absl::OkStatus();
           }
           continue;
+        }
+        if (m == shape_match::more && stash && may_stash(static_cast<std::size_t>(end - p))) {
+          stash_.assign(p, static_cast<std::size_t>(end - p));
+          return absl::OkStatus();
         }
       }
       // The next line end: LF, CR or CR LF.
@@ -556,6 +602,61 @@ class sse_parser {
       if (stopped_) return absl::OkStatus();
     }
     return absl::OkStatus();
+  }
+
+  // The previous piece ended inside an event that matched the cached shape
+  // so far; stash_ holds its bytes. What the event needs of this piece is
+  // copied after them (at first what a body of up to 32 bytes needs) and
+  // the event matched again: a hit is handed over and `p` moves past it;
+  // `more` with all of the piece taken waits for the next piece; anything
+  // else feeds the stashed bytes to the line split as the piece they came
+  // in (where pieces end changes nothing) and `p` stays, so every byte is
+  // read as it would have been without the stash.
+  template <class On>
+  absl::Status resume(const char*& p, const char* const end, On& on) {
+    const std::size_t had = stash_.size(), avail = static_cast<std::size_t>(end - p);
+    const std::size_t limit = stash_limit();
+    std::size_t taken = 0;
+    shape_match m = shape_match::miss;
+    const char* past = nullptr;
+    chat_chunk c;
+    for (std::size_t want = std::min(limit, shape_.size() + 32);; want = limit) {
+      const std::size_t upto = want > had ? std::min(avail, want - had) : 0;
+      if (upto > taken) {
+        stash_.append(p + taken, upto - taken);
+        taken = upto;
+      }
+      m = same_shape_event(stash_.data(), stash_.data() + stash_.size(), past, c);
+      if (m != shape_match::more || taken == avail || want == limit) break;
+    }
+    if (m == shape_match::hit || m == shape_match::hit_cr) {
+      const std::size_t used = static_cast<std::size_t>(past - stash_.data()) - had;
+      p += used;
+      if (m == shape_match::hit_cr) {  // CR LF CR at the end of what was taken: an LF next is skipped
+        if (p == end) {
+          skip_lf_ = true;
+        } else if (*p == '\n') {
+          ++p;
+        }
+      }
+      ++shape_hits_;
+      const bool go_on = on(static_cast<const chat_chunk&>(c));
+      stash_.clear();
+      if (!go_on) stopped_ = true;
+      return absl::OkStatus();
+    }
+    if (m == shape_match::more && taken == avail && may_stash(stash_.size())) {
+      p = end;
+      return absl::OkStatus();
+    }
+    stash_.resize(had);
+    absl::Status s = scan(stash_.data(), stash_.data() + had, on, false);
+    if (data_in_view_) {  // a view into stash_, about to be cleared
+      data_.assign(data_view_.data(), data_view_.size());
+      data_in_view_ = false;
+    }
+    stash_.clear();
+    return s;
   }
 
   absl::Status too_long() {
@@ -644,80 +745,113 @@ class sse_parser {
   // the cached suffix (see the header comment for why this is exact).
   bool same_shape(std::string_view data, chat_chunk& c) {
     if (!shape_valid_) return false;
-    const std::size_t pre = shape_prefix_, suf = shape_.size() - shape_prefix_;
+    const std::size_t pre = shape_prefix_, suf = shape_suffix();
     const std::size_t n = data.size();
     if (n <= pre + suf) return false;  // an empty string is no token: read in full
     const char* d = data.data();
-    if (std::memcmp(d, shape_.data(), pre) != 0 || std::memcmp(d + n - suf, shape_.data() + pre, suf) != 0)
-      return false;
-    const std::string_view body(d + pre, n - pre - suf);
+    const char* s = shape_.data() + 6;  // past "data: "
+    if (std::memcmp(d, s, pre) != 0 || std::memcmp(d + n - suf, s + pre, suf) != 0) return false;
+    const char* const body = d + pre;
+    const char* const stop = d + n - suf;
     bool escaped = false;
-    for (std::size_t i = 0; i < body.size(); ++i) {
-      const auto b = static_cast<unsigned char>(body[i]);
-      if (b == '"' || b < 0x20) return false;  // an unescaped quote ends the string elsewhere
-      if (b == '\\') {
-        if (++i == body.size()) return false;  // the closing quote would be escaped
-        escaped = true;
-      }
-    }
-    c.data = data;
-    c.kind = chunk_kind::content;
-    if (!escaped) {
-      c.text = body;
-    } else {
-      if (!detail::json_reader::unescape(body, text_scratch_)) return false;  // read in full: invalid
-      c.text = text_scratch_;
-      if (c.text.empty()) return false;
-    }
-    return true;
+    const char* q = scan_body(body, stop, escaped);
+    if (q != stop) return false;  // a raw quote or control character, or the closing quote escaped
+    return hand_over(body, q, escaped, data, c);
   }
 
-  // The shape cache on a whole event in the piece, line split included:
-  // `data: `, the cached prefix, a string body, the cached suffix, and a
-  // blank line (LF LF or CR LF CR LF). Neither the cached bytes
-  // (shape_line_) nor the body (no control characters) have a line end, so
-  // this is exactly the one-line event the line split would find and
-  // dispatch; then same_shape's reasoning holds. `past`: after the event.
-  bool same_shape_event(const char* p, const char* end, const char*& past, chat_chunk& c) {
-    const std::size_t pre = shape_prefix_, suf = shape_.size() - shape_prefix_;
-    const std::size_t avail = static_cast<std::size_t>(end - p);
-    if (avail < 6 + pre + suf + 2 || std::memcmp(p, "data: ", 6) != 0 || std::memcmp(p + 6, shape_.data(), pre) != 0)
-      return false;
-    const char* const body = p + 6 + pre;
-    const char* q = body;
-    bool escaped = false;
-    for (; q < end; ++q) {
-      const auto b = static_cast<unsigned char>(*q);
-      if (b == '"') break;  // the first unescaped quote: where the string ends
-      if (b < 0x20) return false;
-      if (b == '\\') {
-        if (++q == end || static_cast<unsigned char>(*q) < 0x20) return false;
-        escaped = true;
-      }
+  // Scans a JSON string body from `p`: returns the first unescaped quote or
+  // control character (raw, or after a backslash: unescape refuses it
+  // anyway), `end` when the bytes run out between characters, nullptr when
+  // they run out after a backslash (its escape letter is beyond `end`).
+  // `escaped`: a backslash was seen. One table load per byte.
+  static const char* scan_body(const char* p, const char* end, bool& escaped) noexcept {
+    const auto& cls = detail::string_byte_class;
+    for (;;) {
+      while (p < end && cls[static_cast<unsigned char>(*p)] == 0) ++p;
+      if (p == end) return end;
+      if (cls[static_cast<unsigned char>(*p)] != 2) return p;  // a quote, or a control character
+      escaped = true;
+      if (++p == end) return nullptr;
+      if (cls[static_cast<unsigned char>(*p)] == 3) return p;
+      ++p;
     }
-    if (q == body || static_cast<std::size_t>(end - q) < suf + 2 || std::memcmp(q, shape_.data() + pre, suf) != 0)
-      return false;
-    const char* t = q + suf;
-    // An event the line split would refuse as over-long is left to it.
-    if (static_cast<std::size_t>(t - p - 6) + 1 > options_.max_event_bytes) return false;
-    if (t[0] == '\n' && t[1] == '\n') {
-      past = t + 2;
-    } else if (end - t >= 4 && std::memcmp(t, "\r\n\r\n", 4) == 0) {
-      past = t + 4;
-    } else {
-      return false;
-    }
+  }
+
+  // The content chunk of a matched event: its text is the body, unescaped if need be.
+  bool hand_over(const char* body, const char* q, bool escaped, std::string_view data, chat_chunk& c) {
     const std::string_view raw(body, static_cast<std::size_t>(q - body));
     if (escaped) {
       if (!detail::json_reader::unescape(raw, text_scratch_)) return false;  // read in full: invalid
       c.text = text_scratch_;
+      if (c.text.empty()) return false;
     } else {
       c.text = raw;
     }
     c.kind = chunk_kind::content;
-    c.data = std::string_view(p + 6, static_cast<std::size_t>(t - p - 6));
+    c.data = data;
     return true;
   }
+
+  std::size_t shape_suffix() const noexcept { return shape_.size() - 6 - shape_prefix_ - 2; }
+
+  // The shape cache on a whole event, line split included: `data: `, the
+  // cached prefix, a string body, the cached suffix, and a blank line (LF LF
+  // or CR LF CR LF). Neither the cached bytes (shape_line_) nor the body (no
+  // control characters) have a line end, so this is exactly the one-line
+  // event the line split would find and dispatch; then same_shape's
+  // reasoning holds. shape_ holds `data: `, the prefix, the suffix and LF LF,
+  // so the common event is two comparisons and the body scan. hit: `past`
+  // is after the event; more: every byte to `end` is as such an event would
+  // have it and it goes on past `end`; hit_cr: the bytes end in CR LF CR,
+  // where the line split dispatches (an LF next is skipped, skip_lf_).
+  enum class shape_match : std::uint8_t { hit, hit_cr, miss, more };
+  shape_match same_shape_event(const char* p, const char* end, const char*& past, chat_chunk& c) {
+    using m = shape_match;
+    const std::size_t head = 6 + shape_prefix_, suf = shape_suffix();
+    const std::size_t avail = static_cast<std::size_t>(end - p);
+    const char* const s = shape_.data();
+    if (avail < head) return std::memcmp(p, s, avail) == 0 ? m::more : m::miss;
+    if (std::memcmp(p, s, head) != 0) return m::miss;
+    const char* const body = p + head;
+    bool escaped = false;
+    const char* const q = scan_body(body, end, escaped);
+    if (q == nullptr || q == end) return m::more;
+    if (*q != '"' || q == body) return m::miss;
+    const std::size_t rest = static_cast<std::size_t>(end - q);
+    const char* const sx = s + head;  // the suffix, then LF LF
+    m verdict = m::hit;
+    if (rest >= suf + 2 && std::memcmp(q, sx, suf + 2) == 0) {
+      past = q + suf + 2;
+    } else {
+      if (rest < suf) return std::memcmp(q, sx, rest) == 0 ? m::more : m::miss;
+      if (std::memcmp(q, sx, suf) != 0) return m::miss;
+      const char* const e = q + suf;  // the blank line: not LF LF, or not all there
+      const std::size_t r = rest - suf;
+      if (r < 2 && std::memcmp(e, "\n", r) == 0) return m::more;
+      if (r >= 4 && std::memcmp(e, "\r\n\r\n", 4) == 0) {
+        past = e + 4;
+      } else if (r == 3 && std::memcmp(e, "\r\n\r", 3) == 0) {
+        past = end;
+        verdict = m::hit_cr;
+      } else {
+        return r < 3 && std::memcmp(e, "\r\n\r", r) == 0 ? m::more : m::miss;
+      }
+    }
+    const std::size_t n = static_cast<std::size_t>(q + suf - p - 6);
+    // An event the line split would refuse as over-long is left to it.
+    if (n + 1 > options_.max_event_bytes) return m::miss;
+    if (!hand_over(body, q, escaped, std::string_view(p + 6, n), c)) return m::miss;
+    return verdict;
+  }
+
+  // How many bytes of one event the stash holds at most: the cached bytes,
+  // a blank line, and a body of up to 512 bytes (a longer token is rare and
+  // takes the line split).
+  std::size_t stash_limit() const noexcept { return shape_.size() + 2 + 512; }
+  // Whether `n` bytes of an unfinished event may wait in the stash: the line
+  // split would not have refused them as over-long (it reports that in the
+  // piece that brings them).
+  bool may_stash(std::size_t n) const noexcept { return n <= stash_limit() && n + 1 <= options_.max_event_bytes; }
 
   // After a full read: a plain content chunk (one choice, a delta with its
   // content alone, no finish_reason, usage or error) becomes the cached shape.
@@ -729,11 +863,13 @@ class sse_parser {
     if (!plain) return;
     const char* d = data.data();
     shape_prefix_ = static_cast<std::size_t>(plain_.open + 1 - d);
-    shape_.assign(d, shape_prefix_);
+    shape_.assign("data: ");
+    shape_.append(d, shape_prefix_);
     shape_.append(plain_.close, static_cast<std::size_t>(d + data.size() - plain_.close));
     shape_valid_ = true;
     shape_line_ = std::memchr(shape_.data(), '\n', shape_.size()) == nullptr &&
                   std::memchr(shape_.data(), '\r', shape_.size()) == nullptr;
+    shape_.append("\n\n");
   }
 
   bool choice(detail::json_reader& j, chat_chunk& c, bool& has_content, bool& has_role) {
@@ -768,6 +904,7 @@ class sse_parser {
 
   sse_options options_;
   std::string line_;   // the unfinished line of the previous piece
+  std::string stash_;  // or the unfinished event that matches the cached shape so far
   std::string data_;   // the event's data lines so far (unless data_in_view_)
   std::string_view data_view_;  // the event's one data line, in the piece being fed
   bool data_in_view_ = false;
@@ -780,7 +917,7 @@ class sse_parser {
     int choices_keys = 0, choices = 0, deltas = 0, delta_keys = 0;
   };
   plain_shape plain_;
-  std::string shape_;             // the cached prefix, then the cached suffix
+  std::string shape_;             // `data: `, the cached prefix, the cached suffix, LF LF
   std::size_t shape_prefix_ = 0;  // the prefix's length (through the opening quote)
   bool shape_valid_ = false;
   bool shape_line_ = false;       // valid, and no line end in it: same_shape_event applies
