@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gateway_service.hpp"
+#include "keel/provider/sse.hpp"
 #include "load_generator.hpp"
 #include "support/service.hpp"
 #include "support/catch.hpp"
@@ -1117,4 +1118,131 @@ TEST_CASE("the front door's request framing: the same outcome however the bytes 
   parser q;
   const std::string two = "GET /a HTTP/1.1\r\n\r\nGET /b HTTP/1.1\r\n\r\n";
   CHECK(q.feed(two) == two.size() / 2);
+}
+
+// --- the streaming endpoint through the front door ---------------------------
+
+namespace {
+
+// The body of a chunked response (after its head), and whether it ended
+// with the last chunk.
+std::pair<std::string, bool> dechunk(std::string_view in) {
+  std::string body;
+  for (;;) {
+    const std::size_t eol = in.find("\r\n");
+    if (eol == std::string_view::npos) return {body, false};
+    const std::size_t n = std::stoul(std::string(in.substr(0, eol)), nullptr, 16);
+    if (n == 0) return {body, in.substr(eol + 2, 2) == "\r\n"};
+    if (in.size() < eol + 2 + n + 2) return {body, false};
+    body.append(in.substr(eol + 2, n));
+    in.remove_prefix(eol + 2 + n + 2);
+  }
+}
+
+std::string chat_request(const std::string& body) {
+  return "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
+         std::to_string(body.size()) + "\r\n\r\n" + body;
+}
+
+std::string chat_body(int max_tokens) {
+  return json{{"tenant", "acme"},
+              {"messages", {{{"role", "user"}, {"content", "How long may one stage take?"}}}},
+              {"max_tokens", max_tokens},
+              {"stream", true}}
+      .dump();
+}
+
+}  // namespace
+
+TEST_CASE("a chat stream through the front door: chunked server-sent events that an SSE client reads whole",
+          "[service][http][chat]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  auto svc = start(o);
+  raw_connection c(svc->port());
+  REQUIRE(c.send(chat_request(chat_body(12))));
+  const std::string got = c.read_until("\r\n0\r\n\r\n");
+  const std::size_t head_end = got.find("\r\n\r\n");
+  REQUIRE(head_end != std::string::npos);
+  const std::string head = got.substr(0, head_end);
+  CHECK(head.rfind("HTTP/1.1 200 ", 0) == 0);
+  CHECK(head.find("Content-Type: text/event-stream") != std::string::npos);
+  CHECK(head.find("Transfer-Encoding: chunked") != std::string::npos);
+  CHECK(head.find("Content-Length") == std::string::npos);
+  const auto [body, ended] = dechunk(std::string_view(got).substr(head_end + 4));
+  CHECK(ended);
+
+  // keel's own SSE parser, in pieces of 7 bytes: the gateway speaks the format.
+  keel::http::sse_parser parser;
+  std::string text;
+  int contents = 0, roles = 0, usage = 0, done = 0;
+  json keel_view;
+  auto on = [&](const keel::http::chat_chunk& ch) {
+    switch (ch.kind) {
+      case keel::http::chunk_kind::content: text.append(ch.text); ++contents; break;
+      case keel::http::chunk_kind::role: ++roles; break;
+      case keel::http::chunk_kind::usage: ++usage; CHECK(ch.usage.completion_tokens == 12); break;
+      case keel::http::chunk_kind::done: ++done; break;
+      default: break;
+    }
+    return true;
+  };
+  for (std::size_t at = 0; at < body.size(); at += 7) REQUIRE(parser.feed(std::string_view(body).substr(at, 7), on).ok());
+  CHECK(roles == 1);
+  CHECK(contents == 12);
+  CHECK(usage == 1);
+  CHECK(done == 1);
+  CHECK_FALSE(text.empty());
+  const std::size_t k = body.find("\"keel\":");
+  REQUIRE(k != std::string::npos);
+  CHECK(body.find("\"complete\":true", k) != std::string::npos);
+
+  // The stream ended properly: the kept-alive connection carries the next request.
+  REQUIRE(c.send("GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"));
+  const raw_connection::response h = c.read_response();
+  CHECK(h.status == 200);
+  CHECK(json::parse(h.body)["streams"]["committed"].get<int>() >= 1);
+
+  SECTION("an error before the first token is an ordinary JSON reply with its status, not a stream") {
+    client admin(svc->port());
+    REQUIRE(admin.post("/admin/fault", R"({"kind":"outage"})").status == 200);
+    REQUIRE(admin.post("/admin/fault", R"({"kind":"outage","provider":"sim-llm-backup"})").status == 200);
+    raw_connection e(svc->port());
+    REQUIRE(e.send(chat_request(chat_body(12))));
+    const raw_connection::response r = e.read_response();
+    CHECK(r.status == 503);
+    CHECK(r.has_header("Content-Type: application/json"));
+    CHECK_FALSE(r.has_header("chunked"));
+    CHECK(json::parse(r.body)["error"]["message"].get<std::string>().find("503") != std::string::npos);
+    CHECK(admin.post("/admin/fault", R"({"kind":"outage","provider":"sim-llm-3"})").status == 404);
+  }
+}
+
+TEST_CASE("a client that hangs up mid-stream stops the upstream transfer within milliseconds",
+          "[service][http][chat][cancel]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.provider.stream_tokens = 4000;  // minutes of tokens: only the hang-up ends it
+  o.chat.max_tokens_limit = 4096;
+  o.chat.whole = 1h;
+  o.chat.deadline = 2h;
+  auto svc = start(o);
+  raw_connection c(svc->port());
+  REQUIRE(c.send(chat_request(chat_body(4000))));
+  const std::string first = c.read_until("\"content\":\"", 30s);  // the first content token
+  REQUIRE(first.find("\"content\":\"") != std::string::npos);
+  REQUIRE(svc->core().provider().figures().streams_stopped == 0);
+  const auto gone = std::chrono::steady_clock::now();
+  c.close();
+  const auto until = gone + 30s;
+  while (svc->core().provider().figures().streams_stopped == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(100us);
+  }
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - gone).count();
+  REQUIRE(svc->core().provider().figures().streams_stopped == 1);
+  std::printf("chat hang-up to upstream stop: %.2f ms (token gap %.1f ms)\n", ms,
+              std::chrono::duration<double, std::milli>(o.provider.token_gap).count());
+  // Correctness bound, not a speed claim: well before the next token would have been written.
+  CHECK(ms < std::chrono::duration<double, std::milli>(keel_service::http_slack).count());
+  CHECK(svc->core().backup_provider().figures().streams == 0);  // a lost client is not continued
 }

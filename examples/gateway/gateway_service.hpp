@@ -5,6 +5,8 @@
 // Endpoints:
 //
 //   POST /v1/feedback        interactive feedback (Idempotency-Key required)
+//   POST /v1/chat/completions  OpenAI-compatible chat; "stream": true relays
+//                            tokens as server-sent events (gateway/chat.hpp)
 //   POST /v1/batch           submit a batch report job (Idempotency-Key required)
 //   GET  /v1/batch/<id>?tenant=<t>   a job's state (and report, once done)
 //   GET  /healthz            breakers, shed classes, bulkheads, queue, SLOs, the front door's figures
@@ -73,6 +75,7 @@ namespace gateway {
 // What gateway_http_requests_total calls the endpoint at `path`.
 [[nodiscard]] inline std::string_view endpoint_of(std::string_view path) {
   if (path == "/v1/feedback") return "feedback";
+  if (path == "/v1/chat/completions") return "chat";
   if (path == "/v1/batch") return "batch";
   if (path.starts_with("/v1/batch/")) return "batch_status";
   if (path == "/healthz") return "health";
@@ -157,6 +160,7 @@ class service {
     if (method == "POST" && endpoint == "feedback") {
       return to_http(keyed([&](std::string_view b, const std::optional<std::string_view>& k) { return core_->feedback(b, k); }));
     }
+    if (method == "POST" && endpoint == "chat") return chat(req);
     if (method == "POST" && endpoint == "batch") {
       return to_http(keyed([&](std::string_view b, const std::optional<std::string_view>& k) { return core_->batch_submit(b, k); }));
     }
@@ -169,6 +173,28 @@ class service {
     if (method == "POST" && endpoint == "admin_shed") return to_http(core_->admin_shed(req.body));
     if (method == "POST" && endpoint == "admin_fault") return to_http(core_->admin_fault(req.body));
     return to_http(core_->not_found(cat(method, " ", path)));
+  }
+
+  // The front door's stream as the chat endpoint's sink.
+  class stream_sink final : public chat_sink {
+   public:
+    explicit stream_sink(http_stream& s) : s_(s) {}
+    bool send(std::string_view bytes) override { return s_.write(bytes); }
+    [[nodiscard]] std::stop_token client_gone() const override { return s_.client_gone(); }
+
+   private:
+    http_stream& s_;
+  };
+
+  // Streamed from the worker that serves it: nothing is written until the
+  // first token, so an error before it is an ordinary JSON reply.
+  http_response chat(const http_request& req) {
+    return {.content_type = "text/event-stream", .stream = [this, &req](http_stream& s) -> http_response {
+              stream_sink sink(s);
+              const reply r = core_->chat_completions(req.body, &sink);
+              if (r.streamed) return {};
+              return to_http(r);
+            }};
   }
 
   // /healthz with what the front door holds right now.

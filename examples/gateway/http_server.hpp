@@ -36,6 +36,11 @@
 //                       while the ordinary lane is full; a lane's requests
 //                       waiting for a worker are bounded (`max_queue`),
 //                       beyond that 503
+//   streams             a response with a `stream` function is written as
+//                       it is produced (chunked, each write one chunk, each
+//                       within `write_timeout`); the reader thread watches
+//                       the connection for a hang-up meanwhile and tells the
+//                       stream at once (http_stream::client_gone)
 //
 // The server's own refusals go through the `refusal_handler` the owner
 // gives, so they are answered (and counted) like every other reply. After a
@@ -72,6 +77,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stop_token>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -88,6 +94,7 @@
 #include <unistd.h>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "keel/core/status.hpp"
 #include "text.hpp"
 
@@ -109,11 +116,51 @@ struct http_request {
   [[nodiscard]] std::optional<std::string_view> query_param(std::string_view name) const;
 };
 
+class http_stream;
+
 struct http_response {
   int status = 200;
   std::string content_type = "application/json";
   std::string body{};
   std::vector<std::pair<std::string, std::string>> headers{};
+  // A streamed response: called on the worker with the connection's writer.
+  // Its first write() sends the head (status, content_type and headers of
+  // this response, chunked); the response it returns is sent instead when
+  // it wrote nothing (an error before the first byte).
+  std::function<http_response(http_stream&)> stream{};
+};
+
+// A streamed response's writer: each write() is one chunk of a chunked
+// body, sent at once (the head with the first). The reader thread watches
+// the connection meanwhile: a client that hangs up (FIN or RST) requests
+// client_gone() between writes, so a stream stops without waiting for its
+// next write to fail. A client that half-closes its side counts as gone.
+class http_stream {
+ public:
+  http_stream(const http_stream&) = delete;
+  http_stream& operator=(const http_stream&) = delete;
+
+  // False: the client is gone, or did not take the bytes within the
+  // server's write_timeout; the stream should stop (client_gone() says so too).
+  bool write(std::string_view bytes);
+  [[nodiscard]] std::stop_token client_gone() const noexcept { return gone_.get_token(); }
+  [[nodiscard]] bool opened() const noexcept { return opened_; }
+
+ private:
+  friend class http_server;
+  http_stream(int fd, std::chrono::milliseconds write_timeout, bool keep_alive, const http_response& head)
+      : fd_(fd), write_timeout_(write_timeout), keep_alive_(keep_alive), head_(&head) {}
+  // The last chunk; false if the stream failed or could not end.
+  bool finish();
+
+  int fd_;
+  std::chrono::milliseconds write_timeout_;
+  bool keep_alive_;
+  const http_response* head_;
+  bool opened_ = false;
+  bool failed_ = false;
+  std::string buf_;
+  std::stop_source gone_;
 };
 
 // A request the server refused itself, before any handler.
@@ -571,7 +618,54 @@ class request_parser {
   return out;
 }
 
+// Writes all of `bytes` within `timeout`; false if the peer is gone or slow.
+[[nodiscard]] inline bool write_all(int fd, std::string_view bytes, std::chrono::milliseconds timeout) {
+  using steady = std::chrono::steady_clock;
+  const steady::time_point until = steady::now() + timeout;
+  while (!bytes.empty()) {
+    const ssize_t n = ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+    if (n > 0) {
+      bytes.remove_prefix(static_cast<std::size_t>(n));
+      continue;
+    }
+    if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return false;
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(until - steady::now());
+    if (left.count() <= 0) return false;
+    pollfd p{.fd = fd, .events = POLLOUT, .revents = 0};
+    if (::poll(&p, 1, static_cast<int>(left.count())) < 0 && errno != EINTR) return false;
+  }
+  return true;
+}
+
 }  // namespace detail
+
+inline bool http_stream::write(std::string_view bytes) {
+  if (failed_ || gone_.stop_requested()) return false;
+  if (bytes.empty()) return true;  // an empty chunk would end the body
+  buf_.clear();
+  if (!opened_) {
+    opened_ = true;
+    const http_response& h = *head_;
+    buf_ = cat("HTTP/1.1 ", h.status, " ", detail::reason_phrase(h.status), "\r\nContent-Type: ", h.content_type,
+               "\r\nCache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n");
+    for (const auto& [n, v] : h.headers) absl::StrAppend(&buf_, n, ": ", v, "\r\n");
+    buf_ += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
+  }
+  absl::StrAppend(&buf_, absl::Hex(bytes.size()), "\r\n");
+  buf_.append(bytes.data(), bytes.size());
+  buf_ += "\r\n";
+  if (!detail::write_all(fd_, buf_, write_timeout_)) {
+    failed_ = true;
+    gone_.request_stop();
+    return false;
+  }
+  return true;
+}
+
+inline bool http_stream::finish() {
+  if (failed_ || gone_.stop_requested()) return false;
+  return detail::write_all(fd_, "0\r\n\r\n", write_timeout_);
+}
 
 inline std::optional<std::string_view> http_request::header(std::string_view name) const {
   for (const auto& [n, v] : headers) {
@@ -746,6 +840,7 @@ class http_server {
   void read_loop() {
     std::unordered_map<int, std::unique_ptr<connection>> open;
     std::vector<pollfd> fds;
+    std::vector<watched_stream> watching;
     std::vector<char> buf(16 * 1024);
     while (!stopping_.load()) {
       const steady::time_point now = steady::now();
@@ -758,6 +853,13 @@ class http_server {
         fds.push_back({.fd = fd, .events = POLLIN, .revents = 0});
         next = std::min(next, c->deadline);
       }
+      // Streaming connections: only a hang-up (their bytes are read after the stream).
+      const std::size_t first_watched = fds.size();
+      {
+        std::lock_guard lock(mu_);
+        watching.assign(watched_.begin(), watched_.end());
+      }
+      for (const watched_stream& w : watching) fds.push_back({.fd = w.fd, .events = POLLRDHUP, .revents = 0});
       const auto wait = std::chrono::ceil<std::chrono::milliseconds>(std::max(next - now, steady::duration::zero()));
       const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(wait.count()));
       if (ready < 0 && errno != EINTR) break;
@@ -781,7 +883,13 @@ class http_server {
         }
       }
       if (fds[1].revents != 0) accept_all(open);
-      for (std::size_t i = 2; i < fds.size(); ++i) {
+      for (std::size_t i = first_watched; i < fds.size(); ++i) {
+        if ((fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) == 0) continue;
+        const watched_stream& w = watching[i - first_watched];
+        w.gone.request_stop();  // the stream stops now, not at its next write
+        unwatch(w.id);          // and is not polled again
+      }
+      for (std::size_t i = 2; i < first_watched; ++i) {
         if (fds[i].revents == 0) continue;
         const auto it = open.find(fds[i].fd);
         if (it == open.end()) continue;
@@ -973,7 +1081,23 @@ class http_server {
     }
     ++c.served;
     const bool keep = j.request.keep_alive && c.served < options_.max_requests_per_connection && !stopping_.load();
-    const bool written = write_all(c.fd, detail::serialize(r, keep));
+    bool written = false;
+    if (r.stream) {
+      http_stream out(c.fd, options_.write_timeout, keep, r);
+      const std::uint64_t id = watch(c.fd, out.gone_);
+      http_response instead;
+      try {
+        instead = r.stream(out);
+      } catch (const std::exception& e) {
+        instead = refuse_({.status = 500, .reason = "handler", .message = cat("the gateway failed: ", e.what()),
+                           .path = j.request.path});
+        out.failed_ = out.opened_;  // a body cut short: the connection cannot carry another response
+      }
+      unwatch(id);
+      written = out.opened() ? out.finish() : write_all(c.fd, detail::serialize(instead, keep));
+    } else {
+      written = write_all(c.fd, detail::serialize(r, keep));
+    }
     if (!keep || !written) {
       close_connection(c);
       j.conn.reset();
@@ -981,20 +1105,28 @@ class http_server {
   }
 
   [[nodiscard]] bool write_all(int fd, std::string_view bytes) const {
-    const steady::time_point until = steady::now() + options_.write_timeout;
-    while (!bytes.empty()) {
-      const ssize_t n = ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
-      if (n > 0) {
-        bytes.remove_prefix(static_cast<std::size_t>(n));
-        continue;
-      }
-      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return false;
-      const auto left = std::chrono::ceil<std::chrono::milliseconds>(until - steady::now());
-      if (left.count() <= 0) return false;
-      pollfd p{.fd = fd, .events = POLLOUT, .revents = 0};
-      if (::poll(&p, 1, static_cast<int>(left.count())) < 0 && errno != EINTR) return false;
+    return detail::write_all(fd, bytes, options_.write_timeout);
+  }
+
+  // The streams the reader thread watches for a hang-up (guarded by mu_).
+  struct watched_stream {
+    std::uint64_t id;
+    int fd;
+    std::stop_source gone;  // shares the stream's state: safe to request after it ended
+  };
+  std::uint64_t watch(int fd, const std::stop_source& gone) {
+    std::uint64_t id = 0;
+    {
+      std::lock_guard lock(mu_);
+      id = ++watch_ids_;
+      watched_.push_back({.id = id, .fd = fd, .gone = gone});
     }
-    return true;
+    wake();
+    return id;
+  }
+  void unwatch(std::uint64_t id) {
+    std::lock_guard lock(mu_);
+    std::erase_if(watched_, [&](const watched_stream& w) { return w.id == id; });
   }
 
   http_server_options options_;
@@ -1009,6 +1141,8 @@ class http_server {
   mutable std::mutex mu_;
   lane lanes_[2];                                    // ordinary, reserved
   std::vector<std::unique_ptr<connection>> returned_;  // served, kept alive; guarded by mu_
+  std::vector<watched_stream> watched_;                // streaming now; guarded by mu_
+  std::uint64_t watch_ids_ = 0;                        // guarded by mu_
   std::vector<std::thread> workers_;
   std::thread reader_;
 };

@@ -19,6 +19,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fcntl.h>
@@ -184,6 +185,30 @@ class raw_connection {
       }
       in_.append(buf, static_cast<std::size_t>(n));
     }
+  }
+
+  // Reads until what came holds `marker` (within `limit`); returns it all
+  // and forgets it. Shorter (no marker) if the time ran out or the peer closed.
+  std::string read_until(std::string_view marker, std::chrono::milliseconds limit = std::chrono::seconds(30)) {
+    const auto until = std::chrono::steady_clock::now() + limit;
+    while (in_.find(marker) == std::string::npos && std::chrono::steady_clock::now() < until) {
+      if (!readable(std::chrono::milliseconds(20))) continue;
+      char buf[65536];
+      const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+      if (n == 0) break;
+      if (n < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+        break;
+      }
+      in_.append(buf, static_cast<std::size_t>(n));
+    }
+    return std::exchange(in_, {});
+  }
+
+  // Closes the connection now (a client that hangs up).
+  void close() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
   }
 
   // True when the server closed the connection (reads end) within `limit`.
