@@ -10,7 +10,10 @@
 // Interactive requests come from a few tenants (plus "noisy", which exceeds
 // its quota on purpose); a share of them repeat an earlier request with the
 // same Idempotency-Key, as a client retrying after a lost response would.
-// Batch submissions carry fresh keys (and some repeats too).
+// Batch submissions carry fresh keys (and some repeats too). Chat streams
+// (POST /v1/chat/completions, "stream": true) are read as they come with
+// keel's SSE parser: time to first token is measured at the client, from
+// the send to the first content token.
 //
 // Every response is classified from the client's side:
 //
@@ -22,7 +25,14 @@
 //   failed     anything else: 5xx without a refusal, a transport error
 //
 // and its latency is measured from the moment the request was sent to the
-// moment the whole response was read.
+// moment the whole response was read. A stream is one of
+//
+//   complete   every token, from the model asked
+//   continued  cut or stalled after its first token, finished on the second model
+//   failover   the first model failed before its first token; the second answered
+//   partial    ended early after its first token (an error event), not continued
+//   rejected   refused before any token, the limit named (as above)
+//   failed     anything else: an error before the first token, no [DONE]
 //
 // Example:
 //
@@ -55,6 +65,7 @@
 #include <nlohmann/json.hpp>
 
 #include "keel/core/clock.hpp"
+#include "keel/provider/sse.hpp"
 #include "text.hpp"
 
 namespace gateway {
@@ -64,6 +75,7 @@ struct phase {
   keel::duration length = std::chrono::seconds(5);
   double interactive_rate = 20;  // requests per second
   double batch_rate = 5;         // submissions per second
+  double stream_rate = 0;        // chat streams per second
   std::function<void()> on_start{};  // at the start of the phase (switch a fault, shed a class)
   std::function<void()> on_end{};    // when its arrivals end (take a snapshot)
 };
@@ -76,11 +88,13 @@ struct load_options {
   double noisy_share = 0.1;       // interactive requests from the tenant "noisy" (over its quota)
   double duplicate_share = 0.05;  // requests that repeat an earlier one with the same key
   std::string model = "feedback-large";
+  int stream_max_tokens = 40;  // each chat stream asks for this many tokens
   keel::duration client_timeout = std::chrono::seconds(10);
   std::uint64_t seed = 7;
 };
 
 enum class verdict { ok, degraded, rejected, failed };
+enum class stream_verdict { complete, continued, failover, partial, rejected, failed };
 
 // One response as the client saw it.
 struct sample {
@@ -99,6 +113,12 @@ struct sample {
   bool replayed = false;
   bool retry_after = false;  // the reply carried a Retry-After header
   std::int64_t job_id = 0;
+  // A chat stream (interactive is false):
+  bool stream = false;
+  stream_verdict stream_what = stream_verdict::failed;
+  std::optional<keel::duration> ttft{};  // send to the first content token
+  std::int64_t tokens = 0;
+  bool hedged = false;
 };
 
 struct class_summary {
@@ -107,9 +127,17 @@ struct class_summary {
   keel::duration rejection_max{};         // how long the slowest rejection took
 };
 
+struct stream_summary {
+  std::int64_t requests = 0, complete = 0, continued = 0, failover = 0, partial = 0, rejected = 0, failed = 0;
+  std::int64_t hedged = 0;     // won by the first-token hedge
+  keel::duration ttft_p50{}, ttft_p99{};  // of streams that showed a token
+  keel::duration p50{}, p99{};            // first byte sent to [DONE], of answered streams
+};
+
 struct phase_report {
   std::string name;
   class_summary interactive, batch;
+  stream_summary streams;
 };
 
 [[nodiscard]] inline keel::duration nearest_rank(std::vector<keel::duration> v, double q) {
@@ -174,6 +202,7 @@ class load_generator {
   struct task {
     std::size_t phase = 0;
     bool interactive = true;
+    bool stream = false;
     std::string key, body, tenant;
     std::chrono::steady_clock::time_point due{};
   };
@@ -186,13 +215,13 @@ class load_generator {
       std::exponential_distribution<double> gap(rate);
       return t + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(gap(rng_)));
     };
-    clock::time_point next_i = next_after(start, ph.interactive_rate), next_b = next_after(start, ph.batch_rate);
+    clock::time_point next_i = next_after(start, ph.interactive_rate), next_b = next_after(start, ph.batch_rate),
+                      next_s = next_after(start, ph.stream_rate);
     for (;;) {
-      const bool interactive = next_i <= next_b;
-      const clock::time_point at = interactive ? next_i : next_b;
+      const clock::time_point at = std::min({next_i, next_b, next_s});
       if (at >= end) break;
       std::this_thread::sleep_until(at);
-      task t = interactive ? make_interactive(p) : make_batch(p);
+      task t = at == next_i ? make_interactive(p) : at == next_b ? make_batch(p) : make_stream(p);
       t.due = at;
       {
         std::lock_guard lock(mu_);
@@ -200,7 +229,13 @@ class load_generator {
         queue_.push_back(std::move(t));
       }
       ready_.notify_one();
-      (interactive ? next_i : next_b) = next_after(at, interactive ? ph.interactive_rate : ph.batch_rate);
+      if (at == next_i) {
+        next_i = next_after(at, ph.interactive_rate);
+      } else if (at == next_b) {
+        next_b = next_after(at, ph.batch_rate);
+      } else {
+        next_s = next_after(at, ph.stream_rate);
+      }
     }
     std::this_thread::sleep_until(end);
   }
@@ -250,6 +285,80 @@ class load_generator {
     return t;
   }
 
+  task make_stream(std::size_t p) {
+    static constexpr const char* prompts[] = {
+        "How should a stream's deadline be split between its first token and the rest?",
+        "What does a gateway owe a client whose stream was cut after 600 tokens?",
+        "When is it safe to retry a chat completion?"};
+    const std::string tenant = o_.tenants[std::uniform_int_distribution<std::size_t>(0, o_.tenants.size() - 1)(rng_)];
+    const char* prompt = prompts[std::uniform_int_distribution<std::size_t>(0, 2)(rng_)];
+    nlohmann::json body = {{"tenant", tenant},
+                           {"model", o_.model},
+                           {"messages", {{{"role", "user"}, {"content", cat(prompt, " (", ++counter_, ")")}}}},
+                           {"max_tokens", o_.stream_max_tokens},
+                           {"stream", true}};
+    return task{.phase = p, .interactive = false, .stream = true, .key = {}, .body = body.dump(), .tenant = tenant};
+  }
+
+  // One chat stream, read as it arrives.
+  static sample run_stream(httplib::Client& c, const task& t) {
+    sample s{.phase = t.phase, .interactive = false, .tenant = t.tenant, .stream = true};
+    keel::http::sse_parser parser;
+    std::string raw;  // an error reply's body (and the first bytes of a stream)
+    bool done = false, saw_error = false;
+    nlohmann::json view;  // the gateway's "keel" object, from the last chunk
+    const auto sent = std::chrono::steady_clock::now();
+    auto on = [&](const keel::http::chat_chunk& ch) {
+      if (ch.kind == keel::http::chunk_kind::content) {
+        if (!s.ttft) s.ttft = std::chrono::steady_clock::now() - sent;
+        ++s.tokens;
+      } else if (ch.kind == keel::http::chunk_kind::done) {
+        done = true;
+      } else if (ch.kind == keel::http::chunk_kind::error || ch.kind == keel::http::chunk_kind::usage) {
+        saw_error = saw_error || ch.kind == keel::http::chunk_kind::error;
+        const nlohmann::json j = nlohmann::json::parse(ch.data, nullptr, false);
+        if (j.is_object() && j.contains("keel")) view = j["keel"];
+      }
+      return true;
+    };
+    bool stream_ok = true;
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v1/chat/completions";
+    req.headers = {{"Content-Type", "application/json"}, {"Accept", "text/event-stream"}};
+    req.body = t.body;
+    req.content_receiver = [&](const char* data, std::size_t n, std::uint64_t, std::uint64_t) {
+      if (raw.size() < 64 * 1024) raw.append(data, n);
+      if (stream_ok) stream_ok = parser.feed(std::string_view(data, n), on).ok();
+      return true;
+    };
+    httplib::Response res;
+    httplib::Error error = httplib::Error::Success;
+    const bool got = c.send(req, res, error);
+    s.latency = std::chrono::steady_clock::now() - sent;
+    if (!got) return s;  // a transport error: failed
+    s.status = res.status;
+    if (res.status != 200) {
+      httplib::Response as_reply = res;
+      as_reply.body = raw;
+      classify(as_reply, s);
+      s.stream_what = s.what == verdict::rejected ? stream_verdict::rejected : stream_verdict::failed;
+      return s;
+    }
+    s.hedged = view.is_object() && view.value("hedged", false);
+    if (!done || !view.is_object() || !stream_ok) return s;  // cut without [DONE]: failed
+    if (saw_error) {
+      s.stream_what = s.tokens > 0 ? stream_verdict::partial : stream_verdict::failed;
+    } else if (view.value("failed_over", false)) {
+      s.stream_what = stream_verdict::failover;
+    } else if (view.value("continuations", 0) > 0) {
+      s.stream_what = stream_verdict::continued;
+    } else {
+      s.stream_what = stream_verdict::complete;
+    }
+    return s;
+  }
+
   void client_loop() {
     httplib::Client c(o_.host, o_.port);
     c.set_keep_alive(true);
@@ -264,6 +373,12 @@ class load_generator {
         if (queue_.empty()) return;
         t = std::move(queue_.front());
         queue_.pop_front();
+      }
+      if (t.stream) {
+        sample s = run_stream(c, t);
+        std::lock_guard lock(mu_);
+        samples_.push_back(std::move(s));
+        continue;
       }
       const httplib::Headers headers = {{"Idempotency-Key", t.key}};
       const auto sent = std::chrono::steady_clock::now();
@@ -309,7 +424,24 @@ class load_generator {
     std::vector<std::vector<keel::duration>> answered(phases.size() * 2);
     std::lock_guard lock(mu_);
     for (std::size_t p = 0; p < phases.size(); ++p) out[p].name = phases[p].name;
+    std::vector<std::vector<keel::duration>> ttfts(phases.size()), streamed(phases.size());
     for (const sample& s : samples_) {
+      if (s.stream) {
+        stream_summary& st = out[s.phase].streams;
+        ++st.requests;
+        switch (s.stream_what) {
+          case stream_verdict::complete: ++st.complete; break;
+          case stream_verdict::continued: ++st.continued; break;
+          case stream_verdict::failover: ++st.failover; break;
+          case stream_verdict::partial: ++st.partial; break;
+          case stream_verdict::rejected: ++st.rejected; break;
+          case stream_verdict::failed: ++st.failed; break;
+        }
+        st.hedged += s.hedged ? 1 : 0;
+        if (s.ttft) ttfts[s.phase].push_back(*s.ttft);
+        if (s.stream_what <= stream_verdict::failover) streamed[s.phase].push_back(s.latency);
+        continue;
+      }
       class_summary& c = s.interactive ? out[s.phase].interactive : out[s.phase].batch;
       ++c.requests;
       switch (s.what) {
@@ -327,6 +459,11 @@ class load_generator {
       }
     }
     for (std::size_t p = 0; p < phases.size(); ++p) {
+      stream_summary& st = out[p].streams;
+      st.ttft_p50 = nearest_rank(ttfts[p], 0.5);
+      st.ttft_p99 = nearest_rank(ttfts[p], 0.99);
+      st.p50 = nearest_rank(streamed[p], 0.5);
+      st.p99 = nearest_rank(streamed[p], 0.99);
       for (int k = 0; k < 2; ++k) {
         class_summary& c = k == 0 ? out[p].interactive : out[p].batch;
         c.p50 = nearest_rank(answered[p * 2 + k], 0.5);

@@ -2,7 +2,10 @@
 // gateway on loopback, drives it through four phases — normal, a provider
 // slowdown, an outage, recovery — and prints what users saw per phase and
 // class: requests, full answers, degraded answers, rejections, failures,
-// p50/p99, and the error budget left. Then stops the service.
+// p50/p99, and the error budget left; then, for the chat streams that run
+// alongside, time to first token p50/p99 and how each stream ended
+// (complete, continued on the second model, failed over, partial). Then
+// stops the service.
 //
 //   gateway                      the demo (about 35 s)
 //   gateway --serve PORT [DIR]   serve on 127.0.0.1:PORT (0-65535; 0: a free one) until Ctrl-C
@@ -172,7 +175,8 @@ int main(int argc, char** argv) {
               o.interactive_slots, o.batch_slots, o.recovery_slots, o.breaker.minimum_calls,
               100 * o.breaker.failure_rate_threshold.value_or(0), ms(o.breaker.open_duration));
 
-  gateway::load_generator load({.port = service.port(), .clients = 64});
+  const int load_tokens = 40;
+  gateway::load_generator load({.port = service.port(), .clients = 64, .stream_max_tokens = load_tokens});
   struct snapshot {
     keel::time_point at{};
     keel::slo_report interactive, full_answers, batch;
@@ -201,19 +205,19 @@ int main(int argc, char** argv) {
       (void)load.post("/admin/fault", body);
     };
   };
-  const double interactive_rate = 20, batch_rate = 8;
+  const double interactive_rate = 20, batch_rate = 8, stream_rate = 6;
   const std::vector<gateway::phase> phases = {
       {.name = "normal", .length = 8s, .interactive_rate = interactive_rate, .batch_rate = batch_rate,
-       .on_start = fault(R"({"kind":"none"})", "phase 1/4 normal: the provider answers in ~400 ms (p99 ~800 ms)"),
+       .stream_rate = stream_rate, .on_start = fault(R"({"kind":"none"})", "phase 1/4 normal: the provider answers in ~400 ms (p99 ~800 ms)"),
        .on_end = take_snapshot},
       {.name = "slowdown", .length = 8s, .interactive_rate = interactive_rate, .batch_rate = batch_rate,
-       .on_start = fault(R"({"kind":"slowdown","factor":3})", "phase 2/4 slowdown: the provider becomes 3x slower"),
+       .stream_rate = stream_rate, .on_start = fault(R"({"kind":"slowdown","factor":3})", "phase 2/4 slowdown: the provider becomes 3x slower"),
        .on_end = take_snapshot},
       {.name = "outage", .length = 8s, .interactive_rate = interactive_rate, .batch_rate = batch_rate,
-       .on_start = fault(R"({"kind":"outage"})", "phase 3/4 outage: the provider answers 503 to everything"),
+       .stream_rate = stream_rate, .on_start = fault(R"({"kind":"outage"})", "phase 3/4 outage: the provider answers 503 to everything (streams too; the second model is up)"),
        .on_end = take_snapshot},
       {.name = "recovery", .length = 8s, .interactive_rate = interactive_rate, .batch_rate = batch_rate,
-       .on_start = fault(R"({"kind":"none"})", "phase 4/4 recovery: the provider is healthy again"),
+       .stream_rate = stream_rate, .on_start = fault(R"({"kind":"none"})", "phase 4/4 recovery: the provider is healthy again"),
        .on_end = take_snapshot},
   };
   const std::vector<gateway::phase_report> reports = load.run(phases);
@@ -225,6 +229,7 @@ int main(int argc, char** argv) {
   }
   const absl::StatusOr<keel::job_counts> final_jobs = core.queue().counts();
   const gateway::provider_figures pf = core.provider().figures();
+  const keel::stream_figures sg = core.stream_guard().figures();
   service.stop();
 
   std::printf("\n%-9s %-11s %5s %5s %5s %5s %5s %7s %7s %8s  %s\n", "phase", "class", "reqs", "ok", "degr", "rej",
@@ -268,12 +273,36 @@ int main(int argc, char** argv) {
                 "timed-out attempts\n",
                 final_jobs.status().ToString().c_str(), static_cast<long long>(pf.abandoned));
   }
+  std::printf("\nstreams: POST /v1/chat/completions with \"stream\": true, %d tokens each; first token within %lld ms "
+              "per attempt,\n  stall %lld ms, first-token hedge at the learned p%.0f; second model %s\n",
+              load_tokens, ms(o.chat.first_token), ms(o.chat.stall), 100 * o.chat.hedge_percentile,
+              o.chat.backup.name.c_str());
+  std::printf("%-9s %5s %8s %9s %8s %7s %5s %5s %6s %9s %9s %7s %7s\n", "phase", "reqs", "complete", "continued",
+              "failover", "partial", "rej", "fail", "hedged", "ttft p50", "ttft p99", "p50 ms", "p99 ms");
+  for (const gateway::phase_report& r : reports) {
+    const gateway::stream_summary& st = r.streams;
+    std::printf("%-9s %5lld %8lld %9lld %8lld %7lld %5lld %5lld %6lld %9lld %9lld %7lld %7lld\n", r.name.c_str(),
+                static_cast<long long>(st.requests), static_cast<long long>(st.complete),
+                static_cast<long long>(st.continued), static_cast<long long>(st.failover),
+                static_cast<long long>(st.partial), static_cast<long long>(st.rejected),
+                static_cast<long long>(st.failed), static_cast<long long>(st.hedged), ms(st.ttft_p50), ms(st.ttft_p99),
+                ms(st.p50), ms(st.p99));
+  }
+  std::printf("stream guard: %lld attempts, %lld first-token timeouts, %lld stalls, %lld cut mid-stream, %lld hedges "
+              "started (%lld won), %lld continuations\n",
+              static_cast<long long>(sg.attempts), static_cast<long long>(sg.first_token_timeouts),
+              static_cast<long long>(sg.stalls), static_cast<long long>(sg.mid_stream_failures),
+              static_cast<long long>(sg.hedges_started), static_cast<long long>(sg.hedge_wins),
+              static_cast<long long>(sg.continuations));
   std::printf(
       "\nwhat to read: interactive p99 stays under the %lld ms deadline in every phase. The slowdown and the\n"
       "outage turn full answers into degraded ones (rubric feedback, marked degraded, not recorded) instead of\n"
       "errors: availability holds while the full-answer budget pays for it. The breaker opens and answers fast,\n"
       "probes, and closes in recovery. Batch work waits out the outage in the durable queue (refused, visibly,\n"
-      "only when the queue is full) and drains afterwards. Tenant \"noisy\" is held to its own quota (429).\n",
+      "only when the queue is full) and drains afterwards. Tenant \"noisy\" is held to its own quota (429).\n"
+      "Streams: nothing is sent before the first token, so in the outage each stream fails over to the second\n"
+      "model before its client sees a byte (\"failover\", marked degraded); a stream cut after its first token is\n"
+      "finished there (\"continued\"); the hedge races a second stream when the first token is late.\n",
       ms(plan.deadline));
   if (load.late_sends() > 0) {
     std::printf("(the load generator sent %lld requests late: every client was busy)\n",
