@@ -285,12 +285,17 @@ TEST_CASE("cut_at_deadline: a cut write is ambiguous unless it says nothing was 
   auto pipe = keel::pipeline(keel::time_limit({.at_most = 100ms}), keel::cut_at_deadline(timer)).on(clock);
   for (const bool before_sending : {false, true}) {
     keel::call call(clock.now(), {.timeout = 10s, .operation = {.effect = keel::effect::write}});
+    std::atomic<bool> entered{false};
     async_call<absl::StatusOr<int>> run([&] {
       return pipe.run(call, [&](const keel::attempt& a) -> absl::StatusOr<int> {
+        entered = true;
         absl::Status stopped = wait_for_stop(a).status();
         return before_sending ? keel::mark_not_started(stopped) : stopped;
       });
     });
+    // The timer's thread sleeping is not enough: cut before the attempt
+    // began, the pipeline rightly reports it not started.
+    REQUIRE(eventually([&] { return entered.load(); }));
     clock.await_sleepers(1);
     clock.advance(100ms);
     REQUIRE(eventually([&] { return run.done(); }));
