@@ -70,6 +70,7 @@
 #include "effect_log.hpp"
 #include "gateway_options.hpp"
 #include "simulated_provider.hpp"
+#include "upstream.hpp"
 
 namespace gateway {
 
@@ -91,7 +92,7 @@ namespace gateway {
 template <keel::clock Clock, keel::job_store JobStore, class Listener>
 struct batch_resources {
   keel::job_queue<JobStore, keel::environment<Clock, keel::default_classifier, Listener>>& queue;
-  simulated_provider<Clock>& provider;
+  model_upstream& provider;
   keel::breaker_registry& breakers;
   keel::adaptive_timeout& timeout;
   keel::retry_budget& budget;
@@ -185,6 +186,7 @@ class batch_worker {
     for (const auto& s : payload["sessions"]) {
       if (s.is_string()) absl::StrAppend(&prompt, "\n- ", s.get<std::string>());
     }
+    const std::string upstream_key = cat("report-", job.id);
     keel::call call(t0, {.timeout = r_.options.batch_job_deadline,
                          .stop = job.stop,
                          .labels = {.tenant = job.tenant,
@@ -203,7 +205,8 @@ class batch_worker {
     const keel::time_point asked = r_.clock.now();
     absl::StatusOr<std::string> raw =
         pipe.run(call, [&](const keel::attempt& a) -> absl::StatusOr<std::string> {
-          absl::StatusOr<std::string> out = r_.provider.complete(a, prompt);
+          // One key per job, whichever worker or lease runs it: the upstream sees one request.
+          absl::StatusOr<std::string> out = r_.provider.complete(a, prompt, upstream_key);
           if (!out.ok()) return out;
           const nlohmann::json j = nlohmann::json::parse(*out, nullptr, false);
           if (j.is_discarded() || !j.is_object() || !j.contains("score") || !j["score"].is_number_integer() ||
@@ -294,6 +297,7 @@ class worker_process {
 
   batch_worker<Clock, JobStore, keel::null_listener>& workers() noexcept { return *workers_; }
   simulated_provider<Clock>& provider() noexcept { return provider_; }
+  model_upstream& upstream() noexcept { return *upstream_; }
   queue_type& queue() noexcept { return queue_; }
 
  private:
@@ -304,6 +308,8 @@ class worker_process {
         effects_(std::move(effects)),
         queue_(*jobs_, report_queue_options(options_), keel::environment{clock_}),
         provider_(options_.provider, clock_),
+        http_(options_.upstream ? std::make_unique<http_upstream>(*options_.upstream) : nullptr),
+        upstream_(http_ != nullptr ? static_cast<model_upstream*>(http_.get()) : &provider_),
         breakers_(keel::breaker_registry_options{.breaker = options_.breaker,
                                                  .scope = {.endpoint = true, .model = false, .region = false}}),
         timeout_(options_.batch_timeout),
@@ -314,7 +320,7 @@ class worker_process {
                                                    .max_queue_age = options_.batch_queue_age}}}) {
     workers_ = std::make_unique<batch_worker<Clock, JobStore, keel::null_listener>>(
         batch_resources<Clock, JobStore, keel::null_listener>{.queue = queue_,
-                                                              .provider = provider_,
+                                                              .provider = *upstream_,
                                                               .breakers = breakers_,
                                                               .timeout = timeout_,
                                                               .budget = budget_,
@@ -330,7 +336,9 @@ class worker_process {
   std::unique_ptr<JobStore> jobs_;
   std::unique_ptr<effect_log> effects_;
   queue_type queue_;
-  simulated_provider<Clock> provider_;
+  simulated_provider<Clock> provider_;  // without options_.upstream
+  std::unique_ptr<http_upstream> http_;  // with it
+  model_upstream* upstream_;
   keel::breaker_registry breakers_;
   keel::adaptive_timeout timeout_;
   keel::retry_budget budget_;

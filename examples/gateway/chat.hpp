@@ -49,6 +49,7 @@
 #include "keel/policy/admission.hpp"
 #include "simulated_provider.hpp"
 #include "text.hpp"
+#include "upstream.hpp"
 
 namespace gateway {
 
@@ -216,10 +217,9 @@ struct relay_token {
   void operator()(std::string_view t) const { relay->token(t); }
 };
 
-// The provider of a stream attempt: the simulated model asked the request's prompt.
-template <class Clock>
+// The provider of a stream attempt: the model upstream asked the request's prompt.
 struct chat_model_call {
-  simulated_provider<Clock>* provider;
+  model_upstream* provider;
 
   absl::Status operator()(const keel::attempt& a, keel::stream_writer& w) const {
     const chat_call* rq = a.owner != nullptr ? a.owner->request<chat_call>() : nullptr;

@@ -108,6 +108,7 @@
 #include "gateway_options.hpp"
 #include "simulated_provider.hpp"
 #include "stages.hpp"
+#include "upstream.hpp"
 
 namespace gateway {
 
@@ -359,7 +360,7 @@ class gateway_core {
                      .stop = stop_.get_token(),
                      .labels = {.tenant = rq.tenant,
                                 .model = rq.model,
-                                .endpoint = provider_.name(),
+                                .endpoint = primary_->name(),
                                 .region = tenant.config->region,
                                 .work_class = "interactive"},
                      .max_attempts = 2 + options_.model_attempts},
@@ -478,7 +479,7 @@ class gateway_core {
                      .stop = stop.get_token(),
                      .labels = {.tenant = rq.tenant,
                                 .model = rq.model,
-                                .endpoint = provider_.name(),
+                                .endpoint = primary_->name(),
                                 .region = tenant.config->region,
                                 .work_class = "streaming"},
                      .max_attempts = 2 * options_.chat.attempts + 4},
@@ -511,8 +512,8 @@ class gateway_core {
                       : a.reason == keel::stream_stop::cancelled ? keel::request_outcome::abandoned
                                                                  : keel::request_outcome::partial,
                       done - t0, done);
-    const std::string served_by = route.failed_over ? cat("backup:", backup_.name())
-                                  : a.continuations > 0 ? cat("model:", rq.model, "+backup:", backup_.name())
+    const std::string served_by = route.failed_over ? cat("backup:", second_->name())
+                                  : a.continuations > 0 ? cat("model:", rq.model, "+backup:", second_->name())
                                                         : cat("model:", rq.model);
     answers_->with({"streaming", served_by}).inc();
     detail::json keel_view = {{"complete", a.complete},
@@ -638,11 +639,11 @@ class gateway_core {
     return operator_request("admin_breaker", [&]() -> reply {
       absl::StatusOr<detail::json> j = detail::parse_object(body);
       if (!j.ok()) return detail::error_reply(j.status());
-      absl::StatusOr<std::string> provider = detail::string_field(*j, "provider", 64, provider_.name());
+      absl::StatusOr<std::string> provider = detail::string_field(*j, "provider", 64, primary_->name());
       if (!provider.ok()) return detail::error_reply(provider.status());
       absl::StatusOr<std::string> mode = detail::string_field(*j, "mode", 16);
       if (!mode.ok()) return detail::error_reply(mode.status());
-      if (*provider != provider_.name()) {
+      if (*provider != primary_->name()) {
         return detail::error_reply(absl::NotFoundError(cat("no provider '", *provider, "'")));
       }
       if (*mode != "open" && *mode != "closed" && *mode != "auto") {
@@ -683,6 +684,13 @@ class gateway_core {
       if (!j.ok()) return detail::error_reply(j.status());
       absl::StatusOr<std::string> kind = detail::string_field(*j, "kind", 32);
       if (!kind.ok()) return detail::error_reply(kind.status());
+      if (http_primary_ != nullptr) {
+        // A real upstream's faults are its own (examples/mock_upstream takes
+        // them on its /control/fault); the gateway does not pretend.
+        return detail::error_reply(absl::FailedPreconditionError(
+            cat("the model upstreams are HTTP servers (", http_primary_->options().base_url, ", ",
+                http_backup_->options().base_url, "): switch faults on the upstream itself")));
+      }
       absl::StatusOr<std::string> which = detail::string_field(*j, "provider", 64, provider_.name());
       if (!which.ok()) return detail::error_reply(which.status());
       if (*which != provider_.name() && *which != backup_.name()) {
@@ -753,7 +761,7 @@ class gateway_core {
       detail::json out = {{"status", degraded ? "degraded" : "ok"},
                           {"breakers", breakers},
                           {"shed", shed},
-                          {"fault", std::string(to_string(provider_.current_fault().kind))},
+                          {"fault", http_primary_ ? "upstream" : std::string(to_string(provider_.current_fault().kind))},
                           {"bulkheads", pools},
                           {"batch_queue", batch_queue}};
       if (fleet_ != nullptr) {
@@ -786,8 +794,17 @@ class gateway_core {
                         {"hedge_wins", g.hedge_wins},
                         {"continuations", g.continuations},
                         {"hedge_delay_ms", std::chrono::duration<double, std::milli>(guard_.current_hedge_delay()).count()},
-                        {"backup", {{"provider", backup_.name()},
-                                    {"fault", std::string(to_string(backup_.current_fault().kind))}}}};
+                        {"backup", {{"provider", second_->name()},
+                                    {"fault", http_backup_ ? "upstream" : std::string(to_string(backup_.current_fault().kind))}}}};
+      if (http_primary_ != nullptr) {
+        detail::json ups = detail::json::array();
+        for (const http_upstream* u : {http_primary_.get(), http_backup_.get()}) {
+          const upstream_figures f = u->figures();
+          ups.push_back({{"name", u->name()}, {"base_url", u->options().base_url}, {"model", u->options().model},
+                         {"calls", f.calls}, {"answered", f.answered}, {"failed", f.failed}});
+        }
+        out["upstreams"] = std::move(ups);
+      }
       return {.status = 200, .body = detail::dump(out)};
     });
   }
@@ -814,6 +831,9 @@ class gateway_core {
   simulated_provider<Clock>& provider() noexcept { return provider_; }
   // The second model: chat streams fail over and continue on it.
   simulated_provider<Clock>& backup_provider() noexcept { return backup_; }
+  // The model upstreams over HTTP (gateway_options::upstream); null without them.
+  [[nodiscard]] const http_upstream* http_primary() const noexcept { return http_primary_.get(); }
+  [[nodiscard]] const http_upstream* http_backup() const noexcept { return http_backup_.get(); }
   guard_type& stream_guard() noexcept { return guard_; }
   keel::breaker_registry& breakers() noexcept { return breakers_; }
   keel::circuit_breaker& provider_breaker() { return breakers_.breaker_for(provider_domain()); }
@@ -889,6 +909,8 @@ class gateway_core {
         clock_(std::move(clock)),
         listener_(registry_),
         provider_(options_.provider, clock_),
+        http_primary_(options_.upstream ? std::make_unique<http_upstream>(*options_.upstream) : nullptr),
+        primary_(http_primary_ != nullptr ? static_cast<model_upstream*>(http_primary_.get()) : &provider_),
         rubrics_(options_.rubric_latency, clock_),
         breakers_(keel::breaker_registry_options{
             .breaker = options_.breaker, .scope = {.endpoint = true, .model = false, .region = false}}),
@@ -928,6 +950,8 @@ class gateway_core {
                env()),
         effects_(std::move(effects)),
         backup_(options_.chat.backup, clock_),
+        http_backup_(options_.upstream_backup ? std::make_unique<http_upstream>(*options_.upstream_backup) : nullptr),
+        second_(http_backup_ != nullptr ? static_cast<model_upstream*>(http_backup_.get()) : &backup_),
         hedge_pool_({.threads = options_.chat.hedge_threads, .queue_capacity = options_.chat.hedge_threads}),
         guard_(keel::stream_options{.first_token = options_.chat.first_token,
                                     .stall = options_.chat.stall,
@@ -938,7 +962,7 @@ class gateway_core {
                                     .budget = &budget_},
                hedge_pool_, clock_),
         stream_metrics_(registry_) {
-    if (options_.fleet.enabled()) fleet_ = std::make_unique<fleet_sharing>(options_.fleet, breakers_, provider_.name());
+    if (options_.fleet.enabled()) fleet_ = std::make_unique<fleet_sharing>(options_.fleet, breakers_, primary_->name());
     const keel::time_point now = clock_.now();
     // Every configured tenant and model is an override in the quota tables,
     // never reclaimed, so resolving its key cannot be refused.
@@ -982,7 +1006,7 @@ class gateway_core {
     registry_.add_collector([this](keel::metrics_snapshot& s) { collect(s); });
     workers_ = std::make_unique<worker_type>(batch_resources<Clock, JobStore, gateway_listener>{
         .queue = queue_,
-        .provider = provider_,
+        .provider = *primary_,
         .breakers = breakers_,
         .timeout = models_.begin()->second->batch_timeout,
         .budget = budget_,
@@ -1045,7 +1069,7 @@ class gateway_core {
                         options_.backoff),
             fleet_gate{fleet_.get()}, breakers_, m.interactive_timeout)
             .in(env());
-    return [pipe = std::move(pipe), provider = model_call<Clock>{&provider_}](keel::call& call, keel::time_point now) {
+    return [pipe = std::move(pipe), provider = model_call{primary_}](keel::call& call, keel::time_point now) {
       return pipe.run(call, now, provider);
     };
   }
@@ -1074,10 +1098,10 @@ class gateway_core {
                                             options_.backoff),
                                 fleet_gate{fleet_.get()}, breakers_)
                      .in(env());
-    auto second = keel::pipeline(breakers_.breaker_for(keel::failure_domain{.endpoint = backup_.name()})).in(env());
+    auto second = keel::pipeline(breakers_.breaker_for(keel::failure_domain{.endpoint = second_->name()})).in(env());
     return [this, outer = std::move(outer), first = std::move(first), second = std::move(second)](
                keel::call& call, keel::time_point now, chat_stream& stream, chat_route& route) {
-      chat_model_call<Clock> primary{&provider_}, backup{&backup_};
+      chat_model_call primary{primary_}, backup{second_};
       return outer.run(call, now, [&](const keel::attempt& a) -> absl::StatusOr<keel::stream_result> {
         absl::StatusOr<keel::stream_result> r = first.run(call, a.start, stream.attempts(primary));
         if (!options_.chat.continue_on_backup || call.stop_token().stop_requested()) return r;
@@ -1165,7 +1189,7 @@ class gateway_core {
   static constexpr std::size_t idx(work_class w) noexcept { return static_cast<std::size_t>(w); }
 
   [[nodiscard]] keel::failure_domain provider_domain() const noexcept {
-    return keel::failure_domain{.endpoint = provider_.name()};
+    return keel::failure_domain{.endpoint = primary_->name()};
   }
 
   [[nodiscard]] const tenant_state& tenant_of(std::string_view name) const {
@@ -1446,8 +1470,17 @@ class gateway_core {
         {"hedge_started", g.hedges_started}, {"hedge_won", g.hedge_wins}, {"hedge_skipped", g.hedges_skipped},
         {"continuation", g.continuations}};
     for (const auto& [label, n] : guard_events) guard.series.push_back({.labels = {label}, .value = static_cast<double>(n)});
+    keel::metric_family_snapshot upstream_calls =
+        counter("gateway_upstream_calls_total", "Completions and streams sent to the HTTP model upstreams, by result.",
+                {"upstream", "result"});
+    for (const http_upstream* u : {http_primary_.get(), http_backup_.get()}) {
+      if (u == nullptr) continue;
+      const upstream_figures f = u->figures();
+      upstream_calls.series.push_back({.labels = {u->name(), "answered"}, .value = static_cast<double>(f.answered)});
+      upstream_calls.series.push_back({.labels = {u->name(), "failed"}, .value = static_cast<double>(f.failed)});
+    }
     for (auto* f : {&active, &queued, &refused, &breaker, &calls, &abandoned, &shed, &jobs, &readable, &budget, &streams,
-                    &guard}) {
+                    &guard, &upstream_calls}) {
       s.families.push_back(std::move(*f));
     }
   }
@@ -1456,7 +1489,9 @@ class gateway_core {
   Clock clock_;
   keel::metrics_registry registry_;
   gateway_listener listener_;
-  simulated_provider<Clock> provider_;
+  simulated_provider<Clock> provider_;        // the model, simulated in-process (without options_.upstream)
+  std::unique_ptr<http_upstream> http_primary_;  // the model over HTTP (options_.upstream)
+  model_upstream* primary_;                      // whichever of the two serves
   rubric_store<Clock> rubrics_;
   keel::breaker_registry breakers_;
   std::unique_ptr<fleet_sharing> fleet_;  // with a Redis only; after breakers_, which it refers to
@@ -1477,6 +1512,8 @@ class gateway_core {
   // Streaming: the second model, the hedges' threads, the guard (after the
   // pool it submits to, before nothing that outlives it), what streams did.
   simulated_provider<Clock> backup_;
+  std::unique_ptr<http_upstream> http_backup_;  // options_.upstream_backup
+  model_upstream* second_;                      // whichever of the two serves
   keel::bounded_pool hedge_pool_;
   guard_type guard_;
   keel::stream_metrics stream_metrics_;

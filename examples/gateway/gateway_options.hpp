@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,6 +38,7 @@
 #include "keel/policy/retry_budget.hpp"
 #include "fleet.hpp"
 #include "simulated_provider.hpp"
+#include "upstream.hpp"
 
 namespace gateway {
 
@@ -224,7 +226,14 @@ struct gateway_options {
   double batch_target = 0.99;
   keel::duration slo_window = 10min;
 
-  // The simulated provider and database.
+  // Where model calls go. With `upstream` set, every model call (feedback,
+  // batch reports, streams) goes over HTTP to that OpenAI-compatible server,
+  // and the streams' second model is `upstream_backup` (required with it);
+  // unset: the in-process simulated provider below, as the tests on keel's
+  // manual clock use. gateway/config.hpp fills both from a config file.
+  std::optional<http_upstream_options> upstream{};
+  std::optional<http_upstream_options> upstream_backup{};
+  // The simulated provider (when `upstream` is unset) and the rubric database.
   provider_options provider{.capacity = 40};
   // Streaming chat completions (and their second model, chat.backup).
   chat_config chat{};
@@ -296,6 +305,17 @@ struct gateway_options {
       return keel::detail::invalid_field(who, "batch_target", "be in (0, 1)", batch_target);
     if (absl::Status s = provider.validate(); !s.ok()) return s;
     if (absl::Status s = chat.validate(); !s.ok()) return s;
+    if (upstream.has_value() != upstream_backup.has_value())
+      return keel::detail::invalid_field(who, "upstream_backup", "be set exactly when upstream is",
+                                         upstream_backup ? "set" : "unset");
+    if (upstream) {
+      if (absl::Status s = upstream->validate(); !s.ok()) return keel::annotate(s, "gateway_options.upstream");
+      if (absl::Status s = upstream_backup->validate(); !s.ok())
+        return keel::annotate(s, "gateway_options.upstream_backup");
+      if (upstream->name == upstream_backup->name)
+        return keel::detail::invalid_field(who, "upstream_backup.name", "differ from upstream.name",
+                                           upstream_backup->name);
+    }
     if (chat.backup.name == provider.name)
       return keel::detail::invalid_field(who, "chat.backup.name", "differ from provider.name", chat.backup.name);
     if (absl::Status s = fleet.validate(); !s.ok()) return s;

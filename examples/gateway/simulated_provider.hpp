@@ -74,6 +74,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "text.hpp"
+#include "upstream.hpp"
 #include "keel/compose/stream.hpp"
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
@@ -201,7 +202,7 @@ inline double unit_draw() { return std::uniform_real_distribution<double>(0.0, 1
 }  // namespace detail
 
 template <keel::clock Clock = keel::real_clock>
-class simulated_provider {
+class simulated_provider final : public model_upstream {
  public:
   // Throws keel::invalid_options if `o` is invalid.
   explicit simulated_provider(provider_options o = {}, Clock clock = {})
@@ -210,7 +211,7 @@ class simulated_provider {
   simulated_provider& operator=(const simulated_provider&) = delete;
 
   [[nodiscard]] const provider_options& options() const noexcept { return options_; }
-  [[nodiscard]] const std::string& name() const noexcept { return options_.name; }
+  [[nodiscard]] const std::string& name() const noexcept override { return options_.name; }
 
   // Switches the fault for attempts that start from now on.
   [[nodiscard]] absl::Status set_fault(const fault& f) {
@@ -225,7 +226,8 @@ class simulated_provider {
   }
 
   // One completion: the model's raw output text (the gateway validates it).
-  absl::StatusOr<std::string> complete(const keel::attempt& a, std::string_view prompt) {
+  absl::StatusOr<std::string> complete(const keel::attempt& a, std::string_view prompt,
+                                       std::string_view /*idempotency_key*/ = {}) override {
     calls_.fetch_add(1, std::memory_order_relaxed);
     const in_flight_scope busy(in_flight_);
     fault f = current_fault();
@@ -290,7 +292,8 @@ class simulated_provider {
   // OK when the stream reached its end; a failure before the first token
   // is the provider's refusal (429, 503) or a stop; after it, a cut (an
   // outage), an error event (invalid_output) or a stop.
-  absl::Status stream(const keel::attempt& /*a*/, keel::stream_writer& w, std::string_view prompt, int max_tokens) {
+  absl::Status stream(const keel::attempt& /*a*/, keel::stream_writer& w, std::string_view prompt,
+                      int max_tokens) override {
     calls_.fetch_add(1, std::memory_order_relaxed);
     streams_.fetch_add(1, std::memory_order_relaxed);
     const in_flight_scope busy(in_flight_);

@@ -26,7 +26,7 @@
 //   gateway::interactive_progress p;
 //   const gateway::interactive_request req{.body = rq, .tenant = tenant, .model = model, .progress = p};
 //   keel::call call(t0, {.timeout = 3s, .labels = {...}}, req);
-//   absl::StatusOr<gateway::detail::answer> got = pipe.run(call, t0, gateway::model_call<Clock>{&provider});
+//   absl::StatusOr<gateway::detail::answer> got = pipe.run(call, t0, gateway::model_call{&provider});
 //   // p.decision: the recorded decision (fresh or replayed); call.record().degraded: the fallback served
 //
 // Thread-safety: the stages are immutable once built (execute() is const)
@@ -60,6 +60,7 @@
 #include "keel/policy/circuit_breaker.hpp"
 #include "simulated_provider.hpp"
 #include "text.hpp"
+#include "upstream.hpp"
 
 namespace gateway {
 
@@ -269,17 +270,19 @@ struct retrieve_rubric {
   }
 };
 
-// The provider: the simulated LLM asked the request's prompt; its output
-// checked against the contract. What failed is kept for the degraded
-// answer's note.
-template <class Clock>
+// The provider: the model upstream asked the request's prompt (over HTTP,
+// or the in-process simulation on a manual clock); its output checked
+// against the contract. What failed is kept for the degraded answer's note.
+// Every attempt of one client request carries one Idempotency-Key upstream,
+// scoped to the tenant.
 struct model_call {
-  simulated_provider<Clock>* provider;
+  model_upstream* provider;
 
   absl::StatusOr<detail::answer> operator()(const keel::attempt& a) const {
     const interactive_request* rq = a.owner->request<interactive_request>();
     if (rq == nullptr) return absl::InvalidArgumentError("model_call: the call carries no feedback request");
-    absl::StatusOr<std::string> raw = provider->complete(a, rq->progress.prompt);
+    const std::string key = cat(rq->body.tenant, "/", rq->body.key);
+    absl::StatusOr<std::string> raw = provider->complete(a, rq->progress.prompt, key);
     absl::StatusOr<detail::answer> parsed =
         raw.ok() ? detail::parse_model_output(*raw, rq->body.model) : absl::StatusOr<detail::answer>(raw.status());
     if (!parsed.ok()) rq->progress.last_failure = std::string(parsed.status().message());
