@@ -280,7 +280,8 @@ TEST_CASE("config: out-of-range numbers follow the gateway's own rules", "[confi
   CHECK(error_of(with("retry_budget = { ratio = 2 }\n")) ==
         "config.toml:13:26: models.chat-default.retry_budget.ratio: must be in [0, 1] (got 2)");
   CHECK(error_of(with("hedge = { percentile = 1.5 }\n")) ==
-        "config.toml:13:24: models.chat-default.hedge.percentile: must be 0 (fixed delay) or in (0, 1) (got 1.5)");
+        "config.toml:13:24: models.chat-default.hedge.percentile: must be in (0, 1); for a fixed delay give delay (got "
+        "1.5)");
   CHECK(error_of(std::string(base) + "[clients.c]\nkey_sha256 = \"" + hex_of("k") + "\"\nburst = 0.5\nrequests_per_second = 1\n") ==
         "config.toml:15:9: clients.c.burst: must be in [1, 1e12] (got 0.5)");
 }

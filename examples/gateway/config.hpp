@@ -669,6 +669,7 @@ inline model_route read_model(const source& src, std::string_view name, const to
     if (!pct && hr.get("min_delay") != nullptr) hr.fail("min_delay", "goes with percentile");
     if (delay) hc.delay = *delay;
     if (pct) {
+      if (!(*pct > 0.0 && *pct < 1.0)) hr.fail("percentile", cat("must be in (0, 1); for a fixed delay give delay (got ", *pct, ")"));
       hc.percentile = *pct;
       hc.delay = initial.value_or(hc.delay);
       hc.min_delay = hr.duration("min_delay").value_or(hc.min_delay);
