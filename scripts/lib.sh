@@ -7,7 +7,7 @@ keel_packages=(
   libsqlite3-dev sqlite3
   libpq-dev postgresql
   libhiredis-dev redis-server
-  libcpp-httplib-dev nlohmann-json3-dev
+  libcpp-httplib-dev nlohmann-json3-dev libtomlplusplus-dev libboost1.74-dev
   libcurl4-openssl-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   python3 python3-prometheus-client

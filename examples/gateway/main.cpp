@@ -13,6 +13,7 @@
 //   ... --redis HOST:PORT        share the provider's concurrency limit and state with other replicas
 //                                through that Redis (gateway/fleet.hpp)
 //   gateway --work DIR           a batch worker process for a gateway serving DIR, until Ctrl-C
+//   gateway --check-config FILE  validates a configuration file (gateway/config.hpp): exit 0, or 2 and the error
 //
 // docs/gateway.md explains the endpoints and how the policies compose.
 #include <algorithm>
@@ -28,6 +29,7 @@
 
 #include <unistd.h>
 
+#include "config.hpp"
 #include "gateway_service.hpp"
 #include "load_generator.hpp"
 
@@ -117,6 +119,16 @@ int work(const char* data_dir) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "--check-config") {
+    const absl::StatusOr<gateway::gateway_config> cfg = gateway::load_config(argv[2]);
+    if (!cfg.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(cfg.status().message()).c_str());
+      return 2;
+    }
+    std::printf("%s: ok (%zu upstreams, %zu models, %zu clients)\n", argv[2], cfg->upstreams.size(),
+                cfg->models.size(), cfg->clients.size());
+    return 0;
+  }
   std::vector<char*> args;
   for (int i = 0; i < argc; ++i) {
     if (std::string(argv[i]) == "--redis" && i + 1 < argc) {
