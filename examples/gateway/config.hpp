@@ -65,6 +65,7 @@
 #include "keel/policy/circuit_breaker.hpp"
 #include "keel/policy/retry_budget.hpp"
 #include "text.hpp"
+#include "upstream.hpp"
 
 namespace gateway {
 
@@ -893,6 +894,42 @@ inline gateway_config build(const source& src, const toml::table& root) {
                                              u.api_key_env, v == nullptr ? " is not set" : " is empty",
                                              " in the environment"));
   return std::string(v);
+}
+
+// The gateway's options with its model calls going over HTTP: the default
+// model's first deployment serves, its second (when it has one) is where
+// streams fail over and continue. Each deployment is one failure domain,
+// "<upstream>/<model>": a breaker per (upstream, model). API keys are read
+// from the environment here, at start, never from the file.
+[[nodiscard]] inline absl::StatusOr<gateway_options> with_upstreams(const gateway_config& cfg) {
+  const model_route* route = cfg.find_model(cfg.default_model);
+  if (route == nullptr || route->deployments.empty())
+    return absl::InvalidArgumentError(cat(cfg.path, ": gateway.default_model: names no model with deployments"));
+  auto deployment_options = [&](const deployment& d) -> absl::StatusOr<http_upstream_options> {
+    const upstream_config* up = cfg.find_upstream(d.upstream);
+    if (up == nullptr) return absl::InvalidArgumentError(cat(cfg.path, ": names no upstream '", d.upstream, "'"));
+    absl::StatusOr<std::string> key = resolve_api_key(*up);
+    if (!key.ok()) return keel::annotate(key.status(), cat(cfg.path, ": upstreams.", up->name));
+    http_upstream_options o{.name = cat(up->name, "/", d.model),
+                            .base_url = up->base_url,
+                            .model = d.model,
+                            .api_key = std::move(*key),
+                            .max_connections = static_cast<std::size_t>(up->max_connections),
+                            .connect_timeout = up->connect_timeout};
+    for (const auto& [name, value] : up->headers) o.headers.push_back(cat(name, ": ", value));
+    return o;
+  };
+  gateway_options o = cfg.options;
+  absl::StatusOr<http_upstream_options> primary = deployment_options(route->deployments[0]);
+  if (!primary.ok()) return primary.status();
+  o.upstream = std::move(*primary);
+  if (route->deployments.size() > 1) {
+    absl::StatusOr<http_upstream_options> second = deployment_options(route->deployments[1]);
+    if (!second.ok()) return second.status();
+    o.upstream_backup = std::move(*second);
+  }
+  if (absl::Status s = o.validate(); !s.ok()) return keel::annotate(s, cfg.path);
+  return o;
 }
 
 }  // namespace gateway

@@ -688,8 +688,8 @@ class gateway_core {
         // A real upstream's faults are its own (examples/mock_upstream takes
         // them on its /control/fault); the gateway does not pretend.
         return detail::error_reply(absl::FailedPreconditionError(
-            cat("the model upstreams are HTTP servers (", http_primary_->options().base_url, ", ",
-                http_backup_->options().base_url, "): switch faults on the upstream itself")));
+            cat("the model upstream is an HTTP server (", http_primary_->options().base_url,
+                "): switch faults on the upstream itself")));
       }
       absl::StatusOr<std::string> which = detail::string_field(*j, "provider", 64, provider_.name());
       if (!which.ok()) return detail::error_reply(which.status());
@@ -799,6 +799,7 @@ class gateway_core {
       if (http_primary_ != nullptr) {
         detail::json ups = detail::json::array();
         for (const http_upstream* u : {http_primary_.get(), http_backup_.get()}) {
+          if (u == nullptr) continue;
           const upstream_figures f = u->figures();
           ups.push_back({{"name", u->name()}, {"base_url", u->options().base_url}, {"model", u->options().model},
                          {"calls", f.calls}, {"answered", f.answered}, {"failed", f.failed}});
@@ -951,7 +952,10 @@ class gateway_core {
         effects_(std::move(effects)),
         backup_(options_.chat.backup, clock_),
         http_backup_(options_.upstream_backup ? std::make_unique<http_upstream>(*options_.upstream_backup) : nullptr),
-        second_(http_backup_ != nullptr ? static_cast<model_upstream*>(http_backup_.get()) : &backup_),
+        // Over HTTP without a second deployment: streams are neither failed over nor continued.
+        second_(http_backup_ != nullptr ? static_cast<model_upstream*>(http_backup_.get())
+                : http_primary_ != nullptr ? primary_
+                                           : &backup_),
         hedge_pool_({.threads = options_.chat.hedge_threads, .queue_capacity = options_.chat.hedge_threads}),
         guard_(keel::stream_options{.first_token = options_.chat.first_token,
                                     .stall = options_.chat.stall,
@@ -1104,7 +1108,7 @@ class gateway_core {
       chat_model_call primary{primary_}, backup{second_};
       return outer.run(call, now, [&](const keel::attempt& a) -> absl::StatusOr<keel::stream_result> {
         absl::StatusOr<keel::stream_result> r = first.run(call, a.start, stream.attempts(primary));
-        if (!options_.chat.continue_on_backup || call.stop_token().stop_requested()) return r;
+        if (!options_.chat.continue_on_backup || second_ == primary_ || call.stop_token().stop_requested()) return r;
         if (!r.ok()) {
           // Nothing was shown yet: the second model may answer instead. A
           // request the first refused as invalid would be refused there too.

@@ -228,7 +228,8 @@ struct gateway_options {
 
   // Where model calls go. With `upstream` set, every model call (feedback,
   // batch reports, streams) goes over HTTP to that OpenAI-compatible server,
-  // and the streams' second model is `upstream_backup` (required with it);
+  // and the streams' second model is `upstream_backup` (without one, streams
+  // are neither failed over nor continued);
   // unset: the in-process simulated provider below, as the tests on keel's
   // manual clock use. gateway/config.hpp fills both from a config file.
   std::optional<http_upstream_options> upstream{};
@@ -305,11 +306,12 @@ struct gateway_options {
       return keel::detail::invalid_field(who, "batch_target", "be in (0, 1)", batch_target);
     if (absl::Status s = provider.validate(); !s.ok()) return s;
     if (absl::Status s = chat.validate(); !s.ok()) return s;
-    if (upstream.has_value() != upstream_backup.has_value())
-      return keel::detail::invalid_field(who, "upstream_backup", "be set exactly when upstream is",
-                                         upstream_backup ? "set" : "unset");
+    if (upstream_backup && !upstream)
+      return keel::detail::invalid_field(who, "upstream_backup", "be set only with upstream", upstream_backup->name);
     if (upstream) {
       if (absl::Status s = upstream->validate(); !s.ok()) return keel::annotate(s, "gateway_options.upstream");
+    }
+    if (upstream_backup) {
       if (absl::Status s = upstream_backup->validate(); !s.ok())
         return keel::annotate(s, "gateway_options.upstream_backup");
       if (upstream->name == upstream_backup->name)

@@ -7,13 +7,17 @@
 // (complete, continued on the second model, failed over, partial). Then
 // stops the service.
 //
-//   gateway                      the demo (about 35 s)
+//   gateway --demo FILE          the demo (about 35 s) against the model servers FILE names
+//                                (scripts/demo starts two mock upstreams and passes
+//                                config/demo.toml); faults go to the primary's /control/fault
+//   gateway                      the same demo with the model simulated in-process
+//   gateway --config FILE        serve as FILE says (listen address, upstreams, models, clients)
+//   gateway --check-config FILE  validate FILE and exit (0: ok, 2: the error, naming line and field)
 //   gateway --serve PORT [DIR]   serve on 127.0.0.1:PORT (0-65535; 0: a free one) until Ctrl-C
-//                                (data in DIR, or a temporary one)
+//                                (data in DIR, or a temporary one), the model simulated in-process
 //   ... --redis HOST:PORT        share the provider's concurrency limit and state with other replicas
 //                                through that Redis (gateway/fleet.hpp)
 //   gateway --work DIR           a batch worker process for a gateway serving DIR, until Ctrl-C
-//   gateway --check-config FILE  validates a configuration file (gateway/config.hpp): exit 0, or 2 and the error
 //
 // docs/gateway.md explains the endpoints and how the policies compose.
 #include <algorithm>
@@ -22,12 +26,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <unistd.h>
+
+#include <httplib.h>
 
 #include "config.hpp"
 #include "gateway_service.hpp"
@@ -98,6 +105,38 @@ int serve(int port, const char* data_dir) {
   return 0;
 }
 
+// gateway --config FILE: the model calls go to the upstreams FILE names.
+int serve_config(const char* path) {
+  absl::StatusOr<gateway::gateway_config> cfg = gateway::load_config(path);
+  if (!cfg.ok()) {
+    std::fprintf(stderr, "gateway: %s\n", std::string(cfg.status().message()).c_str());
+    return 2;
+  }
+  absl::StatusOr<gateway::gateway_options> o = gateway::with_upstreams(*cfg);
+  if (!o.ok()) {
+    std::fprintf(stderr, "gateway: %s: %s\n", path, std::string(o.status().message()).c_str());
+    return 2;
+  }
+  if (!redis_flag.empty()) o->fleet.redis = redis_flag;
+  auto svc = gateway::service::open(*o);
+  if (!svc.ok()) {
+    std::fprintf(stderr, "gateway: %s\n", std::string(svc.status().message()).c_str());
+    return 1;
+  }
+  if (absl::Status s = (*svc)->start(cfg->listen_host, cfg->listen_port); !s.ok()) {
+    std::fprintf(stderr, "gateway: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+  std::printf("gateway serving on http://%s:%d (data in %s; model upstreams %s, %s); Ctrl-C stops it\n",
+              cfg->listen_host.c_str(), (*svc)->port(), o->data_dir.c_str(), o->upstream->base_url.c_str(),
+              o->upstream_backup ? o->upstream_backup->base_url.c_str() : "(no second)");
+  std::fflush(stdout);
+  on_signals();
+  while (!interrupted) std::this_thread::sleep_for(100ms);
+  (*svc)->stop();
+  return 0;
+}
+
 int work(const char* data_dir) {
   gateway::gateway_options o;
   o.data_dir = data_dir;
@@ -118,47 +157,14 @@ int work(const char* data_dir) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  if (argc == 3 && std::string(argv[1]) == "--check-config") {
-    const absl::StatusOr<gateway::gateway_config> cfg = gateway::load_config(argv[2]);
-    if (!cfg.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(cfg.status().message()).c_str());
-      return 2;
-    }
-    std::printf("%s: ok (%zu upstreams, %zu models, %zu clients)\n", argv[2], cfg->upstreams.size(),
-                cfg->models.size(), cfg->clients.size());
-    return 0;
-  }
-  std::vector<char*> args;
-  for (int i = 0; i < argc; ++i) {
-    if (std::string(argv[i]) == "--redis" && i + 1 < argc) {
-      redis_flag = argv[++i];
-      continue;
-    }
-    args.push_back(argv[i]);
-  }
-  args.push_back(nullptr);
-  argc = static_cast<int>(args.size()) - 1;
-  argv = args.data();
-  if ((argc == 3 || argc == 4) && std::string(argv[1]) == "--serve") {
-    const absl::StatusOr<int> port = gateway::parse_port(argv[2]);
-    if (!port.ok()) {
-      std::fprintf(stderr, "gateway: --serve PORT: %s\n", std::string(port.status().message()).c_str());
-      return 2;
-    }
-    return serve(*port, argv[3]);
-  }
-  if (argc == 3 && std::string(argv[1]) == "--work") return work(argv[2]);
-  if (argc != 1) {
-    std::fprintf(stderr, "usage: gateway [--redis HOST:PORT] | gateway --serve PORT [DIR] [--redis HOST:PORT] | gateway --work DIR\n");
-    return 2;
-  }
-
+// The four phases against the gateway `o` describes; `fault` switches the
+// provider's fault (a JSON body of /admin/fault, or of a mock upstream's
+// /control/fault).
+int demo(gateway::gateway_options o, const std::function<void(const char*)>& switch_fault) {
   temp_dir dir;
   event_log log;
-  gateway::gateway_options o;
   o.data_dir = dir.path;
-  o.fleet.redis = redis_flag;
+  if (!redis_flag.empty()) o.fleet.redis = redis_flag;
   o.batch_max_depth = 80;  // small enough that the outage's backlog meets it: rejections you can see
   o.breaker.on_state_change = [&log](const keel::breaker_transition& t) {
     log.add(gateway::cat("breaker ", keel::to_string(t.from), " -> ", keel::to_string(t.to)));
@@ -178,6 +184,11 @@ int main(int argc, char** argv) {
   std::printf("keel gateway demo: interview feedback under a %lld ms deadline, batch reports in the background\n",
               ms(plan.deadline));
   std::printf("  serving on http://127.0.0.1:%d; data (SQLite) in %s\n", service.port(), dir.path.c_str());
+  if (o.upstream) {
+    std::printf("  model upstreams over HTTP: %s at %s (model %s), second %s at %s\n", o.upstream->name.c_str(),
+                o.upstream->base_url.c_str(), o.upstream->model.c_str(), o.upstream_backup->name.c_str(),
+                o.upstream_backup->base_url.c_str());
+  }
   std::printf("  plan: admit %lld, retrieve %lld, model %lld, cancel %lld, fallback %lld, respond by %lld ms "
               "(%lld ms reserved)\n",
               ms(plan.admit), ms(plan.retrieve), ms(plan.model), ms(plan.cancel), ms(plan.fallback),
@@ -211,10 +222,14 @@ int main(int argc, char** argv) {
     ends.push_back(std::move(s));
   };
   auto fault = [&](const char* body, const char* what) {
-    return [&load, body, what] {
+    return [&switch_fault, &load, body, what] {
       std::printf("  %s\n", what);
       std::fflush(stdout);
-      (void)load.post("/admin/fault", body);
+      if (switch_fault) {
+        switch_fault(body);
+      } else {
+        (void)load.post("/admin/fault", body);  // the in-process simulated provider
+      }
     };
   };
   const double interactive_rate = 20, batch_rate = 8, stream_rate = 6;
@@ -241,6 +256,8 @@ int main(int argc, char** argv) {
   }
   const absl::StatusOr<keel::job_counts> final_jobs = core.queue().counts();
   const gateway::provider_figures pf = core.provider().figures();
+  const gateway::upstream_figures uf =
+      core.http_primary() != nullptr ? core.http_primary()->figures() : gateway::upstream_figures{};
   const keel::stream_figures sg = core.stream_guard().figures();
   service.stop();
 
@@ -275,6 +292,11 @@ int main(int argc, char** argv) {
     }
     std::printf("\n");
   }
+  if (o.upstream) {
+    std::printf("\nthe primary upstream was sent %lld completions and streams: %lld answered, %lld failed or stopped\n",
+                static_cast<long long>(uf.calls), static_cast<long long>(uf.answered),
+                static_cast<long long>(uf.failed));
+  }
   if (final_jobs.ok()) {
     std::printf("\nbatch after the run: %lld done, %lld failed, %lld still queued; the provider abandoned %lld "
                 "timed-out attempts\n",
@@ -288,7 +310,7 @@ int main(int argc, char** argv) {
   std::printf("\nstreams: POST /v1/chat/completions with \"stream\": true, %d tokens each; first token within %lld ms "
               "per attempt,\n  stall %lld ms, first-token hedge at the learned p%.0f; second model %s\n",
               load_tokens, ms(o.chat.first_token), ms(o.chat.stall), 100 * o.chat.hedge_percentile,
-              o.chat.backup.name.c_str());
+              o.upstream_backup ? o.upstream_backup->name.c_str() : o.chat.backup.name.c_str());
   std::printf("%-9s %5s %8s %9s %8s %7s %5s %5s %6s %9s %9s %7s %7s\n", "phase", "reqs", "complete", "continued",
               "failover", "partial", "rej", "fail", "hedged", "ttft p50", "ttft p99", "p50 ms", "p99 ms");
   for (const gateway::phase_report& r : reports) {
@@ -321,4 +343,62 @@ int main(int argc, char** argv) {
                 static_cast<long long>(load.late_sends()));
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "--check-config") {
+    const absl::StatusOr<gateway::gateway_config> cfg = gateway::load_config(argv[2]);
+    if (!cfg.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(cfg.status().message()).c_str());
+      return 2;
+    }
+    std::printf("%s: ok (%zu upstreams, %zu models, %zu clients)\n", argv[2], cfg->upstreams.size(),
+                cfg->models.size(), cfg->clients.size());
+    return 0;
+  }
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    if (std::string(argv[i]) == "--redis" && i + 1 < argc) {
+      redis_flag = argv[++i];
+      continue;
+    }
+    args.push_back(argv[i]);
+  }
+  args.push_back(nullptr);
+  argc = static_cast<int>(args.size()) - 1;
+  argv = args.data();
+  if ((argc == 3 || argc == 4) && std::string(argv[1]) == "--serve") {
+    const absl::StatusOr<int> port = gateway::parse_port(argv[2]);
+    if (!port.ok()) {
+      std::fprintf(stderr, "gateway: --serve PORT: %s\n", std::string(port.status().message()).c_str());
+      return 2;
+    }
+    return serve(*port, argv[3]);
+  }
+  if (argc == 3 && std::string(argv[1]) == "--work") return work(argv[2]);
+  if (argc == 3 && std::string(argv[1]) == "--config") return serve_config(argv[2]);
+  if (argc == 3 && std::string(argv[1]) == "--demo") {
+    absl::StatusOr<gateway::gateway_config> cfg = gateway::load_config(argv[2]);
+    absl::StatusOr<gateway::gateway_options> o =
+        cfg.ok() ? gateway::with_upstreams(*cfg) : absl::StatusOr<gateway::gateway_options>(cfg.status());
+    if (!o.ok()) {
+      std::fprintf(stderr, "gateway: %s\n", std::string(o.status().message()).c_str());
+      return 2;
+    }
+    // A real upstream's faults are its own: the demo switches them on the mock's control endpoint.
+    httplib::Client upstream(o->upstream->base_url);
+    return demo(*o, [&upstream](const char* body) {
+      const httplib::Result r = upstream.Post("/control/fault", body, "application/json");
+      if (!r || r->status != 200) std::fprintf(stderr, "gateway demo: the upstream refused the fault %s\n", body);
+    });
+  }
+  if (argc == 1) return demo(gateway::gateway_options{}, {});
+  std::fprintf(stderr,
+               "usage: gateway [--redis HOST:PORT]                      the demo, the model simulated in-process\n"
+               "       gateway --demo FILE                              the demo against the upstreams FILE names\n"
+               "       gateway --config FILE [--redis HOST:PORT]        serve as FILE says\n"
+               "       gateway --check-config FILE                      validate FILE\n"
+               "       gateway --serve PORT [DIR] [--redis HOST:PORT]   serve, the model simulated in-process\n"
+               "       gateway --work DIR                               a batch worker process\n");
+  return 2;
 }
