@@ -231,9 +231,8 @@ struct fault {
       } else if (key == "retry_after_ms" || key == "status" || key == "count" || key == "first_token_ms" ||
                  key == "after_tokens") {
         if (!v.is_number_integer()) return invalid_field("fault", key, "be an integer", v.dump());
-        const auto n = v.get<std::int64_t>();
-        if (n < -1 || n > 100000000) return invalid_field("fault", key, "be an integer in range", v.dump());
-        const int i = static_cast<int>(n);
+        // Clamped into an int: validate() below names the field's range.
+        const int i = static_cast<int>(std::clamp<std::int64_t>(v.get<std::int64_t>(), -1, 2000000000));
         if (key == "retry_after_ms") f.retry_after_ms = i;
         else if (key == "status") f.status = i;
         else if (key == "count") f.count = i;
