@@ -58,10 +58,10 @@ class model_upstream {
 
 // What one HTTP upstream deployment is: where, which model, how to connect.
 struct http_upstream_options {
-  std::string name;      // the failure domain: breakers, metrics and served_by use it
-  std::string base_url;  // http(s)://host:port, without /v1
-  std::string model;     // the model name the upstream knows
-  std::string api_key;   // sent as "Authorization: Bearer"; empty: none (resolved from the environment, never a file)
+  std::string name{};    // the failure domain: breakers, metrics and served_by use it
+  std::string base_url{};  // http(s)://host:port, without /v1
+  std::string model{};     // the model name the upstream knows
+  std::string api_key{};   // sent as "Authorization: Bearer"; empty: none (resolved from the environment, never a file)
   std::vector<std::string> headers{};          // extra "Name: value" lines
   std::size_t max_connections = 64;            // kept-alive connections (pooled handles)
   keel::duration connect_timeout = std::chrono::seconds(2);

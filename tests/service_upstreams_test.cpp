@@ -1,0 +1,275 @@
+// The example gateway in front of real model servers: two mock upstream
+// processes (examples/mock_upstream, OpenAI-compatible over HTTP) started on
+// loopback, the gateway's model calls going to them through keel's libcurl
+// provider and SSE reader. Faults are switched on the upstream itself
+// (its /control/fault) and what the upstream saw is read from its
+// /control/stats, so every claim is about what crossed the wire.
+//
+// Latency bounds are correctness bounds (keel_service::http_slack), never
+// speed claims.
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include "gateway_service.hpp"
+#include "support/catch.hpp"
+#include "support/mock_upstream.hpp"
+#include "support/service.hpp"
+
+using namespace std::chrono_literals;
+using json = nlohmann::json;
+using keel_service::temp_dir;
+
+namespace {
+
+// A mock upstream process (examples/mock_upstream) named for its failure domain.
+struct mock_upstream {
+  mock_upstream(const temp_dir& /*dir*/, std::string n, const std::vector<std::string>& flags = {})
+      : name(std::move(n)), process(flags, name) {}
+  [[nodiscard]] std::string url() const { return process.url(); }
+  void fault(const json& f) { REQUIRE(process.set_fault(f.dump()) == 200); }
+  [[nodiscard]] json stats() const { return process.stats(); }
+
+  std::string name;
+  keel_test::mock_upstream_process process;
+};
+
+gateway::http_upstream_options upstream_of(const mock_upstream& m) {
+  return {.name = m.name + "/mock-small", .base_url = m.url(), .model = "mock-small"};
+}
+
+std::unique_ptr<gateway::service> start(const gateway::gateway_options& o) {
+  auto svc = gateway::service::open(o);
+  if (!svc.ok()) FAIL(std::string(svc.status().message()));
+  const absl::Status up = (*svc)->start("127.0.0.1", 0);
+  if (!up.ok()) FAIL(std::string(up.message()));
+  return std::move(*svc);
+}
+
+struct reply {
+  int status = 0;
+  json body;
+};
+
+reply post(int port, const std::string& path, const json& body, const std::string& key = {}) {
+  httplib::Client c("127.0.0.1", port);
+  c.set_read_timeout(30s);
+  httplib::Headers h;
+  if (!key.empty()) h.emplace("Idempotency-Key", key);
+  const httplib::Result r = c.Post(path.c_str(), h, body.dump(), "application/json");
+  if (!r) return {};
+  return {r->status, json::parse(r->body, nullptr, false)};
+}
+
+json healthz(int port) {
+  httplib::Client c("127.0.0.1", port);
+  const httplib::Result r = c.Get("/healthz");
+  REQUIRE(r);
+  return json::parse(r->body);
+}
+
+json feedback_body(const std::string& answer = "one deadline, stages get what remains") {
+  return {{"tenant", "acme"}, {"question_id", "q-timeouts"}, {"answer", answer}};
+}
+
+json chat_body(int max_tokens) {
+  return {{"tenant", "acme"},
+          {"messages", {{{"role", "user"}, {"content", "How long may one stage take?"}}}},
+          {"max_tokens", max_tokens},
+          {"stream", true}};
+}
+
+std::string chat_request(const json& body) {
+  const std::string b = body.dump();
+  return "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
+         std::to_string(b.size()) + "\r\n\r\n" + b;
+}
+
+// A stat of the mock, 0 when absent.
+std::int64_t stat(const json& s, const char* group, const char* name) {
+  if (!s.contains(group) || !s[group].contains(name) || !s[group][name].is_number()) return 0;
+  return s[group][name].get<std::int64_t>();
+}
+
+template <class Pred>
+bool eventually(Pred p, std::chrono::milliseconds limit = 10s) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!p()) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(1ms);
+  }
+  return true;
+}
+
+gateway::gateway_options options_for(const std::string& dir, const mock_upstream& a, const mock_upstream& b) {
+  gateway::gateway_options o = keel_service::options(dir);
+  o.upstream = upstream_of(a);
+  o.upstream_backup = upstream_of(b);
+  o.batch_workers = 0;  // the batch path has its own tests; here every upstream call is one we made
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("feedback goes to the upstream over HTTP with the attempt's time left and one Idempotency-Key",
+          "[service][upstreams]") {
+  temp_dir dir;
+  mock_upstream a(dir, "mock-a", {"--latency-ms", "20"}), b(dir, "mock-b", {"--latency-ms", "20"});
+  const gateway::gateway_options o = options_for(dir.path(), a, b);
+  auto svc = start(o);
+
+  const reply r = post(svc->port(), "/v1/feedback", feedback_body(), "k-1");
+  REQUIRE(r.status == 200);
+  CHECK(r.body["degraded"] == false);
+  CHECK(r.body["score"].is_number_integer());
+  const json s = a.stats();
+  CHECK(stat(s, "requests", "chat") == 1);
+  CHECK(stat(b.stats(), "requests", "chat") == 0);
+  const json& seen = s["last_request"];
+  // A completion is a read upstream (its effect, the recorded decision, is
+  // the gateway's own: keel::once), so keel::http sends no Idempotency-Key.
+  CHECK(seen["idempotency_key"].is_null());
+  REQUIRE(seen["x_request_timeout_ms"].is_string());
+  const int left_ms = std::stoi(seen["x_request_timeout_ms"].get<std::string>());
+  CHECK(left_ms > 0);
+  CHECK(left_ms <= std::chrono::duration_cast<std::chrono::milliseconds>(o.interactive.model).count());
+
+  // A replay is answered from the record: the upstream is not asked again.
+  const reply again = post(svc->port(), "/v1/feedback", feedback_body(), "k-1");
+  CHECK(again.status == 200);
+  CHECK(again.body["score"] == r.body["score"]);
+  CHECK(stat(a.stats(), "requests", "chat") == 1);
+}
+
+TEST_CASE("an upstream's 429 hint is waited before the retry", "[service][upstreams]") {
+  temp_dir dir;
+  mock_upstream a(dir, "mock-a", {"--latency-ms", "10"}), b(dir, "mock-b");
+  gateway::gateway_options o = options_for(dir.path(), a, b);
+  auto svc = start(o);
+  // Without the hint the retry's backoff is at most 50 ms here (full jitter, 200 ms cap scaled by 0.25).
+  a.fault({{"kind", "rate_limit"}, {"retry_after_ms", 150}});
+  const auto t0 = std::chrono::steady_clock::now();
+  const reply r = post(svc->port(), "/v1/feedback", feedback_body(), "k-429");
+  const auto took = std::chrono::steady_clock::now() - t0;
+  REQUIRE(r.status == 200);
+  CHECK(r.body["degraded"] == true);  // both attempts were refused: the rubric answered
+  CHECK(stat(a.stats(), "requests", "chat") == 2);
+  CHECK(took >= 150ms);
+}
+
+TEST_CASE("an upstream outage opens that upstream's breaker and no other", "[service][upstreams]") {
+  temp_dir dir;
+  mock_upstream a(dir, "mock-a", {"--latency-ms", "5"}), b(dir, "mock-b", {"--latency-ms", "5"});
+  gateway::gateway_options o = options_for(dir.path(), a, b);
+  auto svc = start(o);
+  a.fault({{"kind", "outage"}});
+  for (int i = 0; i < o.breaker.minimum_calls + 2; ++i) {
+    const reply r = post(svc->port(), "/v1/feedback", feedback_body(), "k-out-" + std::to_string(i));
+    CHECK(r.status == 200);  // the rubric answers, degraded
+  }
+  const json h = healthz(svc->port());
+  INFO(h.dump());
+  REQUIRE(h["breakers"].is_array());
+  bool a_open = false, b_open = false;
+  for (const json& e : h["breakers"]) {
+    const std::string domain = e.value("domain", "");
+    const bool open = e.value("state", "") == "open";
+    if (domain.find("mock-a") != std::string::npos) a_open = a_open || open;
+    if (domain.find("mock-b") != std::string::npos) b_open = b_open || open;
+  }
+  CHECK(a_open);
+  CHECK_FALSE(b_open);
+  // While open, the upstream is not called.
+  const std::int64_t calls = stat(a.stats(), "requests", "chat");
+  CHECK(post(svc->port(), "/v1/feedback", feedback_body(), "k-after").status == 200);
+  CHECK(stat(a.stats(), "requests", "chat") == calls);
+}
+
+TEST_CASE("a hung upstream is cut at the attempt's deadline, and the upstream sees the connection go",
+          "[service][upstreams]") {
+  temp_dir dir;
+  mock_upstream a(dir, "mock-a"), b(dir, "mock-b");
+  gateway::gateway_options o = options_for(dir.path(), a, b);
+  o.model_attempts = 1;
+  auto svc = start(o);
+  a.fault({{"kind", "hang"}});
+  const auto t0 = std::chrono::steady_clock::now();
+  const reply r = post(svc->port(), "/v1/feedback", feedback_body(), "k-hang");
+  const auto took = std::chrono::steady_clock::now() - t0;
+  CHECK(r.status == 200);
+  CHECK(r.body["degraded"] == true);
+  CHECK(took < o.interactive.deadline + keel_service::http_slack);
+  // The transfer was aborted, not left for the upstream to finish.
+  CHECK(eventually([&] { return stat(a.stats(), "client_gone", "count") == 1; }, 5s));
+}
+
+TEST_CASE("streams over HTTP: fail over before the first token, continue after it", "[service][upstreams][chat]") {
+  temp_dir dir;
+  const std::vector<std::string> fast = {"--first-token-ms", "10", "--token-gap-ms", "2", "--tokens", "12"};
+  mock_upstream a(dir, "mock-a", fast), b(dir, "mock-b", fast);
+  gateway::gateway_options o = options_for(dir.path(), a, b);
+  o.chat.hedge_delay = 0ms;  // no hedge: which upstream served is then the route's doing
+  o.chat.hedge_percentile = 0;
+  auto svc = start(o);
+
+  SECTION("healthy: the primary serves the whole stream") {
+    keel_service::raw_connection c(svc->port());
+    REQUIRE(c.send(chat_request(chat_body(12))));
+    const std::string got = c.read_until("\r\n0\r\n\r\n");
+    CHECK(got.find("[DONE]") != std::string::npos);
+    CHECK(stat(a.stats(), "requests", "chat") == 1);
+    CHECK(stat(b.stats(), "requests", "chat") == 0);
+  }
+  SECTION("the primary is down: the second upstream serves before a byte was sent") {
+    a.fault({{"kind", "outage"}});
+    keel_service::raw_connection c(svc->port());
+    REQUIRE(c.send(chat_request(chat_body(12))));
+    const std::string got = c.read_until("\r\n0\r\n\r\n");
+    CHECK(got.rfind("HTTP/1.1 200 ", 0) == 0);
+    CHECK(got.find("[DONE]") != std::string::npos);
+    CHECK(got.find("backup:mock-b") != std::string::npos);
+    CHECK(stat(b.stats(), "requests", "chat") == 1);
+  }
+  SECTION("the primary's stream is cut after 4 tokens: the second upstream continues it") {
+    a.fault({{"kind", "cut"}, {"after_tokens", 4}});
+    keel_service::raw_connection c(svc->port());
+    REQUIRE(c.send(chat_request(chat_body(12))));
+    const std::string got = c.read_until("\r\n0\r\n\r\n");
+    CHECK(got.find("[DONE]") != std::string::npos);
+    CHECK(stat(b.stats(), "requests", "chat") == 1);
+    CHECK(healthz(svc->port())["streams"]["continuations"].get<int>() == 1);
+  }
+}
+
+TEST_CASE("a client that hangs up mid-stream stops the upstream's transfer", "[service][upstreams][chat][cancel]") {
+  temp_dir dir;
+  // 15 s of tokens: only the hang-up ends the stream. (The mock renders a
+  // stream's events before its first token, so thousands would delay it.)
+  const std::vector<std::string> slow = {"--first-token-ms", "5", "--token-gap-ms", "50", "--tokens", "300"};
+  mock_upstream a(dir, "mock-a", slow), b(dir, "mock-b", slow);
+  gateway::gateway_options o = options_for(dir.path(), a, b);
+  o.chat.max_tokens_limit = 4096;
+  o.chat.whole = 1h;
+  o.chat.deadline = 2h;
+  auto svc = start(o);
+  keel_service::raw_connection c(svc->port());
+  REQUIRE(c.send(chat_request(chat_body(300))));
+  const std::string first = c.read_until("\"content\":\"", 30s);
+  INFO(first);
+  REQUIRE(first.find("\"content\":\"") != std::string::npos);
+  REQUIRE(stat(a.stats(), "client_gone", "count") == 0);
+  const auto gone = std::chrono::steady_clock::now();
+  c.close();
+  REQUIRE(eventually([&] { return stat(a.stats(), "client_gone", "count") == 1; }, 10s));
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - gone).count();
+  std::printf("client hang-up to upstream connection closed (seen by the upstream): %.2f ms\n", ms);
+  CHECK(ms < std::chrono::duration<double, std::milli>(keel_service::http_slack).count());
+  CHECK(stat(b.stats(), "requests", "chat") == 0);  // a lost client is not continued
+}
