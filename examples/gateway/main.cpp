@@ -199,7 +199,8 @@ int demo(gateway::gateway_options o, const std::function<void(const char*)>& swi
               100 * o.breaker.failure_rate_threshold.value_or(0), ms(o.breaker.open_duration));
 
   const int load_tokens = 40;
-  gateway::load_generator load({.port = service.port(), .clients = 64, .stream_max_tokens = load_tokens});
+  gateway::load_generator load(
+      {.port = service.port(), .clients = 64, .model = o.models.front().name, .stream_max_tokens = load_tokens});
   struct snapshot {
     keel::time_point at{};
     keel::slo_report interactive, full_answers, batch;
