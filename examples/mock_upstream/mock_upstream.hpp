@@ -418,9 +418,22 @@ class connection {
   static int find_socket(const std::string& peer_addr, int peer_port, int local_port) {
     in_addr want{};
     if (::inet_pton(AF_INET, peer_addr.c_str(), &want) != 1) return -1;
-    DIR* dir = ::opendir("/proc/self/fd");
-    if (dir == nullptr) return -1;
     int found = -1;
+    for_each_connection(local_port, [&](int fd, const sockaddr_in& peer) {
+      if (ntohs(peer.sin_port) != peer_port || peer.sin_addr.s_addr != want.s_addr) return true;
+      found = fd;
+      return false;
+    });
+    return found;
+  }
+
+ public:
+  // Calls f(fd, peer) for each connected IPv4 socket of this process whose
+  // local port is `local_port`, until f returns false.
+  template <class F>
+  static void for_each_connection(int local_port, F f) {
+    DIR* dir = ::opendir("/proc/self/fd");
+    if (dir == nullptr) return;
     while (dirent* e = ::readdir(dir)) {
       if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
       const int fd = std::atoi(e->d_name);
@@ -429,17 +442,14 @@ class connection {
       sockaddr_in local{}, peer{};
       socklen_t ll = sizeof local, pl = sizeof peer;
       if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &ll) != 0 || local.sin_family != AF_INET) continue;
-      if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0) continue;
-      if (ntohs(local.sin_port) == local_port && ntohs(peer.sin_port) == peer_port &&
-          peer.sin_addr.s_addr == want.s_addr) {
-        found = fd;
-        break;
-      }
+      if (ntohs(local.sin_port) != local_port) continue;
+      if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0) continue;  // the listening socket
+      if (!f(fd, peer)) break;
     }
     ::closedir(dir);
-    return found;
   }
 
+ private:
   const std::atomic<bool>& stopping_;
   int fd_ = -1;
   bool gone_ = false;
@@ -495,6 +505,13 @@ class server {
     stopping_.store(true);
     if (thread_.joinable()) {
       http_.stop();
+      // cpp-httplib's threads wait up to its keep-alive timeout (5 s) on an
+      // idle kept-alive connection before they see the stop: end those
+      // connections now, so stopping takes milliseconds.
+      detail::connection::for_each_connection(port_, [](int fd, const sockaddr_in&) {
+        ::shutdown(fd, SHUT_RDWR);
+        return true;
+      });
       thread_.join();
     }
   }
