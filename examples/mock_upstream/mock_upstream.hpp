@@ -665,7 +665,9 @@ class server {
   [[nodiscard]] std::string next_id(std::string_view prefix) {
     const std::uint64_t n = ids_.fetch_add(1, std::memory_order_relaxed);
     char buf[24];
-    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(detail::mix(n ^ detail::mix(options_.seed))));
+    // Two mocks with the same seed but other names give other ids.
+    const std::uint64_t salt = detail::mix(options_.seed) ^ detail::fnv1a(options_.name);
+    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(detail::mix(n ^ salt)));
     return std::string(prefix) + buf;
   }
 
