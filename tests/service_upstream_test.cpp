@@ -71,10 +71,20 @@ std::size_t append_lower(char* p, std::size_t size, std::size_t n, void* out) {
   return size * n;
 }
 
+int abort_when_set(void* flag, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
+  return static_cast<std::atomic<bool>*>(flag)->load() ? 1 : 0;
+}
+
+// One request; `abort` (when given) ends the transfer once it is set.
 raw_response raw(const keel_test::mock_upstream_process& mock, const std::string& path, const std::string& body = "",
-                 long timeout_ms = 10000) {
+                 long timeout_ms = 10000, std::atomic<bool>* abort = nullptr) {
   raw_response r;
   CURL* c = curl_easy_init();
+  if (abort != nullptr) {
+    curl_easy_setopt(c, CURLOPT_XFERINFOFUNCTION, abort_when_set);
+    curl_easy_setopt(c, CURLOPT_XFERINFODATA, abort);
+    curl_easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
+  }
   const std::string url = mock.url() + path;
   curl_easy_setopt(c, CURLOPT_URL, url.c_str());
   curl_slist* h = curl_slist_append(nullptr, "Content-Type: application/json");
@@ -295,7 +305,8 @@ TEST_CASE("mock upstream: a streamed chat completion: role first, a token per ch
   CHECK(st.result->usage.completion_tokens == 8);
   const json stats = mock.stats();
   CHECK(stats["chat"]["streams_completed"] == 3);
-  CHECK(stats["in_flight"] == 0);
+  // The stream's work ends when the server drops its response, just after [DONE] went out.
+  CHECK(wait_until([&] { return mock.stats()["in_flight"] == 0; }));
 }
 
 TEST_CASE("mock upstream: json_object answers the gateway's feedback contract", "[upstream]") {
@@ -713,4 +724,51 @@ TEST_CASE("mock upstream: a bad flag exits 2 naming the flag and the rule; SIGTE
   CHECK(mock.line().rfind("mock_upstream named listening on 127.0.0.1:", 0) == 0);
   CHECK(raw(mock, "/healthz").status == 200);
   CHECK(mock.terminate() == 0);
+}
+
+TEST_CASE("mock upstream: 200 concurrent streams are served while 20 requests are held", "[upstream][load]") {
+  // The default pool (512 threads) and backlog (1024): held requests and
+  // streams each keep a thread, and 200 connections arrive at once.
+  keel_test::mock_upstream_process mock({"--first-token-ms", "20", "--token-gap-ms", "5", "--tokens", "8"});
+  REQUIRE(mock.set_fault(R"({"kind":"hang"})") == 200);
+  std::atomic<bool> release{false};
+  std::vector<std::thread> held;
+  for (int i = 0; i < 20; ++i)
+    held.emplace_back([&] { (void)raw(mock, "/v1/chat/completions", chat_body("hold", false), 120000, &release); });
+  REQUIRE(wait_until([&] { return mock.stats()["hung"] == 20; }, 30s));
+  REQUIRE(mock.set_fault(R"({"kind":"none"})") == 200);
+  std::atomic<int> complete{0};
+  std::vector<std::thread> streams;
+  for (int i = 0; i < 200; ++i)
+    streams.emplace_back([&, i] {
+      const raw_response r = raw(mock, "/v1/chat/completions", chat_body("stream " + std::to_string(i), true), 60000);
+      if (r.rc == CURLE_OK && parse_sse(r.body).done) complete.fetch_add(1);
+    });
+  for (std::thread& t : streams) t.join();
+  CHECK(complete.load() == 200);
+  release.store(true);
+  for (std::thread& t : held) t.join();
+  json stats;
+  REQUIRE(wait_until([&] {
+    stats = mock.stats();
+    return stats["client_gone"]["while_waiting"] == 20;
+  }));
+  CHECK(stats["chat"]["streams_completed"] == 200);
+  CHECK(wait_until([&] { return mock.stats()["in_flight"] == 0; }));  // the handlers return after counting
+  CHECK(mock.terminate() == 0);
+}
+
+TEST_CASE("mock upstream: SIGTERM ends held requests and streams, and exits 0 at once", "[upstream][cli]") {
+  keel_test::mock_upstream_process mock({"--first-token-ms", "5", "--token-gap-ms", "1000", "--tokens", "100"});
+  std::atomic<bool> never{false};
+  std::thread stream([&] { (void)raw(mock, "/v1/chat/completions", chat_body("long", true), 60000, &never); });
+  REQUIRE(wait_until([&] { return mock.stats()["chat"]["streams_started"] == 1; }));
+  REQUIRE(mock.set_fault(R"({"kind":"hang"})") == 200);
+  std::thread hung([&] { (void)raw(mock, "/v1/chat/completions", chat_body("hold", false), 60000, &never); });
+  REQUIRE(wait_until([&] { return mock.stats()["hung"] == 1; }));
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK(mock.terminate() == 0);
+  CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+  stream.join();
+  hung.join();
 }

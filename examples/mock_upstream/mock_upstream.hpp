@@ -415,31 +415,45 @@ class connection {
     return gone_;
   }
 
+  // Reads no other thread's descriptor (they may be closing theirs meanwhile):
+  // the socket's inode comes from /proc/self/net/tcp, and the descriptor
+  // whose /proc/self/fd link names that inode is this request's.
   static int find_socket(const std::string& peer_addr, int peer_port, int local_port) {
     in_addr want{};
     if (::inet_pton(AF_INET, peer_addr.c_str(), &want) != 1) return -1;
-    DIR* dir = ::opendir("/proc/self/fd");
-    if (dir == nullptr) return -1;
-    int found = -1;
-    while (dirent* e = ::readdir(dir)) {
-      if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
-      const int fd = std::atoi(e->d_name);
-      struct stat st{};
-      if (fd == ::dirfd(dir) || ::fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
-      sockaddr_in local{}, peer{};
-      socklen_t ll = sizeof local, pl = sizeof peer;
-      if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &ll) != 0 || local.sin_family != AF_INET) continue;
-      if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0) continue;
-      if (ntohs(local.sin_port) == local_port && ntohs(peer.sin_port) == peer_port &&
-          peer.sin_addr.s_addr == want.s_addr) {
-        found = fd;
-        break;
+    unsigned long inode = 0;
+    if (std::FILE* tcp = std::fopen("/proc/self/net/tcp", "r")) {
+      char line[512];
+      while (inode == 0 && std::fgets(line, sizeof line, tcp) != nullptr) {
+        unsigned local_addr = 0, lport = 0, remote_addr = 0, rport = 0;
+        unsigned long node = 0;
+        // "  sl  local_address rem_address   st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout inode"
+        if (std::sscanf(line, " %*d: %8X:%4X %8X:%4X %*X %*X:%*X %*X:%*X %*X %*u %*u %lu", &local_addr, &lport,
+                        &remote_addr, &rport, &node) == 5 &&
+            static_cast<int>(lport) == local_port && static_cast<int>(rport) == peer_port &&
+            remote_addr == want.s_addr)
+          inode = node;
       }
+      std::fclose(tcp);
     }
-    ::closedir(dir);
+    if (inode == 0) return -1;
+    const std::string target = "socket:[" + std::to_string(inode) + "]";
+    int found = -1;
+    if (DIR* dir = ::opendir("/proc/self/fd")) {
+      while (dirent* e = ::readdir(dir)) {
+        char link[64];
+        const ssize_t n = ::readlinkat(::dirfd(dir), e->d_name, link, sizeof link);
+        if (n > 0 && std::string_view(link, static_cast<std::size_t>(n)) == target) {
+          found = std::atoi(e->d_name);
+          break;
+        }
+      }
+      ::closedir(dir);
+    }
     return found;
   }
 
+ private:
   const std::atomic<bool>& stopping_;
   int fd_ = -1;
   bool gone_ = false;
@@ -475,6 +489,9 @@ class server {
     http_.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<std::size_t>(threads)); };
     http_.set_tcp_nodelay(true);                  // an SSE event goes out when written
     http_.set_keep_alive_max_count(100000);       // clients pool their connections
+    // A thread on an idle kept-alive connection sees a stop only when this
+    // runs out (cpp-httplib's default is 5 s): stopping takes at most this.
+    http_.set_keep_alive_timeout(1);
     http_.set_payload_max_length(std::size_t{64} << 20);
     routes();
     const int port = options_.port == 0 ? http_.bind_to_any_port("127.0.0.1")
@@ -490,7 +507,8 @@ class server {
   }
 
   // Stops listening, ends held requests and streams (their connections are
-  // closed), and joins the threads. Idempotent.
+  // closed), and joins the threads: within about a second (an idle
+  // kept-alive connection's timeout). Idempotent.
   void stop() {
     stopping_.store(true);
     if (thread_.joinable()) {
@@ -647,7 +665,9 @@ class server {
   [[nodiscard]] std::string next_id(std::string_view prefix) {
     const std::uint64_t n = ids_.fetch_add(1, std::memory_order_relaxed);
     char buf[24];
-    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(detail::mix(n ^ detail::mix(options_.seed))));
+    // Two mocks with the same seed but other names give other ids.
+    const std::uint64_t salt = detail::mix(options_.seed) ^ detail::fnv1a(options_.name);
+    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(detail::mix(n ^ salt)));
     return std::string(prefix) + buf;
   }
 
