@@ -141,6 +141,9 @@ TEST_CASE("feedback goes to the upstream over HTTP with the attempt's time left 
   CHECK(left_ms > 0);
   CHECK(left_ms <= std::chrono::duration_cast<std::chrono::milliseconds>(o.interactive.model).count());
 
+  // The upstream's faults are its own: the gateway does not pretend to switch them.
+  CHECK(post(svc->port(), "/admin/fault", {{"kind", "outage"}}).status == 409);
+
   // A replay is answered from the record: the upstream is not asked again.
   const reply again = post(svc->port(), "/v1/feedback", feedback_body(), "k-1");
   CHECK(again.status == 200);

@@ -689,7 +689,8 @@ class gateway_core {
         // them on its /control/fault); the gateway does not pretend.
         return detail::error_reply(absl::FailedPreconditionError(
             cat("the model upstream is an HTTP server (", http_primary_->options().base_url,
-                "): switch faults on the upstream itself")));
+                "): switch faults on the upstream itself")),
+            409);
       }
       absl::StatusOr<std::string> which = detail::string_field(*j, "provider", 64, provider_.name());
       if (!which.ok()) return detail::error_reply(which.status());
