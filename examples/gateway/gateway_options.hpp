@@ -229,9 +229,9 @@ struct gateway_options {
   // Where model calls go. With `upstream` set, every model call (feedback,
   // batch reports, streams) goes over HTTP to that OpenAI-compatible server,
   // and the streams' second model is `upstream_backup` (without one, streams
-  // are neither failed over nor continued);
-  // unset: the in-process simulated provider below, as the tests on keel's
-  // manual clock use. gateway/config.hpp fills both from a config file.
+  // are neither failed over nor continued). Unset: the in-process simulated
+  // provider below, as the tests on keel's manual clock use.
+  // gateway/config.hpp fills both from a config file (with_upstreams).
   std::optional<http_upstream_options> upstream{};
   std::optional<http_upstream_options> upstream_backup{};
   // The simulated provider (when `upstream` is unset) and the rubric database.

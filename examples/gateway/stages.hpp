@@ -273,8 +273,8 @@ struct retrieve_rubric {
 // The provider: the model upstream asked the request's prompt (over HTTP,
 // or the in-process simulation on a manual clock); its output checked
 // against the contract. What failed is kept for the degraded answer's note.
-// Every attempt of one client request carries one Idempotency-Key upstream,
-// scoped to the tenant.
+// The upstream gets one idempotency key per client request, scoped to the
+// tenant; keel::http sends it only when the call is a write.
 struct model_call {
   model_upstream* provider;
 
