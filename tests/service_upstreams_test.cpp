@@ -108,8 +108,13 @@ bool eventually(Pred p, std::chrono::milliseconds limit = 10s) {
   return true;
 }
 
+// The seed's plan at full scale (a 3 s deadline, 1 s for the model): a real
+// upstream on a loaded sanitizer build must still answer within its stage,
+// or a test meant for one path would see the fallback.
 gateway::gateway_options options_for(const std::string& dir, const mock_upstream& a, const mock_upstream& b) {
-  gateway::gateway_options o = keel_service::options(dir);
+  gateway::gateway_options o;
+  o.data_dir = dir;
+  o.http_threads = 64;
   o.upstream = upstream_of(a);
   o.upstream_backup = upstream_of(b);
   o.batch_workers = 0;  // the batch path has its own tests; here every upstream call is one we made
@@ -156,15 +161,15 @@ TEST_CASE("an upstream's 429 hint is waited before the retry", "[service][upstre
   mock_upstream a(dir, "mock-a", {"--latency-ms", "10"}), b(dir, "mock-b");
   gateway::gateway_options o = options_for(dir.path(), a, b);
   auto svc = start(o);
-  // Without the hint the retry's backoff is at most 50 ms here (full jitter, 200 ms cap scaled by 0.25).
-  a.fault({{"kind", "rate_limit"}, {"retry_after_ms", 150}});
+  // Without the hint the first retry's backoff is at most 50 ms (full jitter, base 50 ms).
+  a.fault({{"kind", "rate_limit"}, {"retry_after_ms", 400}});
   const auto t0 = std::chrono::steady_clock::now();
   const reply r = post(svc->port(), "/v1/feedback", feedback_body(), "k-429");
   const auto took = std::chrono::steady_clock::now() - t0;
   REQUIRE(r.status == 200);
   CHECK(r.body["degraded"] == true);  // both attempts were refused: the rubric answered
   CHECK(stat(a.stats(), "requests", "chat") == 2);
-  CHECK(took >= 150ms);
+  CHECK(took >= 400ms);
 }
 
 TEST_CASE("an upstream outage opens that upstream's breaker and no other", "[service][upstreams]") {
@@ -261,6 +266,11 @@ TEST_CASE("a client that hangs up mid-stream stops the upstream's transfer", "[s
   o.chat.max_tokens_limit = 4096;
   o.chat.whole = 1h;
   o.chat.deadline = 2h;
+  // No hedge: a slow first token (a loaded sanitizer build) would start a
+  // second stream whose stopped loser the upstream also sees go.
+  o.chat.hedge_delay = 0ms;
+  o.chat.hedge_percentile = 0;
+  o.chat.first_token = 10s;  // nor a retry of a first token that was merely slow
   auto svc = start(o);
   keel_service::raw_connection c(svc->port());
   REQUIRE(c.send(chat_request(chat_body(300))));
