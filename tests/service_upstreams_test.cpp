@@ -18,7 +18,9 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include "config.hpp"
 #include "gateway_service.hpp"
+#include "keel/durable/digest.hpp"
 #include "support/catch.hpp"
 #include "support/mock_upstream.hpp"
 #include "support/service.hpp"
@@ -285,4 +287,123 @@ TEST_CASE("a client that hangs up mid-stream stops the upstream's transfer", "[s
   std::printf("client hang-up to upstream connection closed (seen by the upstream): %.2f ms\n", ms);
   CHECK(ms < std::chrono::duration<double, std::milli>(keel_service::http_slack).count());
   CHECK(stat(b.stats(), "requests", "chat") == 0);  // a lost client is not continued
+}
+
+// --- from a config file: client keys, tenants and their quotas --------------
+
+namespace {
+
+struct http_answer {
+  int status = 0;
+  json body;
+  httplib::Headers headers;
+  [[nodiscard]] std::string header(const std::string& name) const {
+    const auto it = headers.find(name);
+    return it == headers.end() ? std::string() : it->second;
+  }
+  [[nodiscard]] std::size_t count(const std::string& name) const { return headers.count(name); }
+};
+
+http_answer call(int port, const std::string& method, const std::string& path, const json& body,
+                 const httplib::Headers& h) {
+  httplib::Client c("127.0.0.1", port);
+  c.set_read_timeout(30s);
+  const httplib::Result r =
+      method == "GET" ? c.Get(path.c_str(), h) : c.Post(path.c_str(), h, body.dump(), "application/json");
+  if (!r) return {};
+  return {r->status, json::parse(r->body, nullptr, false), r->headers};
+}
+
+std::string config_text(const std::string& dir, const mock_upstream& a, const mock_upstream& b) {
+  return "[gateway]\nlisten = \"127.0.0.1:0\"\ndata_dir = \"" + dir +
+         "\"\n"
+         "[upstreams.mock-a]\nbase_url = \"" + a.url() + "\"\n"
+         "[upstreams.mock-b]\nbase_url = \"" + b.url() + "\"\n"
+         "[models.feedback-large]\n"
+         "deployments = [{ upstream = \"mock-a\", model = \"m-large\" }, { upstream = \"mock-b\", model = \"m-small\" }]\n"
+         "deadline = \"3s\"\n"
+         "[clients.team-a]\nkey_sha256 = \"" + keel::sha256("sk-team-a").hex() + "\"\ntenant = \"acme\"\n"
+         "[clients.noisy]\nkey_sha256 = \"" + keel::sha256("sk-noisy").hex() + "\"\ntenant = \"noisy\"\n"
+         "requests_per_second = 1\nburst = 1\nmax_in_flight = 4\n";
+}
+
+httplib::Headers bearer(const std::string& key) { return {{"Authorization", "Bearer " + key}}; }
+
+}  // namespace
+
+TEST_CASE("from a config file: Bearer keys name the tenant, a bad key is a 401, a tenant's quota a 429 with both hints",
+          "[service][upstreams][auth]") {
+  temp_dir dir;
+  mock_upstream a(dir, "mock-a", {"--latency-ms", "5"}), b(dir, "mock-b", {"--latency-ms", "5"});
+  const absl::StatusOr<gateway::gateway_config> cfg = gateway::parse_config(config_text(dir.path(), a, b), "t.toml");
+  REQUIRE(cfg.ok());
+  const absl::StatusOr<gateway::gateway_options> o = gateway::with_upstreams(*cfg);
+  REQUIRE(o.ok());
+  REQUIRE(o->api_keys.size() == 2);
+  CHECK(o->upstream->name == "mock-a/m-large");
+  CHECK(o->upstream_backup->name == "mock-b/m-small");
+  auto svc = start(*o);
+  const int port = svc->port();
+  const json body = {{"question_id", "q-timeouts"}, {"answer", "one deadline, stages get what remains"}};
+  auto keyed = [](httplib::Headers h, const std::string& key) {
+    h.emplace("Idempotency-Key", key);
+    return h;
+  };
+
+  SECTION("no key, a wrong key, another scheme: 401 in OpenAI's shape, and the upstream is not called") {
+    for (const httplib::Headers& h : {httplib::Headers{}, bearer("sk-wrong"), bearer("sk-team-"),
+                                      httplib::Headers{{"Authorization", "Basic c2stdGVhbS1h"}}}) {
+      const http_answer r = call(port, "POST", "/v1/feedback", body, keyed(h, "k-1"));
+      REQUIRE(r.status == 401);
+      CHECK(r.body["error"]["code"] == "invalid_api_key");
+      CHECK(r.body["error"]["type"] == "invalid_request_error");
+      CHECK(r.body["error"].contains("param"));
+      CHECK(r.header("WWW-Authenticate") == "Bearer");
+      CHECK_FALSE(r.header("x-request-id").empty());
+    }
+    CHECK(stat(a.stats(), "requests", "chat") == 0);
+    CHECK(call(port, "GET", "/v1/models", {}, {}).status == 401);
+    CHECK(call(port, "GET", "/healthz", {}, {}).status == 200);  // operators' endpoints are not /v1/
+  }
+  SECTION("the key's tenant serves a body that names none; a body naming another tenant is refused") {
+    const http_answer r = call(port, "POST", "/v1/feedback", body, keyed(bearer("sk-team-a"), "k-2"));
+    CHECK(r.status == 200);
+    CHECK(r.body["degraded"] == false);
+    json other = body;
+    other["tenant"] = "globex";
+    CHECK(call(port, "POST", "/v1/feedback", other, keyed(bearer("sk-team-a"), "k-3")).status == 403);
+    other["tenant"] = "acme";
+    CHECK(call(port, "POST", "/v1/feedback", other, keyed(bearer("sk-team-a"), "k-4")).status == 200);
+    // The models clients may name, as OpenAI lists them.
+    const http_answer m = call(port, "GET", "/v1/models", {}, bearer("sk-team-a"));
+    CHECK(m.status == 200);
+    CHECK(m.body["object"] == "list");
+    CHECK(m.body["data"][0]["id"] == "feedback-large");
+    // The client's request id is echoed; without one, one is made.
+    httplib::Headers with_id = bearer("sk-team-a");
+    with_id.emplace("x-request-id", "trace-42");
+    CHECK(call(port, "GET", "/v1/models", {}, with_id).header("x-request-id") == "trace-42");
+  }
+  SECTION("a tenant over its own quota: 429 with retry-after-ms and Retry-After, once each") {
+    CHECK(call(port, "POST", "/v1/feedback", body, keyed(bearer("sk-noisy"), "n-1")).status == 200);
+    const http_answer r = call(port, "POST", "/v1/feedback", body, keyed(bearer("sk-noisy"), "n-2"));
+    REQUIRE(r.status == 429);
+    CHECK(r.body["error"]["code"] == "rate_limit_exceeded");
+    CHECK(r.count("retry-after-ms") == 1);
+    CHECK(r.count("Retry-After") == 1);
+    CHECK(std::stoll(r.header("retry-after-ms")) > 0);
+    // Another tenant's key is not held to it.
+    CHECK(call(port, "POST", "/v1/feedback", body, keyed(bearer("sk-team-a"), "a-1")).status == 200);
+  }
+  SECTION("a stream with a key and no tenant in the body") {
+    keel_service::raw_connection c(port);
+    const std::string b = json{{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 4}, {"stream", true}}.dump();
+    REQUIRE(c.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-team-a\r\n"
+                   "Content-Type: application/json\r\nContent-Length: " +
+                   std::to_string(b.size()) + "\r\n\r\n" + b));
+    const std::string got = c.read_until("\r\n0\r\n\r\n");
+    CHECK(got.rfind("HTTP/1.1 200 ", 0) == 0);
+    CHECK(got.find("x-request-id: ") != std::string::npos);
+    CHECK(got.find("[DONE]") != std::string::npos);
+  }
 }

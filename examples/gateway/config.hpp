@@ -920,6 +920,7 @@ inline gateway_config build(const source& src, const toml::table& root) {
     return o;
   };
   gateway_options o = cfg.options;
+  for (const client_key& c : cfg.clients) o.api_keys.push_back({.sha256 = c.key_sha256, .tenant = c.tenant});
   absl::StatusOr<http_upstream_options> primary = deployment_options(route->deployments[0]);
   if (!primary.ok()) return primary.status();
   o.upstream = std::move(*primary);

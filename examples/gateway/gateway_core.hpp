@@ -194,15 +194,32 @@ namespace detail {
   }
 }
 
+// OpenAI's error object ({"message", "type", "param", "code"}: what the
+// official SDKs read) with keel's own fields beside it (status, refused_by,
+// retry_after_ms, condition), which a client that knows them can use.
+[[nodiscard]] inline json openai_error_fields(int http, const absl::Status& s) {
+  const bool quota = http == 429;
+  const char* type = quota ? "requests" : http == 401 ? "invalid_request_error" : http >= 500 ? "server_error"
+                                                                                       : "invalid_request_error";
+  json code = nullptr;
+  if (quota) code = "rate_limit_exceeded";
+  if (http == 401) code = "invalid_api_key";
+  if (http == 504) code = "timeout";
+  if (keel::is_conflict(s)) code = "idempotency_conflict";
+  return {{"type", type}, {"param", nullptr}, {"code", code}};
+}
+
 [[nodiscard]] inline reply error_reply(const absl::Status& s, int status = 0) {
+  const int http = status != 0 ? status : http_status(s);
   json e = {{"status", code_name(s.code())}, {"message", std::string(s.message())}};
+  e.update(openai_error_fields(http, s));
   if (std::optional<std::string> by = keel::refused_by(s)) e["refused_by"] = *by;
   std::optional<keel::duration> after = keel::retry_after(s);
   if (after) e["retry_after_ms"] = to_ms(*after);
   if (keel::is_conflict(s)) e["condition"] = "conflict";
   if (keel::is_in_flight(s)) e["condition"] = "in_flight";
   if (keel::is_unknown_outcome(s)) e["condition"] = "unknown_outcome";
-  return {.status = status != 0 ? status : http_status(s), .body = dump(json{{"error", e}}), .retry_after = after};
+  return {.status = http, .body = dump(json{{"error", e}}), .retry_after = after};
 }
 
 [[nodiscard]] inline absl::Status bad_input(std::string_view what) {
@@ -335,10 +352,13 @@ class gateway_core {
   // ---- endpoints -----------------------------------------------------------
 
   // POST /v1/feedback: {"tenant", "question_id", "answer", ["model"], ["class"]}
-  // with an Idempotency-Key.
-  reply feedback(std::string_view body, const std::optional<std::string_view>& key_header) {
+  // with an Idempotency-Key. `caller`: the tenant of the API key the front
+  // door authenticated (gateway_options::api_keys), which the body's
+  // "tenant" may then leave out; every endpoint below takes it the same way.
+  reply feedback(std::string_view body, const std::optional<std::string_view>& key_header,
+                 std::optional<std::string_view> caller = std::nullopt) {
     const keel::time_point t0 = clock_.now();
-    absl::StatusOr<feedback_request> parsed = parse_feedback(body, key_header);
+    absl::StatusOr<feedback_request> parsed = parse_feedback(body, key_header, caller);
     if (!parsed.ok()) return answered("feedback", detail::error_reply(parsed.status()));
     const feedback_request& rq = *parsed;
     const tenant_state& tenant = tenant_of(rq.tenant);
@@ -451,9 +471,10 @@ class gateway_core {
   // and a sink the tokens go to `sink` as they come (reply.streamed);
   // otherwise the answer is one chat.completion. Nothing is sent before the
   // first token: a failure until then is an ordinary JSON error.
-  reply chat_completions(std::string_view body, chat_sink* sink) {
+  reply chat_completions(std::string_view body, chat_sink* sink,
+                         std::optional<std::string_view> caller = std::nullopt) {
     const keel::time_point t0 = clock_.now();
-    absl::StatusOr<chat_request> parsed = parse_chat(body);
+    absl::StatusOr<chat_request> parsed = parse_chat(body, caller);
     if (!parsed.ok()) return answered("chat", detail::error_reply(parsed.status()));
     const chat_request& rq = *parsed;
     const bool streaming = rq.stream && sink != nullptr;
@@ -572,9 +593,10 @@ class gateway_core {
 
   // POST /v1/batch: {"tenant", "learner", "sessions": [...], ["model"], ["class"]}
   // with an Idempotency-Key. 202 with the job (200 when the key was seen).
-  reply batch_submit(std::string_view body, const std::optional<std::string_view>& key_header) {
+  reply batch_submit(std::string_view body, const std::optional<std::string_view>& key_header,
+                     std::optional<std::string_view> caller = std::nullopt) {
     const keel::time_point t0 = clock_.now();
-    absl::StatusOr<batch_request> parsed = parse_batch(body, key_header);
+    absl::StatusOr<batch_request> parsed = parse_batch(body, key_header, caller);
     if (!parsed.ok()) return answered("batch", detail::error_reply(parsed.status()));
     const batch_request& rq = *parsed;
     if (shed_[idx(work_class::batch)].load(std::memory_order_relaxed)) {
@@ -821,11 +843,31 @@ class gateway_core {
   }
 
   // Any other path.
+  // GET /v1/batch/<id>?tenant=<t> naming another tenant than the API key's.
+  reply refuse_tenant(std::string_view endpoint, std::string_view caller) {
+    return answered(endpoint, detail::error_reply(absl::PermissionDeniedError(
+                                  cat("this API key belongs to tenant '", caller, "'; the query names another"))));
+  }
+
+  // GET /v1/models: the models clients may name, as OpenAI lists them.
+  reply list_models() {
+    detail::json data = detail::json::array();
+    for (const model_config& m : options_.models)
+      data.push_back({{"id", m.name}, {"object", "model"}, {"created", 0}, {"owned_by", "keel-gateway"}});
+    return answered("models", {.status = 200, .body = detail::dump({{"object", "list"}, {"data", std::move(data)}})});
+  }
+
+  // A /v1/ request without a valid "Authorization: Bearer" key, when the
+  // gateway has keys (gateway_options::api_keys): 401, as OpenAI answers it.
+  reply unauthorized(std::string_view endpoint, std::string_view why) {
+    return answered(endpoint, detail::error_reply(absl::UnauthenticatedError(std::string(why)), 401));
+  }
+
   reply not_found(std::string_view path) {
     return answered("other", detail::error_reply(absl::NotFoundError(
                                  cat("no endpoint ", path.substr(0, 100),
                                               " (try POST /v1/feedback, POST /v1/chat/completions, POST /v1/batch, GET /v1/batch/<id>, "
-                                              "GET /healthz, GET /metrics, POST /admin/{breaker,shed,fault})"))));
+                                              "GET /v1/models, GET /healthz, GET /metrics, POST /admin/{breaker,shed,fault})"))));
   }
 
   // ---- the in-process operator API ----------------------------------------
@@ -1204,8 +1246,21 @@ class gateway_core {
     return default_tenant_state_;
   }
 
+  // The request's tenant: the authenticated key's (a body naming another is
+  // refused), else the body's "tenant".
+  [[nodiscard]] static absl::StatusOr<std::string> request_tenant(const detail::json& j,
+                                                                  std::optional<std::string_view> caller) {
+    if (!caller) return detail::string_field(j, "tenant", 64);
+    const auto it = j.find("tenant");
+    if (it != j.end() && !(it->is_string() && it->get<std::string>() == *caller))
+      return absl::PermissionDeniedError(
+          cat("this API key belongs to tenant '", *caller, "'; the body names another tenant"));
+    return std::string(*caller);
+  }
+
   [[nodiscard]] absl::StatusOr<feedback_request> parse_feedback(std::string_view body,
-                                                                const std::optional<std::string_view>& key) const {
+                                                                const std::optional<std::string_view>& key,
+                                                                std::optional<std::string_view> caller) const {
     absl::StatusOr<detail::json> j = detail::parse_object(body);
     if (!j.ok()) return j.status();
     if (absl::Status s = detail::check_class(*j, work_class::interactive, "/v1/feedback"); !s.ok()) return s;
@@ -1213,8 +1268,10 @@ class gateway_core {
     if (!k.ok()) return k.status();
     feedback_request r;
     r.key = std::move(*k);
-    for (auto [field, out, max] : {std::tuple{"tenant", &r.tenant, std::size_t{64}},
-                                   std::tuple{"question_id", &r.question_id, std::size_t{64}},
+    absl::StatusOr<std::string> tenant = request_tenant(*j, caller);
+    if (!tenant.ok()) return tenant.status();
+    r.tenant = std::move(*tenant);
+    for (auto [field, out, max] : {std::tuple{"question_id", &r.question_id, std::size_t{64}},
                                    std::tuple{"answer", &r.answer, std::size_t{8192}}}) {
       absl::StatusOr<std::string> v = detail::string_field(*j, field, max);
       if (!v.ok()) return v.status();
@@ -1230,13 +1287,14 @@ class gateway_core {
   }
 
   [[nodiscard]] absl::StatusOr<batch_request> parse_batch(std::string_view body,
-                                                          const std::optional<std::string_view>& key) const {
+                                                          const std::optional<std::string_view>& key,
+                                                          std::optional<std::string_view> caller) const {
     absl::StatusOr<detail::json> j = detail::parse_object(body);
     if (!j.ok()) return j.status();
     if (absl::Status s = detail::check_class(*j, work_class::batch, "/v1/batch"); !s.ok()) return s;
     absl::StatusOr<std::string> k = detail::check_idempotency_key(key);
     if (!k.ok()) return k.status();
-    absl::StatusOr<std::string> tenant = detail::string_field(*j, "tenant", 64);
+    absl::StatusOr<std::string> tenant = request_tenant(*j, caller);
     if (!tenant.ok()) return tenant.status();
     absl::StatusOr<std::string> learner = detail::string_field(*j, "learner", 64);
     if (!learner.ok()) return learner.status();
@@ -1261,11 +1319,12 @@ class gateway_core {
                          .payload = detail::dump(payload)};
   }
 
-  [[nodiscard]] absl::StatusOr<chat_request> parse_chat(std::string_view body) const {
+  [[nodiscard]] absl::StatusOr<chat_request> parse_chat(std::string_view body,
+                                                        std::optional<std::string_view> caller) const {
     absl::StatusOr<detail::json> j = detail::parse_object(body);
     if (!j.ok()) return j.status();
     chat_request r;
-    absl::StatusOr<std::string> tenant = detail::string_field(*j, "tenant", 64);
+    absl::StatusOr<std::string> tenant = request_tenant(*j, caller);
     if (!tenant.ok()) return tenant.status();
     absl::StatusOr<std::string> model = detail::string_field(*j, "model", 64, options_.models.front().name);
     if (!model.ok()) return model.status();

@@ -31,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "text.hpp"
 #include "keel/core/status.hpp"
+#include "keel/durable/digest.hpp"
 #include "keel/policy/adaptive_timeout.hpp"
 #include "keel/policy/admission.hpp"
 #include "keel/policy/backoff.hpp"
@@ -88,6 +89,13 @@ struct tenant_config {
   keel::quota_limits limits{};
   std::string region = "eu";   // where its data may be processed
   bool allow_degraded = true;  // may it be served a degraded (fallback) answer?
+};
+
+// A client's API key, known by its SHA-256 (never the key itself), and the
+// tenant whose quotas it spends.
+struct api_key {
+  keel::digest sha256{};
+  std::string tenant;
 };
 
 struct model_config {
@@ -234,6 +242,11 @@ struct gateway_options {
   // gateway/config.hpp fills both from a config file (with_upstreams).
   std::optional<http_upstream_options> upstream{};
   std::optional<http_upstream_options> upstream_backup{};
+  // Client API keys (a config file's [clients]). With any, every /v1/
+  // request must carry "Authorization: Bearer <key>" and is served as the
+  // key's tenant; a body naming another tenant is refused (403). None: the
+  // body names its tenant, as the tests and the in-process demo do.
+  std::vector<api_key> api_keys{};
   // The simulated provider (when `upstream` is unset) and the rubric database.
   provider_options provider{.capacity = 40};
   // Streaming chat completions (and their second model, chat.backup).
@@ -306,6 +319,9 @@ struct gateway_options {
       return keel::detail::invalid_field(who, "batch_target", "be in (0, 1)", batch_target);
     if (absl::Status s = provider.validate(); !s.ok()) return s;
     if (absl::Status s = chat.validate(); !s.ok()) return s;
+    for (const api_key& k : api_keys) {
+      if (k.tenant.empty()) return keel::detail::invalid_field(who, "api_keys", "give every key a tenant", "\"\"");
+    }
     if (upstream_backup && !upstream)
       return keel::detail::invalid_field(who, "upstream_backup", "be set only with upstream", upstream_backup->name);
     if (upstream) {

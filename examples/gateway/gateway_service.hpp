@@ -40,6 +40,8 @@
 // endpoints run on the front door's threads.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cstdint>
@@ -49,9 +51,12 @@
 #include <string_view>
 #include <utility>
 
+#include <openssl/crypto.h>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "keel/durable/digest.hpp"
 #include "text.hpp"
 #include "keel/store/sqlite_jobs.hpp"
 #include "gateway_core.hpp"
@@ -76,6 +81,7 @@ namespace gateway {
 [[nodiscard]] inline std::string_view endpoint_of(std::string_view path) {
   if (path == "/v1/feedback") return "feedback";
   if (path == "/v1/chat/completions") return "chat";
+  if (path == "/v1/models") return "models";
   if (path == "/v1/batch") return "batch";
   if (path.starts_with("/v1/batch/")) return "batch_status";
   if (path == "/healthz") return "health";
@@ -147,9 +153,55 @@ class service {
             .write_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(o.http_write_timeout)};
   }
 
+  // Every answer carries an x-request-id: the client's own (printable ASCII,
+  // at most 128 bytes) or one made here, so a report names one request.
   http_response route(const http_request& req) {
+    std::string id;
+    if (const std::optional<std::string_view> given = req.header("x-request-id");
+        given && !given->empty() && given->size() <= 128 &&
+        std::all_of(given->begin(), given->end(), [](char c) { return c > 0x20 && c < 0x7f; })) {
+      id = std::string(*given);
+    } else {
+      id = cat("req_", next_request_id_.fetch_add(1, std::memory_order_relaxed), "_", instance_);
+    }
+    http_response out = serve(req);
+    out.headers.emplace_back("x-request-id", std::move(id));
+    return out;
+  }
+
+  // With API keys configured, the tenant of the request's Bearer key; an
+  // error naming what is wrong otherwise. Keys are compared as SHA-256
+  // digests in constant time, every key tried.
+  [[nodiscard]] absl::StatusOr<std::string> authenticate(const http_request& req) const {
+    if (req.header_count("Authorization") != 1)
+      return absl::UnauthenticatedError("send one Authorization: Bearer <API key> header");
+    const std::string_view v = *req.header("Authorization");
+    if (v.size() < 8 || !detail::iequals(v.substr(0, 7), "Bearer ") )
+      return absl::UnauthenticatedError("the Authorization header must be Bearer <API key>");
+    const keel::digest presented = keel::sha256(v.substr(7));
+    const api_key* found = nullptr;
+    for (const api_key& k : core_->options().api_keys) {
+      const bool same = CRYPTO_memcmp(presented.bytes.data(), k.sha256.bytes.data(), presented.bytes.size()) == 0;
+      found = same ? &k : found;
+    }
+    if (found == nullptr) return absl::UnauthenticatedError("incorrect API key provided");
+    return found->tenant;
+  }
+
+  http_response serve(const http_request& req) {
     const std::string_view path = req.path, method = req.method;
     const std::string_view endpoint = endpoint_of(path);
+    std::optional<std::string> caller;
+    if (path.starts_with("/v1/") && !core_->options().api_keys.empty()) {
+      absl::StatusOr<std::string> t = authenticate(req);
+      if (!t.ok()) {
+        http_response r = to_http(core_->unauthorized(endpoint, std::string(t.status().message())));
+        r.headers.emplace_back("WWW-Authenticate", "Bearer");
+        return r;
+      }
+      caller = std::move(*t);
+    }
+    const std::optional<std::string_view> who = caller ? std::optional<std::string_view>(*caller) : std::nullopt;
     auto keyed = [&](auto&& endpoint_fn) -> reply {
       // Two keys on one request are not one key.
       if (req.header_count("Idempotency-Key") > 1) {
@@ -157,15 +209,21 @@ class service {
       }
       return endpoint_fn(req.body, req.header("Idempotency-Key"));
     };
+    if (method == "GET" && endpoint == "models") return to_http(core_->list_models());
     if (method == "POST" && endpoint == "feedback") {
-      return to_http(keyed([&](std::string_view b, const std::optional<std::string_view>& k) { return core_->feedback(b, k); }));
+      return to_http(
+          keyed([&](std::string_view b, const std::optional<std::string_view>& k) { return core_->feedback(b, k, who); }));
     }
-    if (method == "POST" && endpoint == "chat") return chat(req);
+    if (method == "POST" && endpoint == "chat") return chat(req, caller);
     if (method == "POST" && endpoint == "batch") {
-      return to_http(keyed([&](std::string_view b, const std::optional<std::string_view>& k) { return core_->batch_submit(b, k); }));
+      return to_http(keyed(
+          [&](std::string_view b, const std::optional<std::string_view>& k) { return core_->batch_submit(b, k, who); }));
     }
     if (method == "GET" && endpoint == "batch_status" && path.find('/', 10) == std::string_view::npos) {
-      return to_http(core_->batch_status(path.substr(10), req.query_param("tenant")));
+      const std::optional<std::string_view> asked = req.query_param("tenant");
+      if (who && asked && *asked != *who)
+        return to_http(core_->refuse_tenant(endpoint, *who));
+      return to_http(core_->batch_status(path.substr(10), who ? who : asked));
     }
     if (method == "GET" && endpoint == "health") return health();
     if (method == "GET" && endpoint == "metrics") return to_http(core_->metrics());
@@ -188,10 +246,12 @@ class service {
 
   // Streamed from the worker that serves it: nothing is written until the
   // first token, so an error before it is an ordinary JSON reply.
-  http_response chat(const http_request& req) {
-    return {.content_type = "text/event-stream", .stream = [this, &req](http_stream& s) -> http_response {
+  http_response chat(const http_request& req, std::optional<std::string> caller) {
+    return {.content_type = "text/event-stream",
+            .stream = [this, &req, caller = std::move(caller)](http_stream& s) -> http_response {
               stream_sink sink(s);
-              const reply r = core_->chat_completions(req.body, &sink);
+              const reply r = core_->chat_completions(
+                  req.body, &sink, caller ? std::optional<std::string_view>(*caller) : std::nullopt);
               if (r.streamed) return {};
               return to_http(r);
             }};
@@ -222,13 +282,18 @@ class service {
   static http_response to_http(const reply& r) {
     http_response out{.status = r.status, .content_type = r.content_type, .body = r.body};
     if (r.retry_after) {
+      // Both spellings the OpenAI SDKs read: retry-after-ms first, exact.
       const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(*r.retry_after).count();
+      out.headers.emplace_back("retry-after-ms", std::to_string(ms));
       out.headers.emplace_back("Retry-After", std::to_string((ms + 999) / 1000));
     }
     return out;
   }
 
   std::unique_ptr<core_type> core_;
+  std::atomic<std::uint64_t> next_request_id_{1};
+  // Tells this process's request ids from another's (a restart, a replica).
+  std::uint64_t instance_ = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   http_server server_;
   bool started_ = false;
 };

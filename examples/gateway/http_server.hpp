@@ -1011,7 +1011,10 @@ class http_server {
   // the answer rather than a reset.
   void refuse(connection& c, const http_refusal& why) {
     http_response r = refuse_(why);
-    if (r.status == 408 || r.status == 503) r.headers.emplace_back("Retry-After", "1");
+    // One Retry-After: the refusal's own hint when it carries one, else 1 s.
+    const bool hinted = std::any_of(r.headers.begin(), r.headers.end(),
+                                    [](const auto& h) { return detail::iequals(h.first, "Retry-After"); });
+    if ((r.status == 408 || r.status == 503) && !hinted) r.headers.emplace_back("Retry-After", "1");
     (void)send_now(c, detail::serialize(r, false));
     ::shutdown(c.fd, SHUT_WR);
     c.at = phase::draining;
