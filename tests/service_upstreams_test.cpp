@@ -322,6 +322,8 @@ std::string config_text(const std::string& dir, const mock_upstream& a, const mo
          "[models.feedback-large]\n"
          "deployments = [{ upstream = \"mock-a\", model = \"m-large\" }, { upstream = \"mock-b\", model = \"m-small\" }]\n"
          "deadline = \"3s\"\n"
+         "[models.other-model]\n"
+         "deployments = [{ upstream = \"mock-b\", model = \"o-1\" }, { upstream = \"mock-a\", model = \"o-2\" }]\n"
          "[clients.team-a]\nkey_sha256 = \"" + keel::sha256("sk-team-a").hex() + "\"\ntenant = \"acme\"\n"
          "[clients.noisy]\nkey_sha256 = \"" + keel::sha256("sk-noisy").hex() + "\"\ntenant = \"noisy\"\n"
          "requests_per_second = 1\nburst = 1\nmax_in_flight = 4\n";
@@ -406,4 +408,41 @@ TEST_CASE("from a config file: Bearer keys name the tenant, a bad key is a 401, 
     CHECK(got.find("x-request-id: ") != std::string::npos);
     CHECK(got.find("[DONE]") != std::string::npos);
   }
+}
+
+TEST_CASE("from a config file: each model is served by its own deployments, with its own breakers",
+          "[service][upstreams]") {
+  temp_dir dir;
+  mock_upstream a(dir, "mock-a", {"--latency-ms", "5"}), b(dir, "mock-b", {"--latency-ms", "5"});
+  const absl::StatusOr<gateway::gateway_config> cfg = gateway::parse_config(config_text(dir.path(), a, b), "t.toml");
+  REQUIRE(cfg.ok());
+  const absl::StatusOr<gateway::gateway_options> o = gateway::with_upstreams(*cfg);
+  REQUIRE(o.ok());
+  auto svc = start(*o);
+  const int port = svc->port();
+  auto ask = [&](const std::string& model, const std::string& key) {
+    httplib::Headers h = bearer("sk-team-a");
+    h.emplace("Idempotency-Key", key);
+    return call(port, "POST", "/v1/feedback",
+                {{"model", model}, {"question_id", "q-timeouts"}, {"answer", "one deadline, stages get what remains"}},
+                h);
+  };
+  CHECK(ask("other-model", "m-1").status == 200);
+  CHECK(stat(b.stats(), "requests", "chat") == 1);
+  CHECK(stat(a.stats(), "requests", "chat") == 0);
+  CHECK(b.stats()["last_request"]["path"] == "/v1/chat/completions");
+  CHECK(ask("feedback-large", "m-2").status == 200);
+  CHECK(stat(a.stats(), "requests", "chat") == 1);
+
+  // mock-b down: other-model's breaker (mock-b/o-1) opens; feedback-large's (mock-a/m-large) stays closed.
+  b.fault({{"kind", "outage"}});
+  for (int i = 0; i < o->breaker.minimum_calls + 2; ++i) CHECK(ask("other-model", "o-" + std::to_string(i)).status == 200);
+  const json h = healthz(port);
+  std::string open_domains;
+  for (const json& e : h["breakers"])
+    if (e.value("state", "") == "open") open_domains += e.value("domain", "") + " ";
+  INFO(h["breakers"].dump());
+  CHECK(open_domains.find("mock-b/o-1") != std::string::npos);
+  CHECK(open_domains.find("mock-a") == std::string::npos);
+  CHECK(ask("feedback-large", "m-3").body["degraded"] == false);
 }

@@ -896,9 +896,10 @@ inline gateway_config build(const source& src, const toml::table& root) {
   return std::string(v);
 }
 
-// The gateway's options with its model calls going over HTTP: the default
-// model's first deployment serves, its second (when it has one) is where
-// streams fail over and continue. Each deployment is one failure domain,
+// The gateway's options with its model calls going over HTTP: each model
+// is served by its own first deployment, and its second (when it has one)
+// is where its streams fail over and continue; the default model's pair
+// also serves batch reports. Each deployment is one failure domain,
 // "<upstream>/<model>": a breaker per (upstream, model). API keys are read
 // from the environment here, at start, never from the file.
 [[nodiscard]] inline absl::StatusOr<gateway_options> with_upstreams(const gateway_config& cfg) {
@@ -928,6 +929,19 @@ inline gateway_config build(const source& src, const toml::table& root) {
     absl::StatusOr<http_upstream_options> second = deployment_options(route->deployments[1]);
     if (!second.ok()) return second.status();
     o.upstream_backup = std::move(*second);
+  }
+  // Every model is served by its own deployments (its breakers are its own).
+  for (model_config& m : o.models) {
+    const model_route* r = cfg.find_model(m.name);
+    if (r == nullptr || r->deployments.empty()) continue;
+    absl::StatusOr<http_upstream_options> first = deployment_options(r->deployments[0]);
+    if (!first.ok()) return first.status();
+    m.upstream = std::move(*first);
+    if (r->deployments.size() > 1) {
+      absl::StatusOr<http_upstream_options> next = deployment_options(r->deployments[1]);
+      if (!next.ok()) return next.status();
+      m.upstream_backup = std::move(*next);
+    }
   }
   if (absl::Status s = o.validate(); !s.ok()) return keel::annotate(s, cfg.path);
   return o;

@@ -380,7 +380,7 @@ class gateway_core {
                      .stop = stop_.get_token(),
                      .labels = {.tenant = rq.tenant,
                                 .model = rq.model,
-                                .endpoint = primary_->name(),
+                                .endpoint = model.primary->name(),
                                 .region = tenant.config->region,
                                 .work_class = "interactive"},
                      .max_attempts = 2 + options_.model_attempts},
@@ -500,7 +500,7 @@ class gateway_core {
                      .stop = stop.get_token(),
                      .labels = {.tenant = rq.tenant,
                                 .model = rq.model,
-                                .endpoint = primary_->name(),
+                                .endpoint = model.primary->name(),
                                 .region = tenant.config->region,
                                 .work_class = "streaming"},
                      .max_attempts = 2 * options_.chat.attempts + 4},
@@ -533,8 +533,8 @@ class gateway_core {
                       : a.reason == keel::stream_stop::cancelled ? keel::request_outcome::abandoned
                                                                  : keel::request_outcome::partial,
                       done - t0, done);
-    const std::string served_by = route.failed_over ? cat("backup:", second_->name())
-                                  : a.continuations > 0 ? cat("model:", rq.model, "+backup:", second_->name())
+    const std::string served_by = route.failed_over ? cat("backup:", model.second->name())
+                                  : a.continuations > 0 ? cat("model:", rq.model, "+backup:", model.second->name())
                                                         : cat("model:", rq.model);
     answers_->with({"streaming", served_by}).inc();
     detail::json keel_view = {{"complete", a.complete},
@@ -821,8 +821,7 @@ class gateway_core {
                                     {"fault", http_backup_ ? "upstream" : std::string(to_string(backup_.current_fault().kind))}}}};
       if (http_primary_ != nullptr) {
         detail::json ups = detail::json::array();
-        for (const http_upstream* u : {http_primary_.get(), http_backup_.get()}) {
-          if (u == nullptr) continue;
+        for (const http_upstream* u : http_upstreams()) {
           const upstream_figures f = u->figures();
           ups.push_back({{"name", u->name()}, {"base_url", u->options().base_url}, {"model", u->options().model},
                          {"calls", f.calls}, {"answered", f.answered}, {"failed", f.failed}});
@@ -930,6 +929,11 @@ class gateway_core {
     keel::adaptive_timeout interactive_timeout;
     keel::adaptive_timeout batch_timeout;
     keel::admission_key quota_key;  // the model's quota, resolved once
+    // Where the model is served: its own deployments over HTTP
+    // (model_config::upstream), else the gateway's.
+    std::unique_ptr<http_upstream> own_primary, own_second;
+    model_upstream* primary = nullptr;
+    model_upstream* second = nullptr;
     // The interactive path for this model: one pipeline, built in the
     // constructor (interactive_pipeline()), run as pipeline.run(call, now, provider).
     std::function<absl::StatusOr<detail::answer>(keel::call&, keel::time_point)> interactive;
@@ -1017,6 +1021,12 @@ class gateway_core {
     for (const model_config& m : options_.models) {
       auto state = std::make_unique<model_state>(m, options_);
       state->quota_key = quotas_.model_key(m.name, now).value();
+      if (m.upstream) {
+        state->own_primary = std::make_unique<http_upstream>(*m.upstream);
+        if (m.upstream_backup) state->own_second = std::make_unique<http_upstream>(*m.upstream_backup);
+      }
+      state->primary = state->own_primary ? state->own_primary.get() : primary_;
+      state->second = state->own_second ? state->own_second.get() : state->own_primary ? state->primary : second_;
       state->interactive = interactive_pipeline(*state);
       state->chat = chat_pipeline(*state);
       models_.emplace(m.name, std::move(state));
@@ -1095,7 +1105,7 @@ class gateway_core {
     auto pipe =
         keel::pipeline(
             keel::fallback({.passes_through = &heard_as_is}, std::move(gates),
-                           keel::alternate("rubric-feedback", rubric_only{&breakers_, provider_domain()},
+                           keel::alternate("rubric-feedback", rubric_only{&breakers_, keel::failure_domain{.endpoint = m.primary->name()}},
                                            {.labels = {.region = options_.region},
                                             .at_most = plan.fallback,
                                             .provider_call = false})),
@@ -1116,7 +1126,7 @@ class gateway_core {
                         options_.backoff),
             fleet_gate{fleet_.get()}, breakers_, m.interactive_timeout)
             .in(env());
-    return [pipe = std::move(pipe), provider = model_call{primary_}](keel::call& call, keel::time_point now) {
+    return [pipe = std::move(pipe), provider = model_call{m.primary}](keel::call& call, keel::time_point now) {
       return pipe.run(call, now, provider);
     };
   }
@@ -1145,13 +1155,14 @@ class gateway_core {
                                             options_.backoff),
                                 fleet_gate{fleet_.get()}, breakers_)
                      .in(env());
-    auto second = keel::pipeline(breakers_.breaker_for(keel::failure_domain{.endpoint = second_->name()})).in(env());
-    return [this, outer = std::move(outer), first = std::move(first), second = std::move(second)](
+    auto second =
+        keel::pipeline(breakers_.breaker_for(keel::failure_domain{.endpoint = m.second->name()})).in(env());
+    return [this, &m, outer = std::move(outer), first = std::move(first), second = std::move(second)](
                keel::call& call, keel::time_point now, chat_stream& stream, chat_route& route) {
-      chat_model_call primary{primary_}, backup{second_};
+      chat_model_call primary{m.primary}, backup{m.second};
       return outer.run(call, now, [&](const keel::attempt& a) -> absl::StatusOr<keel::stream_result> {
         absl::StatusOr<keel::stream_result> r = first.run(call, a.start, stream.attempts(primary));
-        if (!options_.chat.continue_on_backup || second_ == primary_ || call.stop_token().stop_requested()) return r;
+        if (!options_.chat.continue_on_backup || m.second == m.primary || call.stop_token().stop_requested()) return r;
         if (!r.ok()) {
           // Nothing was shown yet: the second model may answer instead. A
           // request the first refused as invalid would be refused there too.
@@ -1234,6 +1245,18 @@ class gateway_core {
   }
 
   static constexpr std::size_t idx(work_class w) noexcept { return static_cast<std::size_t>(w); }
+
+  // Every HTTP upstream the gateway calls: its own, then each model's.
+  [[nodiscard]] std::vector<const http_upstream*> http_upstreams() const {
+    std::vector<const http_upstream*> out;
+    for (const http_upstream* u : {http_primary_.get(), http_backup_.get()})
+      if (u != nullptr) out.push_back(u);
+    for (const auto& [name, m] : models_) {
+      for (const http_upstream* u : {m->own_primary.get(), m->own_second.get()})
+        if (u != nullptr) out.push_back(u);
+    }
+    return out;
+  }
 
   [[nodiscard]] keel::failure_domain provider_domain() const noexcept {
     return keel::failure_domain{.endpoint = primary_->name()};
@@ -1537,8 +1560,7 @@ class gateway_core {
     keel::metric_family_snapshot upstream_calls =
         counter("gateway_upstream_calls_total", "Completions and streams sent to the HTTP model upstreams, by result.",
                 {"upstream", "result"});
-    for (const http_upstream* u : {http_primary_.get(), http_backup_.get()}) {
-      if (u == nullptr) continue;
+    for (const http_upstream* u : http_upstreams()) {
       const upstream_figures f = u->figures();
       upstream_calls.series.push_back({.labels = {u->name(), "answered"}, .value = static_cast<double>(f.answered)});
       upstream_calls.series.push_back({.labels = {u->name(), "failed"}, .value = static_cast<double>(f.failed)});

@@ -103,6 +103,10 @@ struct model_config {
   std::string digest;                  // which model (and version) decided: stored with each decision
   keel::quota_limits limits{};
   std::int64_t token_estimate = 600;   // reserved from the tenant's compute budget per request
+  // Where this model is served over HTTP (a config file's deployments,
+  // primary first); unset: gateway_options::upstream / upstream_backup.
+  std::optional<http_upstream_options> upstream{};
+  std::optional<http_upstream_options> upstream_backup{};
 };
 
 // The streaming endpoint (POST /v1/chat/completions with "stream": true,
@@ -285,6 +289,12 @@ struct gateway_options {
     for (const model_config& m : models) {
       if (m.name.empty() || m.digest.empty())
         return keel::detail::invalid_field(who, "models", "give every model a name and a digest", m.name);
+      if (m.upstream_backup && !m.upstream)
+        return keel::detail::invalid_field(who, "models.upstream_backup", "be set only with the model's upstream", m.name);
+      for (const std::optional<http_upstream_options>* u : {&m.upstream, &m.upstream_backup}) {
+        if (!*u) continue;
+        if (absl::Status s = (*u)->validate(); !s.ok()) return keel::annotate(s, cat("gateway_options.models.", m.name));
+      }
     }
     if (model_attempts < 1) return keel::detail::invalid_field(who, "model_attempts", "be >= 1", model_attempts);
     if (batch_attempts < 1) return keel::detail::invalid_field(who, "batch_attempts", "be >= 1", batch_attempts);
