@@ -8,6 +8,8 @@
 // correctness bounds with keel_service::http_slack, not speed claims.
 #include <atomic>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -18,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gateway_core.hpp"
+#include "gateway_service.hpp"
 #include "keel/store/postgres_jobs.hpp"
 #include "support/catch.hpp"
 #include "support/scaleout.hpp"
@@ -193,4 +196,40 @@ TEST_CASE("provider out while the job store's PostgreSQL restarts: every request
     CHECK(s == "done");
   }
   core->shutdown();
+}
+
+// --- the gateway's own SQLite file -------------------------------------------
+
+TEST_CASE("a damaged effects.db is refused at start, naming the file, and left as it was", "[service][faults]") {
+  keel_service::temp_dir dir;
+  const std::string path = dir.path() + "/effects.db";
+  {
+    absl::StatusOr<std::unique_ptr<gateway::effect_log>> log = gateway::effect_log::open(path);
+    REQUIRE(log.ok());
+    // Enough rows for dozens of pages; closing the last connection checkpoints the WAL into the file.
+    for (int i = 0; i < 3000; ++i)
+      REQUIRE((*log)->record_feedback("acme", "key-" + std::to_string(i), "decision-" + std::to_string(i)).ok());
+  }
+  const std::uintmax_t size = std::filesystem::file_size(path);
+  REQUIRE(size > 20 * 4096);
+  auto damage = [&](std::uintmax_t at, std::size_t n) {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(at));
+    const std::string junk(n, '\xa5');
+    f.write(junk.data(), static_cast<std::streamsize>(junk.size()));
+  };
+  SECTION("a page in the middle") { damage(10 * 4096, 4096); }
+  SECTION("the first page") { damage(0, 100); }
+  const std::string before = keel_service::read_file(path);
+  const absl::StatusOr<std::unique_ptr<gateway::effect_log>> again = gateway::effect_log::open(path);
+  REQUIRE_FALSE(again.ok());
+  INFO(again.status().ToString());
+  CHECK(again.status().code() == absl::StatusCode::kDataLoss);
+  CHECK(std::string(again.status().message()).find(path) != std::string::npos);
+  // The gateway refuses to start on it, saying which file.
+  gateway::gateway_options o = keel_service::options(dir.path());
+  const auto svc = gateway::service::open(o);
+  REQUIRE_FALSE(svc.ok());
+  CHECK(std::string(svc.status().message()).find("effects.db") != std::string::npos);
+  CHECK(keel_service::read_file(path) == before);  // nothing was written into the damaged file
 }

@@ -38,12 +38,14 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include <sqlite3.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "keel/core/status.hpp"
 #include "text.hpp"
 
 namespace gateway {
@@ -67,6 +69,10 @@ class effect_log {
                                                  log->db_ ? sqlite3_errmsg(log->db_) : "out of memory"));
     }
     sqlite3_busy_timeout(log->db_, static_cast<int>(busy_timeout.count()));
+    // A damaged file is refused before anything reads or writes it, as
+    // keel's own stores refuse theirs: a bad page found later would fail
+    // effects after their decisions were committed.
+    if (absl::Status s = log->check_integrity(path); !s.ok()) return s;
     if (absl::Status s = log->exec("PRAGMA journal_mode=WAL;"
                                    "PRAGMA synchronous=NORMAL;"
                                    "CREATE TABLE IF NOT EXISTS effects("
@@ -78,7 +84,7 @@ class effect_log {
                                    "CREATE TABLE IF NOT EXISTS delivery_attempts("
                                    "  job_id INTEGER NOT NULL, fence INTEGER NOT NULL, applied INTEGER NOT NULL);");
         !s.ok()) {
-      return s;
+      return keel::annotate(s, cat("effects file '", path, "'"));
     }
     return log;
   }
@@ -213,6 +219,28 @@ class effect_log {
 
   absl::Status error(std::string_view what) const {
     return absl::UnavailableError(cat("effects: ", what, ": ", sqlite3_errmsg(db_)));
+  }
+
+  // PRAGMA quick_check: every page and b-tree read and checked (linear in
+  // the file's size; a new file is empty). DataLoss naming the file.
+  absl::Status check_integrity(const std::string& path) {
+    sqlite3_stmt* q = nullptr;
+    std::vector<std::string> found;
+    int rc = sqlite3_prepare_v2(db_, "PRAGMA quick_check(8)", -1, &q, nullptr);
+    if (rc == SQLITE_OK) {
+      while ((rc = sqlite3_step(q)) == SQLITE_ROW) {
+        const unsigned char* t = sqlite3_column_text(q, 0);
+        found.emplace_back(t != nullptr ? reinterpret_cast<const char*>(t) : "");
+      }
+    }
+    sqlite3_finalize(q);
+    if (rc == SQLITE_DONE && found.size() == 1 && found[0] == "ok") return absl::OkStatus();
+    if (rc != SQLITE_DONE) found.emplace_back(sqlite3_errmsg(db_));
+    std::string what;
+    for (std::size_t i = 0; i < found.size() && i < 3; ++i) absl::StrAppend(&what, i > 0 ? "; " : "", found[i]);
+    return absl::DataLossError(cat("effects file '", path, "' is damaged: PRAGMA quick_check found: ", what,
+                                   "; the gateway will not use it and has not changed it (restore it from a backup, "
+                                   "or move it aside)"));
   }
 
   absl::Status exec(const char* sql) {
