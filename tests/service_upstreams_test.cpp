@@ -7,10 +7,14 @@
 //
 // Latency bounds are correctness bounds (keel_service::http_slack), never
 // speed claims.
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -445,4 +449,101 @@ TEST_CASE("from a config file: each model is served by its own deployments, with
   CHECK(open_domains.find("mock-b/o-1") != std::string::npos);
   CHECK(open_domains.find("mock-a") == std::string::npos);
   CHECK(ask("feedback-large", "m-3").body["degraded"] == false);
+}
+
+// --- one retry budget across the client's layer -------------------------------
+
+namespace {
+
+// The OpenAI SDK's retry loop, as openai-node 5.23 runs it: at most 2
+// retries, of 408, 409, 429 and 5xx (and of a transport error), unless the
+// answer says x-should-retry: false (true forces one); backoff
+// min(0.5 s * 2^n, 8 s) less up to 25% jitter (shortened here by `scale`:
+// the counts, not the waits, are under test); X-Stainless-Retry-Count on
+// every attempt and X-Stainless-Timeout for a per-request timeout.
+struct sdk_result {
+  int attempts = 0;
+  int status = 0;
+  std::string should_retry;
+};
+
+sdk_result sdk_chat(int port, const json& body, int timeout_s, double scale) {
+  sdk_result out;
+  std::mt19937 rng(7);
+  for (int retry = 0;; ++retry) {
+    httplib::Headers h = {{"X-Stainless-Retry-Count", std::to_string(retry)},
+                          {"X-Stainless-Timeout", std::to_string(timeout_s)}};
+    const http_answer r = call(port, "POST", "/v1/chat/completions", body, h);
+    ++out.attempts;
+    out.status = r.status;
+    out.should_retry = r.header("x-should-retry");
+    bool again = r.status == 0 || r.status == 408 || r.status == 409 || r.status == 429 || r.status >= 500;
+    if (out.should_retry == "false") again = false;
+    if (out.should_retry == "true") again = true;
+    if (!again || retry == 2) return out;
+    const double wait_s = std::min(0.5 * std::pow(2.0, retry), 8.0) *
+                          (1.0 - 0.25 * std::uniform_real_distribution<double>(0, 1)(rng));
+    std::this_thread::sleep_for(std::chrono::duration<double>(wait_s * scale));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a full outage: the SDK's retries do not multiply the gateway's (upstream calls per client request)",
+          "[service][upstreams][amplification]") {
+  temp_dir dir;
+  mock_upstream a(dir, "mock-a", {"--latency-ms", "5"}), b(dir, "mock-b", {"--latency-ms", "5"});
+  const json body = {{"tenant", "acme"},
+                     {"messages", {{{"role", "user"}, {"content", "Summarise the plan."}}}},
+                     {"max_tokens", 8},
+                     {"stream", false}};
+  auto upstream_calls = [&] { return stat(a.stats(), "requests", "chat") + stat(b.stats(), "requests", "chat"); };
+  auto run = [&](bool tell) {
+    gateway::gateway_options o = options_for(dir.path() + (tell ? "/with" : "/without"), a, b);
+    std::filesystem::create_directories(o.data_dir);
+    o.tell_clients_retries_spent = tell;
+    auto svc = start(o);
+    a.fault({{"kind", "outage"}});
+    b.fault({{"kind", "outage"}});
+    const std::int64_t before = upstream_calls();
+    const sdk_result r = sdk_chat(svc->port(), body, 20, 0.02);
+    return std::pair{r, upstream_calls() - before};
+  };
+  const auto [with, with_calls] = run(true);
+  const auto [without, without_calls] = run(false);
+  std::printf("full outage, one client request through the OpenAI SDK's retries: %lld upstream calls with "
+              "x-should-retry (%d client attempt%s), %lld without (%d client attempts)\n",
+              static_cast<long long>(with_calls), with.attempts, with.attempts == 1 ? "" : "s",
+              static_cast<long long>(without_calls), without.attempts);
+  CHECK(with.status == 503);
+  CHECK(with.should_retry == "false");
+  CHECK(with.attempts == 1);
+  CHECK(without.attempts == 3);
+  CHECK(without.should_retry.empty());
+  CHECK(with_calls >= 2);  // the gateway did retry and fail over, once
+  CHECK(without_calls == 3 * with_calls);
+}
+
+TEST_CASE("the SDK's X-Stainless-Timeout shortens the call's deadline: no work after the client left",
+          "[service][upstreams]") {
+  temp_dir dir;
+  mock_upstream a(dir, "mock-a"), b(dir, "mock-b");
+  gateway::gateway_options o = options_for(dir.path(), a, b);
+  o.chat.hedge_delay = 0ms;
+  o.chat.hedge_percentile = 0;
+  auto svc = start(o);
+  a.fault({{"kind", "hang"}});
+  b.fault({{"kind", "hang"}});
+  const json body = {{"tenant", "acme"},
+                     {"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                     {"max_tokens", 8},
+                     {"stream", false}};
+  // "0": under a second (the SDK truncates), so the call gets 1 s, not none and not the gateway's 20 s.
+  const auto t0 = std::chrono::steady_clock::now();
+  const http_answer r = call(svc->port(), "POST", "/v1/chat/completions", body, {{"X-Stainless-Timeout", "0"}});
+  const auto took = std::chrono::steady_clock::now() - t0;
+  CHECK(r.status == 504);
+  CHECK(took >= 1s);
+  CHECK(took < 1s + keel_service::http_slack);
+  CHECK(eventually([&] { return stat(a.stats(), "client_gone", "count") >= 1; }, 5s));  // the upstream was let go
 }

@@ -119,6 +119,19 @@ struct reply {
   std::string content_type = "application/json";
   std::optional<keel::duration> retry_after{};  // sent as Retry-After (whole seconds, rounded up)
   bool streamed = false;  // the answer went to the chat_sink as server-sent events; nothing more to send
+  // Sent as x-should-retry (the header the OpenAI and Anthropic SDKs obey):
+  // false when the gateway already spent the retries that make sense, so
+  // an SDK's own retries do not multiply upstream calls; unset: not sent.
+  std::optional<bool> should_retry{};
+};
+
+// Who is asking, as the front door learned it: the tenant of the API key
+// it authenticated (gateway_options::api_keys), which the body may then
+// leave out; and the client's own timeout (an SDK's X-Stainless-Timeout),
+// which shortens the call's deadline: no work for a client that has left.
+struct caller_info {
+  std::optional<std::string_view> tenant{};
+  std::optional<keel::duration> timeout{};
 };
 
 enum class work_class : std::uint8_t { interactive, batch, recovery };
@@ -352,13 +365,12 @@ class gateway_core {
   // ---- endpoints -----------------------------------------------------------
 
   // POST /v1/feedback: {"tenant", "question_id", "answer", ["model"], ["class"]}
-  // with an Idempotency-Key. `caller`: the tenant of the API key the front
-  // door authenticated (gateway_options::api_keys), which the body's
-  // "tenant" may then leave out; every endpoint below takes it the same way.
+  // with an Idempotency-Key. `caller`: what the front door learned of the
+  // client (caller_info); every endpoint below takes it the same way.
   reply feedback(std::string_view body, const std::optional<std::string_view>& key_header,
-                 std::optional<std::string_view> caller = std::nullopt) {
+                 const caller_info& caller = {}) {
     const keel::time_point t0 = clock_.now();
-    absl::StatusOr<feedback_request> parsed = parse_feedback(body, key_header, caller);
+    absl::StatusOr<feedback_request> parsed = parse_feedback(body, key_header, caller.tenant);
     if (!parsed.ok()) return answered("feedback", detail::error_reply(parsed.status()));
     const feedback_request& rq = *parsed;
     const tenant_state& tenant = tenant_of(rq.tenant);
@@ -375,7 +387,7 @@ class gateway_core {
         .tenant_key = tenant.key ? &tenant.key : nullptr,
         .progress = p};
     keel::call call(t0,
-                    {.timeout = plan.deadline,
+                    {.timeout = caller.timeout ? std::min(plan.deadline, *caller.timeout) : plan.deadline,
                      .response_reserve = plan.response_reserve,
                      .stop = stop_.get_token(),
                      .labels = {.tenant = rq.tenant,
@@ -471,10 +483,9 @@ class gateway_core {
   // and a sink the tokens go to `sink` as they come (reply.streamed);
   // otherwise the answer is one chat.completion. Nothing is sent before the
   // first token: a failure until then is an ordinary JSON error.
-  reply chat_completions(std::string_view body, chat_sink* sink,
-                         std::optional<std::string_view> caller = std::nullopt) {
+  reply chat_completions(std::string_view body, chat_sink* sink, const caller_info& caller = {}) {
     const keel::time_point t0 = clock_.now();
-    absl::StatusOr<chat_request> parsed = parse_chat(body, caller);
+    absl::StatusOr<chat_request> parsed = parse_chat(body, caller.tenant);
     if (!parsed.ok()) return answered("chat", detail::error_reply(parsed.status()));
     const chat_request& rq = *parsed;
     const bool streaming = rq.stream && sink != nullptr;
@@ -496,7 +507,8 @@ class gateway_core {
     chat_stream stream(guard_, relay_token{&relay});
     stream.reserve(static_cast<std::size_t>(rq.max_tokens) * 8);
     keel::call call(t0,
-                    {.timeout = options_.chat.deadline,
+                    {.timeout = caller.timeout ? std::min(options_.chat.deadline, *caller.timeout)
+                                               : options_.chat.deadline,
                      .stop = stop.get_token(),
                      .labels = {.tenant = rq.tenant,
                                 .model = rq.model,
@@ -523,7 +535,11 @@ class gateway_core {
       }
       chat_slo_->record(absl::IsCancelled(s) ? keel::request_outcome::abandoned : keel::request_outcome::failure,
                         done - t0, done);
-      return answered("chat", detail::error_reply(s));
+      reply e = detail::error_reply(s);
+      // The upstreams were tried (retried, failed over) within this call:
+      // an SDK's retry of the whole request would only multiply that.
+      if (options_.tell_clients_retries_spent && call.record().attempts > 0) e.should_retry = false;
+      return answered("chat", std::move(e));
     }
     keel::stream_result& a = *r;
     stream_metrics_.record_tokens(rq.model, carried.reserved, a.charged);
@@ -594,9 +610,9 @@ class gateway_core {
   // POST /v1/batch: {"tenant", "learner", "sessions": [...], ["model"], ["class"]}
   // with an Idempotency-Key. 202 with the job (200 when the key was seen).
   reply batch_submit(std::string_view body, const std::optional<std::string_view>& key_header,
-                     std::optional<std::string_view> caller = std::nullopt) {
+                     const caller_info& caller = {}) {
     const keel::time_point t0 = clock_.now();
-    absl::StatusOr<batch_request> parsed = parse_batch(body, key_header, caller);
+    absl::StatusOr<batch_request> parsed = parse_batch(body, key_header, caller.tenant);
     if (!parsed.ok()) return answered("batch", detail::error_reply(parsed.status()));
     const batch_request& rq = *parsed;
     if (shed_[idx(work_class::batch)].load(std::memory_order_relaxed)) {

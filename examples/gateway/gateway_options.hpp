@@ -251,6 +251,10 @@ struct gateway_options {
   // key's tenant; a body naming another tenant is refused (403). None: the
   // body names its tenant, as the tests and the in-process demo do.
   std::vector<api_key> api_keys{};
+  // A failure after the upstreams were tried (retries and failover spent)
+  // tells the client x-should-retry: false, so 3 SDK attempts around 3
+  // gateway attempts do not become 9 upstream calls. false: not sent.
+  bool tell_clients_retries_spent = true;
   // The simulated provider (when `upstream` is unset) and the rubric database.
   provider_options provider{.capacity = 40};
   // Streaming chat completions (and their second model, chat.backup).

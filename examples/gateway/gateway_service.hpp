@@ -169,6 +169,19 @@ class service {
     return out;
   }
 
+  // The client's own timeout, from the SDKs' X-Stainless-Timeout: whole
+  // seconds, truncated, so "2" means 2-3 s; the call gets the lower bound,
+  // never time the client will not wait. "0" means under a second, not no
+  // time at all: it gets 1 s. Anything else (absent, not a number): none.
+  [[nodiscard]] static std::optional<keel::duration> client_timeout(const http_request& req) {
+    const std::optional<std::string_view> v = req.header("X-Stainless-Timeout");
+    if (!v || req.header_count("X-Stainless-Timeout") != 1) return std::nullopt;
+    std::int64_t seconds = -1;
+    const auto [at, ec] = std::from_chars(v->data(), v->data() + v->size(), seconds);
+    if (ec != std::errc() || at != v->data() + v->size() || seconds < 0 || seconds > 86400) return std::nullopt;
+    return std::chrono::seconds(std::max<std::int64_t>(seconds, 1));
+  }
+
   // With API keys configured, the tenant of the request's Bearer key; an
   // error naming what is wrong otherwise. Keys are compared as SHA-256
   // digests in constant time, every key tried.
@@ -202,6 +215,7 @@ class service {
       caller = std::move(*t);
     }
     const std::optional<std::string_view> who = caller ? std::optional<std::string_view>(*caller) : std::nullopt;
+    const caller_info info{.tenant = who, .timeout = client_timeout(req)};
     auto keyed = [&](auto&& endpoint_fn) -> reply {
       // Two keys on one request are not one key.
       if (req.header_count("Idempotency-Key") > 1) {
@@ -212,12 +226,12 @@ class service {
     if (method == "GET" && endpoint == "models") return to_http(core_->list_models());
     if (method == "POST" && endpoint == "feedback") {
       return to_http(
-          keyed([&](std::string_view b, const std::optional<std::string_view>& k) { return core_->feedback(b, k, who); }));
+          keyed([&](std::string_view b, const std::optional<std::string_view>& k) { return core_->feedback(b, k, info); }));
     }
-    if (method == "POST" && endpoint == "chat") return chat(req, caller);
+    if (method == "POST" && endpoint == "chat") return chat(req, caller, info.timeout);
     if (method == "POST" && endpoint == "batch") {
       return to_http(keyed(
-          [&](std::string_view b, const std::optional<std::string_view>& k) { return core_->batch_submit(b, k, who); }));
+          [&](std::string_view b, const std::optional<std::string_view>& k) { return core_->batch_submit(b, k, info); }));
     }
     if (method == "GET" && endpoint == "batch_status" && path.find('/', 10) == std::string_view::npos) {
       const std::optional<std::string_view> asked = req.query_param("tenant");
@@ -246,12 +260,14 @@ class service {
 
   // Streamed from the worker that serves it: nothing is written until the
   // first token, so an error before it is an ordinary JSON reply.
-  http_response chat(const http_request& req, std::optional<std::string> caller) {
+  http_response chat(const http_request& req, std::optional<std::string> caller,
+                     std::optional<keel::duration> timeout) {
     return {.content_type = "text/event-stream",
-            .stream = [this, &req, caller = std::move(caller)](http_stream& s) -> http_response {
+            .stream = [this, &req, caller = std::move(caller), timeout](http_stream& s) -> http_response {
               stream_sink sink(s);
               const reply r = core_->chat_completions(
-                  req.body, &sink, caller ? std::optional<std::string_view>(*caller) : std::nullopt);
+                  req.body, &sink,
+                  {.tenant = caller ? std::optional<std::string_view>(*caller) : std::nullopt, .timeout = timeout});
               if (r.streamed) return {};
               return to_http(r);
             }};
@@ -287,6 +303,7 @@ class service {
       out.headers.emplace_back("retry-after-ms", std::to_string(ms));
       out.headers.emplace_back("Retry-After", std::to_string((ms + 999) / 1000));
     }
+    if (r.should_retry) out.headers.emplace_back("x-should-retry", *r.should_retry ? "true" : "false");
     return out;
   }
 
