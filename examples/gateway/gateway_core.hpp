@@ -449,12 +449,13 @@ class gateway_core {
     if (keel::is_in_flight(s)) return rejected(work_class::interactive, "in_flight", s, t0, /*counts_in_slo=*/false);
     // A clear failure: the model did not answer and no fallback could.
     record_slo(work_class::interactive, keel::request_outcome::failure, done - t0, done);
-    if (!p.found_rubric && !p.retrieval_error.empty()) {
-      // Without a rubric there is no fallback: say so, or an outage reads as a mystery.
-      return answered("feedback",
-                      detail::error_reply(keel::annotate(s, cat("no rubric-only fallback (", p.retrieval_error, ")")), 0));
-    }
-    return answered("feedback", detail::error_reply(s));
+    reply e = !p.found_rubric && !p.retrieval_error.empty()
+                  // Without a rubric there is no fallback: say so, or an outage reads as a mystery.
+                  ? detail::error_reply(keel::annotate(s, cat("no rubric-only fallback (", p.retrieval_error, ")")), 0)
+                  : detail::error_reply(s);
+    // The model was tried (and retried) within this call: see chat_completions.
+    if (options_.tell_clients_retries_spent && call.record().attempts > 0) e.should_retry = false;
+    return answered("feedback", std::move(e));
   }
 
   // A request the HTTP layer refused itself (gateway/http_server.hpp):
