@@ -212,14 +212,16 @@ TEST_CASE("a damaged effects.db is refused at start, naming the file, and left a
   }
   const std::uintmax_t size = std::filesystem::file_size(path);
   REQUIRE(size > 20 * 4096);
+  // Overwrites n bytes at `at` in place; true when they were written.
   auto damage = [&](std::uintmax_t at, std::size_t n) {
     std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(static_cast<std::streamoff>(at));
     const std::string junk(n, '\xa5');
     f.write(junk.data(), static_cast<std::streamsize>(junk.size()));
+    return static_cast<bool>(f);
   };
-  SECTION("a page in the middle") { damage(10 * 4096, 4096); }
-  SECTION("the first page") { damage(0, 100); }
+  SECTION("a page in the middle") { REQUIRE(damage(10 * 4096, 4096)); }
+  SECTION("the first page") { REQUIRE(damage(0, 100)); }
   const std::string before = keel_service::read_file(path);
   const absl::StatusOr<std::unique_ptr<gateway::effect_log>> again = gateway::effect_log::open(path);
   REQUIRE_FALSE(again.ok());
