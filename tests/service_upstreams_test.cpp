@@ -547,3 +547,36 @@ TEST_CASE("the SDK's X-Stainless-Timeout shortens the call's deadline: no work a
   CHECK(took < 1s + keel_service::http_slack);
   CHECK(eventually([&] { return stat(a.stats(), "client_gone", "count") >= 1; }, 5s));  // the upstream was let go
 }
+
+TEST_CASE("embeddings go to the model's first deployment as the client asked them (floats or base64)",
+          "[service][upstreams]") {
+  temp_dir dir;
+  mock_upstream a(dir, "mock-a", {"--latency-ms", "5"}), b(dir, "mock-b", {"--latency-ms", "5"});
+  const absl::StatusOr<gateway::gateway_config> cfg = gateway::parse_config(config_text(dir.path(), a, b), "t.toml");
+  REQUIRE(cfg.ok());
+  const absl::StatusOr<gateway::gateway_options> o = gateway::with_upstreams(*cfg);
+  REQUIRE(o.ok());
+  auto svc = start(*o);
+  const int port = svc->port();
+  const http_answer floats =
+      call(port, "POST", "/v1/embeddings", {{"input", "hello"}, {"encoding_format", "float"}}, bearer("sk-team-a"));
+  REQUIRE(floats.status == 200);
+  CHECK(floats.body["object"] == "list");
+  REQUIRE(floats.body["data"][0]["embedding"].is_array());
+  const http_answer b64 = call(port, "POST", "/v1/embeddings",
+                               {{"input", {"hello", "world"}}, {"encoding_format", "base64"}}, bearer("sk-team-a"));
+  REQUIRE(b64.status == 200);
+  CHECK(b64.body["data"].size() == 2);
+  CHECK(b64.body["data"][0]["embedding"].is_string());  // the SDK's default, not silently floats
+  const json s = a.stats();
+  CHECK(stat(s, "requests", "embeddings") == 2);
+  CHECK(stat(b.stats(), "requests", "embeddings") == 0);
+  CHECK(floats.body["model"] == "m-large");  // the deployment's name for the model
+  CHECK(call(port, "POST", "/v1/embeddings", {{"input", json::array()}}, bearer("sk-team-a")).status == 400);
+  CHECK(call(port, "POST", "/v1/embeddings", {{"input", "x"}, {"model", "nope"}}, bearer("sk-team-a")).status == 400);
+  CHECK(call(port, "POST", "/v1/embeddings", {{"input", "x"}}, {}).status == 401);
+  a.fault({{"kind", "outage"}});
+  const http_answer down = call(port, "POST", "/v1/embeddings", {{"input", "x"}}, bearer("sk-team-a"));
+  CHECK(down.status == 503);
+  CHECK(down.header("x-should-retry") == "false");
+}

@@ -68,6 +68,12 @@ struct chat_call {
   std::int64_t reserved = 0;  // the tokens admission reserves (set before the run)
 };
 
+// What a call carries through the embeddings path (POST /v1/embeddings).
+struct embeddings_call {
+  const keel::admission_key* tenant_key = nullptr;
+  std::int64_t reserved = 0;  // tokens admission reserves: the input's estimate
+};
+
 // Where a streamed reply goes: the front door's chunked response, or a
 // test's recorder. The first send() also sends the head (200, event stream).
 class chat_sink {

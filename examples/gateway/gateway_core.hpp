@@ -200,6 +200,7 @@ namespace detail {
     case absl::StatusCode::kUnauthenticated: return 401;
     case absl::StatusCode::kResourceExhausted: return own_quota ? 429 : 503;
     case absl::StatusCode::kDeadlineExceeded: return 504;
+    case absl::StatusCode::kUnimplemented: return 501;
     case absl::StatusCode::kUnavailable:
     case absl::StatusCode::kCancelled:
     case absl::StatusCode::kAborted: return 503;
@@ -859,6 +860,52 @@ class gateway_core {
   }
 
   // Any other path.
+  // POST /v1/embeddings (OpenAI-compatible): {"model", "input", ...} sent
+  // to the model's first deployment under its name there, every other
+  // field (encoding_format, dimensions, user) as the client sent it; the
+  // answer relayed as the upstream sent it. "tenant", keel's, is not sent.
+  reply embeddings(std::string_view body, const caller_info& caller = {}) {
+    const keel::time_point t0 = clock_.now();
+    absl::StatusOr<detail::json> j = detail::parse_object(body);
+    if (!j.ok()) return answered("embeddings", detail::error_reply(j.status()));
+    absl::StatusOr<std::string> tenant_name = request_tenant(*j, caller.tenant);
+    if (!tenant_name.ok()) return answered("embeddings", detail::error_reply(tenant_name.status()));
+    if (absl::Status s = detail::check_name("tenant", *tenant_name); !s.ok())
+      return answered("embeddings", detail::error_reply(s));
+    absl::StatusOr<std::string> model_name = detail::string_field(*j, "model", 64, options_.models.front().name);
+    if (!model_name.ok()) return answered("embeddings", detail::error_reply(model_name.status()));
+    const auto found = models_.find(*model_name);
+    if (found == models_.end())
+      return answered("embeddings", detail::error_reply(detail::bad_input(cat("unknown model '", *model_name, "'"))));
+    const auto input = j->find("input");
+    if (input == j->end() || !(input->is_string() || (input->is_array() && !input->empty())))
+      return answered("embeddings",
+                      detail::error_reply(detail::bad_input("'input' must be a string or a non-empty array")));
+    j->erase("tenant");
+    model_state& model = *found->second;
+    const tenant_state& tenant = tenant_of(*tenant_name);
+    const embeddings_call carried{.tenant_key = tenant.key ? &tenant.key : nullptr,
+                                  .reserved = static_cast<std::int64_t>(input->dump().size() / 4 + 1)};
+    keel::call call(t0,
+                    {.timeout = caller.timeout ? std::min(options_.interactive.deadline, *caller.timeout)
+                                               : options_.interactive.deadline,
+                     .stop = stop_.get_token(),
+                     .labels = {.tenant = *tenant_name,
+                                .model = *model_name,
+                                .endpoint = model.primary->name(),
+                                .region = tenant.config->region,
+                                .work_class = "interactive"},
+                     .max_attempts = options_.model_attempts},
+                    carried);
+    absl::StatusOr<std::string> r = model.embed(call, t0, *j);
+    if (!r.ok()) {
+      reply e = detail::error_reply(r.status());
+      if (options_.tell_clients_retries_spent && call.record().attempts > 0 && e.status >= 500) e.should_retry = false;
+      return answered("embeddings", std::move(e));
+    }
+    return answered("embeddings", {.status = 200, .body = std::move(*r)});
+  }
+
   // GET /v1/batch/<id>?tenant=<t> naming another tenant than the API key's.
   reply refuse_tenant(std::string_view endpoint, std::string_view caller) {
     return answered(endpoint, detail::error_reply(absl::PermissionDeniedError(
@@ -959,6 +1006,8 @@ class gateway_core {
     // The streaming path for this model (chat_pipeline()).
     std::function<absl::StatusOr<keel::stream_result>(keel::call&, keel::time_point, chat_stream&, chat_route&)>
         chat;
+    // The embeddings path for this model (embeddings_pipeline()).
+    std::function<absl::StatusOr<std::string>(keel::call&, keel::time_point, const detail::json&)> embed;
   };
 
   // A tenant's configuration and its quota key, resolved at startup for the
@@ -1046,6 +1095,7 @@ class gateway_core {
       state->second = state->own_second ? state->own_second.get() : state->own_primary ? state->primary : second_;
       state->interactive = interactive_pipeline(*state);
       state->chat = chat_pipeline(*state);
+      state->embed = embeddings_pipeline(*state);
       models_.emplace(m.name, std::move(state));
     }
     full_answers_ = slos_.find("interactive-full-answers");
@@ -1194,6 +1244,28 @@ class gateway_core {
         if (r->partial && r->continuable) return stream.resume(call, second, backup, std::move(*r));
         return r;
       });
+    };
+  }
+
+  // The embeddings path of model `m`, outer to inner: the shed switch,
+  // admission (the input's tokens), an interactive slot, retry under the
+  // service's budget, the deployment's breaker. Built once.
+  std::function<absl::StatusOr<std::string>(keel::call&, keel::time_point, const detail::json&)>
+  embeddings_pipeline(model_state& m) {
+    auto pipe = keel::pipeline(
+                    shed_switch{&shed_[idx(work_class::interactive)], work_class_names[idx(work_class::interactive)]},
+                    quotas_.for_model(m.quota_key)
+                        .with_estimate(keel::from_request<embeddings_call>(
+                            [](const embeddings_call& c) { return c.reserved; }, std::int64_t{0}))
+                        .with_tenant_key(keel::from_request<embeddings_call>(
+                            [](const embeddings_call& c) { return c.tenant_key; },
+                            static_cast<const keel::admission_key*>(nullptr))),
+                    pools_.for_class("interactive"),
+                    keel::retry({.max_attempts = options_.model_attempts, .budget = &budget_}, options_.backoff),
+                    breakers_)
+                    .in(env());
+    return [&m, pipe = std::move(pipe)](keel::call& call, keel::time_point now, const detail::json& request) {
+      return pipe.run(call, now, [&](const keel::attempt& a) { return m.primary->embed(a, request); });
     };
   }
 

@@ -82,6 +82,7 @@ namespace gateway {
   if (path == "/v1/feedback") return "feedback";
   if (path == "/v1/chat/completions") return "chat";
   if (path == "/v1/models") return "models";
+  if (path == "/v1/embeddings") return "embeddings";
   if (path == "/v1/batch") return "batch";
   if (path.starts_with("/v1/batch/")) return "batch_status";
   if (path == "/healthz") return "health";
@@ -224,6 +225,7 @@ class service {
       return endpoint_fn(req.body, req.header("Idempotency-Key"));
     };
     if (method == "GET" && endpoint == "models") return to_http(core_->list_models());
+    if (method == "POST" && endpoint == "embeddings") return to_http(core_->embeddings(req.body, info));
     if (method == "POST" && endpoint == "feedback") {
       return to_http(
           keyed([&](std::string_view b, const std::optional<std::string_view>& k) { return core_->feedback(b, k, info); }));

@@ -70,6 +70,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -365,6 +367,11 @@ class simulated_provider final : public model_upstream {
     streams_complete_.fetch_add(1, std::memory_order_relaxed);
     answered_.fetch_add(1, std::memory_order_relaxed);
     return absl::OkStatus();
+  }
+
+  // The simulation has no embeddings model: 501 through the gateway.
+  absl::StatusOr<std::string> embed(const keel::attempt& /*a*/, const nlohmann::json& /*request*/) override {
+    return absl::UnimplementedError(cat(options_.name, ": the simulated provider serves no embeddings"));
   }
 
   [[nodiscard]] provider_figures figures() const noexcept {

@@ -54,6 +54,9 @@ class model_upstream {
   // One streamed completion into `w`, after what w.text_so_far() holds.
   virtual absl::Status stream(const keel::attempt& a, keel::stream_writer& w, std::string_view prompt,
                               int max_tokens) = 0;
+  // One embeddings request (OpenAI's body; its "model" is set to the
+  // upstream's): the upstream's JSON answer as it was sent.
+  virtual absl::StatusOr<std::string> embed(const keel::attempt& a, const nlohmann::json& request) = 0;
 };
 
 // What one HTTP upstream deployment is: where, which model, how to connect.
@@ -144,6 +147,20 @@ class http_upstream final : public model_upstream {
     absl::Status s = client_.stream({.path = "/v1/chat/completions", .body = body})(a, w);
     (s.ok() ? answered_ : failed_).fetch_add(1, std::memory_order_relaxed);
     return s;
+  }
+
+  absl::StatusOr<std::string> embed(const keel::attempt& a, const nlohmann::json& request) override {
+    calls_.fetch_add(1, std::memory_order_relaxed);
+    nlohmann::json j = request;
+    j["model"] = options_.model;
+    const std::string body = j.dump();
+    auto exchange = client_.exchange({.path = "/v1/embeddings", .body = body},
+                                     [](const keel::http::response& r) -> absl::StatusOr<std::string> {
+                                       return std::string(r.body);
+                                     });
+    absl::StatusOr<std::string> out = exchange(a);
+    (out.ok() ? answered_ : failed_).fetch_add(1, std::memory_order_relaxed);
+    return out;
   }
 
   [[nodiscard]] upstream_figures figures() const noexcept {
