@@ -7,6 +7,8 @@
 //   POST /v1/feedback        interactive feedback (Idempotency-Key required)
 //   POST /v1/chat/completions  OpenAI-compatible chat; "stream": true relays
 //                            tokens as server-sent events (gateway/chat.hpp)
+//   POST /v1/embeddings      OpenAI-compatible embeddings, relayed to the model's deployment
+//   GET  /v1/models          the configured models
 //   POST /v1/batch           submit a batch report job (Idempotency-Key required)
 //   GET  /v1/batch/<id>?tenant=<t>   a job's state (and report, once done)
 //   GET  /healthz            breakers, shed classes, bulkheads, queue, SLOs, the front door's figures
@@ -16,8 +18,13 @@
 //   POST /admin/fault        {"kind": "slowdown" | "stall" | "rate_limit" | "outage" |
 //                             "invalid_output" | "none", ...}
 //
-// Every error is JSON: {"error": {"status", "message", ["refused_by"],
-// ["retry_after_ms"]}} with a Retry-After header when there is a hint. The
+// With API keys (gateway_options::api_keys) every /v1/ request needs
+// "Authorization: Bearer <key>" (401 otherwise) and is the key's tenant's.
+// Every answer carries x-request-id. Every error is JSON in OpenAI's shape
+// plus keel's fields: {"error": {"message", "type", "param", "code",
+// "status", ["refused_by"], ["retry_after_ms"]}} with retry-after-ms and
+// Retry-After headers when there is a hint, and x-should-retry: false when
+// the gateway already spent the retries that make sense. The
 // front door's own refusals (a body over options.max_body_bytes: 413 before
 // it is read; an encoded body: 415; a head or body too slow: 408; a
 // malformed head: 400; a full lane: 503) are JSON too, name the limit, carry
