@@ -264,8 +264,7 @@ TEST_CASE("streams over HTTP: fail over before the first token, continue after i
 
 TEST_CASE("a client that hangs up mid-stream stops the upstream's transfer", "[service][upstreams][chat][cancel]") {
   temp_dir dir;
-  // 15 s of tokens: only the hang-up ends the stream. (The mock renders a
-  // stream's events before its first token, so thousands would delay it.)
+  // 15 s of tokens: only the hang-up ends the stream.
   const std::vector<std::string> slow = {"--first-token-ms", "5", "--token-gap-ms", "50", "--tokens", "300"};
   mock_upstream a(dir, "mock-a", slow), b(dir, "mock-b", slow);
   gateway::gateway_options o = options_for(dir.path(), a, b);

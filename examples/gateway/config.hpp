@@ -930,10 +930,11 @@ inline gateway_config build(const source& src, const toml::table& root) {
     if (!second.ok()) return second.status();
     o.upstream_backup = std::move(*second);
   }
-  // Every model is served by its own deployments (its breakers are its own).
+  // Every other model is served by its own deployments (its breakers are
+  // its own); the default model by the pair above.
   for (model_config& m : o.models) {
     const model_route* r = cfg.find_model(m.name);
-    if (r == nullptr || r->deployments.empty()) continue;
+    if (m.name == cfg.default_model || r == nullptr || r->deployments.empty()) continue;
     absl::StatusOr<http_upstream_options> first = deployment_options(r->deployments[0]);
     if (!first.ok()) return first.status();
     m.upstream = std::move(*first);

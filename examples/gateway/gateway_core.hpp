@@ -941,6 +941,18 @@ class gateway_core {
   // The model upstreams over HTTP (gateway_options::upstream); null without them.
   [[nodiscard]] const http_upstream* http_primary() const noexcept { return http_primary_.get(); }
   [[nodiscard]] const http_upstream* http_backup() const noexcept { return http_backup_.get(); }
+  // Every HTTP upstream the gateway calls: its own, then each model's.
+  [[nodiscard]] std::vector<const http_upstream*> http_upstreams() const {
+    std::vector<const http_upstream*> out;
+    for (const http_upstream* u : {http_primary_.get(), http_backup_.get()})
+      if (u != nullptr) out.push_back(u);
+    for (const auto& [name, m] : models_) {
+      for (const http_upstream* u : {m->own_primary.get(), m->own_second.get()})
+        if (u != nullptr) out.push_back(u);
+    }
+    return out;
+  }
+
   guard_type& stream_guard() noexcept { return guard_; }
   keel::breaker_registry& breakers() noexcept { return breakers_; }
   keel::circuit_breaker& provider_breaker() { return breakers_.breaker_for(provider_domain()); }
@@ -1334,18 +1346,6 @@ class gateway_core {
   }
 
   static constexpr std::size_t idx(work_class w) noexcept { return static_cast<std::size_t>(w); }
-
-  // Every HTTP upstream the gateway calls: its own, then each model's.
-  [[nodiscard]] std::vector<const http_upstream*> http_upstreams() const {
-    std::vector<const http_upstream*> out;
-    for (const http_upstream* u : {http_primary_.get(), http_backup_.get()})
-      if (u != nullptr) out.push_back(u);
-    for (const auto& [name, m] : models_) {
-      for (const http_upstream* u : {m->own_primary.get(), m->own_second.get()})
-        if (u != nullptr) out.push_back(u);
-    }
-    return out;
-  }
 
   [[nodiscard]] keel::failure_domain provider_domain() const noexcept {
     return keel::failure_domain{.endpoint = primary_->name()};

@@ -53,6 +53,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -88,6 +89,10 @@ struct load_options {
   double noisy_share = 0.1;       // interactive requests from the tenant "noisy" (over its quota)
   double duplicate_share = 0.05;  // requests that repeat an earlier one with the same key
   std::string model = "feedback-large";
+  // Each tenant's API key, sent as "Authorization: Bearer" (a gateway
+  // configured with [clients] refuses requests without one); a tenant
+  // missing here sends none.
+  std::map<std::string, std::string, std::less<>> api_keys{};
   int stream_max_tokens = 40;  // each chat stream asks for this many tokens
   keel::duration client_timeout = std::chrono::seconds(10);
   std::uint64_t seed = 7;
@@ -204,6 +209,7 @@ class load_generator {
     bool interactive = true;
     bool stream = false;
     std::string key, body, tenant;
+    std::string authorization{};  // "Bearer <key>", or empty
     std::chrono::steady_clock::time_point due{};
   };
 
@@ -326,6 +332,7 @@ class load_generator {
     req.method = "POST";
     req.path = "/v1/chat/completions";
     req.headers = {{"Content-Type", "application/json"}, {"Accept", "text/event-stream"}};
+    if (!t.authorization.empty()) req.headers.emplace("Authorization", t.authorization);
     req.body = t.body;
     req.content_receiver = [&](const char* data, std::size_t n, std::uint64_t, std::uint64_t) {
       if (raw.size() < 64 * 1024) raw.append(data, n);
@@ -374,13 +381,15 @@ class load_generator {
         t = std::move(queue_.front());
         queue_.pop_front();
       }
+      if (const auto k = o_.api_keys.find(t.tenant); k != o_.api_keys.end()) t.authorization = cat("Bearer ", k->second);
       if (t.stream) {
         sample s = run_stream(c, t);
         std::lock_guard lock(mu_);
         samples_.push_back(std::move(s));
         continue;
       }
-      const httplib::Headers headers = {{"Idempotency-Key", t.key}};
+      httplib::Headers headers = {{"Idempotency-Key", t.key}};
+      if (!t.authorization.empty()) headers.emplace("Authorization", t.authorization);
       const auto sent = std::chrono::steady_clock::now();
       httplib::Result r = c.Post(t.interactive ? "/v1/feedback" : "/v1/batch", headers, t.body, "application/json");
       const auto got = std::chrono::steady_clock::now();

@@ -27,6 +27,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -160,7 +161,8 @@ int work(const char* data_dir) {
 // The four phases against the gateway `o` describes; `fault` switches the
 // provider's fault (a JSON body of /admin/fault, or of a mock upstream's
 // /control/fault).
-int demo(gateway::gateway_options o, const std::function<void(const char*)>& switch_fault) {
+int demo(gateway::gateway_options o, const std::function<void(const char*)>& switch_fault,
+         const std::map<std::string, std::string, std::less<>>& demo_keys = {}) {
   temp_dir dir;
   event_log log;
   o.data_dir = dir.path;
@@ -199,8 +201,11 @@ int demo(gateway::gateway_options o, const std::function<void(const char*)>& swi
               100 * o.breaker.failure_rate_threshold.value_or(0), ms(o.breaker.open_duration));
 
   const int load_tokens = 40;
-  gateway::load_generator load(
-      {.port = service.port(), .clients = 64, .model = o.models.front().name, .stream_max_tokens = load_tokens});
+  gateway::load_generator load({.port = service.port(),
+                                .clients = 64,
+                                .model = o.models.front().name,
+                                .api_keys = demo_keys,
+                                .stream_max_tokens = load_tokens});
   struct snapshot {
     keel::time_point at{};
     keel::slo_report interactive, full_answers, batch;
@@ -257,8 +262,8 @@ int demo(gateway::gateway_options o, const std::function<void(const char*)>& swi
   }
   const absl::StatusOr<keel::job_counts> final_jobs = core.queue().counts();
   const gateway::provider_figures pf = core.provider().figures();
-  const gateway::upstream_figures uf =
-      core.http_primary() != nullptr ? core.http_primary()->figures() : gateway::upstream_figures{};
+  std::vector<std::pair<std::string, gateway::upstream_figures>> upstreams;
+  for (const gateway::http_upstream* u : core.http_upstreams()) upstreams.emplace_back(u->name(), u->figures());
   const keel::stream_figures sg = core.stream_guard().figures();
   service.stop();
 
@@ -293,12 +298,21 @@ int demo(gateway::gateway_options o, const std::function<void(const char*)>& swi
     }
     std::printf("\n");
   }
-  if (o.upstream) {
-    std::printf("\nthe primary upstream was sent %lld completions and streams: %lld answered, %lld failed or stopped\n",
-                static_cast<long long>(uf.calls), static_cast<long long>(uf.answered),
-                static_cast<long long>(uf.failed));
+  if (!upstreams.empty()) std::printf("\nmodel calls sent over HTTP, per deployment (upstream/model):\n");
+  for (const auto& [name, f] : upstreams) {
+    std::printf("  %-22s %5lld sent, %5lld answered, %5lld failed or stopped\n", name.c_str(),
+                static_cast<long long>(f.calls), static_cast<long long>(f.answered), static_cast<long long>(f.failed));
   }
-  if (final_jobs.ok()) {
+  if (o.upstream) {
+    if (final_jobs.ok()) {
+      std::printf("\nbatch after the run: %lld done, %lld failed, %lld still queued\n",
+                  static_cast<long long>(final_jobs->done), static_cast<long long>(final_jobs->failed),
+                  static_cast<long long>(final_jobs->queued + final_jobs->running));
+    } else {
+      std::printf("\nbatch after the run: the job store's counts could not be read: %s\n",
+                  final_jobs.status().ToString().c_str());
+    }
+  } else if (final_jobs.ok()) {
     std::printf("\nbatch after the run: %lld done, %lld failed, %lld still queued; the provider abandoned %lld "
                 "timed-out attempts\n",
                 static_cast<long long>(final_jobs->done), static_cast<long long>(final_jobs->failed),
@@ -388,10 +402,19 @@ int main(int argc, char** argv) {
     }
     // A real upstream's faults are its own: the demo switches them on the mock's control endpoint.
     httplib::Client upstream(o->upstream->base_url);
-    return demo(*o, [&upstream](const char* body) {
-      const httplib::Result r = upstream.Post("/control/fault", body, "application/json");
-      if (!r || r->status != 200) std::fprintf(stderr, "gateway demo: the upstream refused the fault %s\n", body);
-    });
+    // The keys config/demo.toml knows (by their SHA-256), one per tenant the load generator plays.
+    const std::map<std::string, std::string, std::less<>> keys = {{"acme", "demo-key-team-a"},
+                                                                   {"noisy", "demo-key-team-b"},
+                                                                   {"globex", "demo-key-globex"},
+                                                                   {"initech", "demo-key-initech"},
+                                                                   {"umbrella", "demo-key-umbrella"}};
+    return demo(
+        *o,
+        [&upstream](const char* body) {
+          const httplib::Result r = upstream.Post("/control/fault", body, "application/json");
+          if (!r || r->status != 200) std::fprintf(stderr, "gateway demo: the upstream refused the fault %s\n", body);
+        },
+        keys);
   }
   if (argc == 1) return demo(gateway::gateway_options{}, {});
   std::fprintf(stderr,

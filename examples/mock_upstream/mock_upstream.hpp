@@ -1044,11 +1044,20 @@ class server {
     const json role = a.what == answer::kind::text ? json{{"role", "assistant"}, {"content", ""}}
                                                     : json{{"role", "assistant"}, {"content", nullptr}};
     if (!write(chunk(a, role, nullptr, a.include_usage))) return left();
-    const std::vector<std::string> events = token_events(a);
+    // Text and refusals are rendered one event at a time, as they are sent:
+    // a long stream's first token must not wait for its last to be built.
+    // Tool calls (a few dozen fragments) are laid out ahead, interleaved.
+    const bool tools = a.what == answer::kind::tools;
+    const std::vector<std::string> tool_events = tools ? token_events(a) : std::vector<std::string>{};
+    const std::size_t n = tools ? tool_events.size() : a.pieces.size();
+    const char* field = a.what == answer::kind::refusal ? "refusal" : "content";
+    auto event = [&](std::size_t i) {
+      return tools ? tool_events[i] : chunk(a, {{field, a.pieces[i]}}, nullptr, a.include_usage);
+    };
     const bool stream_fault = d.affected && (d.f.kind == fault_kind::stall || d.f.kind == fault_kind::cut ||
                                              d.f.kind == fault_kind::error_event);
     steady::time_point at = steady::now() + first;
-    for (std::size_t i = 0; i <= events.size(); ++i) {
+    for (std::size_t i = 0; i <= n; ++i) {
       if (stream_fault && i == static_cast<std::size_t>(d.f.after_tokens)) {
         if (d.f.kind == fault_kind::cut) {
           count([](mock_upstream::figures& g) { ++g.streams_cut; });
@@ -1068,7 +1077,7 @@ class server {
         if (conn.hold() == wr::client_gone) return left();
         return false;
       }
-      if (i == events.size()) break;
+      if (i == n) break;
       const wr w = conn.wait_until(at);
       if (w == wr::client_gone) return left();
       if (w == wr::stopping) return false;
@@ -1076,7 +1085,7 @@ class server {
         count([](mock_upstream::figures& g) { ++g.streams_cut; });
         return false;
       }
-      if (!write(events[i])) return left();
+      if (!write(event(i))) return left();
       at = steady::now() + gap;
     }
     if (!write(chunk(a, json::object(), a.finish_reason, a.include_usage))) return left();
