@@ -197,7 +197,7 @@ class service {
     if (req.header_count("Authorization") != 1)
       return absl::UnauthenticatedError("send one Authorization: Bearer <API key> header");
     const std::string_view v = *req.header("Authorization");
-    if (v.size() < 8 || !detail::iequals(v.substr(0, 7), "Bearer ") )
+    if (v.size() < 8 || !detail::iequals(v.substr(0, 7), "Bearer "))
       return absl::UnauthenticatedError("the Authorization header must be Bearer <API key>");
     const keel::digest presented = keel::sha256(v.substr(7));
     const api_key* found = nullptr;
