@@ -871,17 +871,10 @@ inline gateway_config build(const source& src, const toml::table& root) {
   return parse_config(text.str(), path);
 }
 
-// The client whose key is `presented`: its SHA-256 is compared with every
-// client's in constant time (CRYPTO_memcmp, and no early exit), so timing
-// says nothing about which keys exist. nullptr: no client has it.
+// The client whose key is `presented` (find_by_key_digest: constant time).
+// nullptr: no client has it.
 [[nodiscard]] inline const client_key* find_client(const gateway_config& cfg, std::string_view presented) {
-  const keel::digest h = keel::sha256(presented);
-  const client_key* found = nullptr;
-  for (const client_key& c : cfg.clients) {
-    const bool same = CRYPTO_memcmp(h.bytes.data(), c.key_sha256.bytes.data(), h.bytes.size()) == 0;
-    found = same ? &c : found;
-  }
-  return found;
+  return find_by_key_digest(cfg.clients, &client_key::key_sha256, presented);
 }
 
 // The upstream's API key from its environment variable; "" when it names
@@ -920,29 +913,25 @@ inline gateway_config build(const source& src, const toml::table& root) {
     for (const auto& [name, value] : up->headers) o.headers.push_back(cat(name, ": ", value));
     return o;
   };
+  // A route's first deployment serves; its second, when it has one, backs it.
+  auto serve = [&](const model_route& r, std::optional<http_upstream_options>& first,
+                   std::optional<http_upstream_options>& second) -> absl::Status {
+    for (std::size_t i = 0; i < 2 && i < r.deployments.size(); ++i) {
+      absl::StatusOr<http_upstream_options> d = deployment_options(r.deployments[i]);
+      if (!d.ok()) return d.status();
+      (i == 0 ? first : second) = std::move(*d);
+    }
+    return absl::OkStatus();
+  };
   gateway_options o = cfg.options;
   for (const client_key& c : cfg.clients) o.api_keys.push_back({.sha256 = c.key_sha256, .tenant = c.tenant});
-  absl::StatusOr<http_upstream_options> primary = deployment_options(route->deployments[0]);
-  if (!primary.ok()) return primary.status();
-  o.upstream = std::move(*primary);
-  if (route->deployments.size() > 1) {
-    absl::StatusOr<http_upstream_options> second = deployment_options(route->deployments[1]);
-    if (!second.ok()) return second.status();
-    o.upstream_backup = std::move(*second);
-  }
+  if (absl::Status s = serve(*route, o.upstream, o.upstream_backup); !s.ok()) return s;
   // Every other model is served by its own deployments (its breakers are
   // its own); the default model by the pair above.
   for (model_config& m : o.models) {
     const model_route* r = cfg.find_model(m.name);
-    if (m.name == cfg.default_model || r == nullptr || r->deployments.empty()) continue;
-    absl::StatusOr<http_upstream_options> first = deployment_options(r->deployments[0]);
-    if (!first.ok()) return first.status();
-    m.upstream = std::move(*first);
-    if (r->deployments.size() > 1) {
-      absl::StatusOr<http_upstream_options> next = deployment_options(r->deployments[1]);
-      if (!next.ok()) return next.status();
-      m.upstream_backup = std::move(*next);
-    }
+    if (m.name == cfg.default_model || r == nullptr) continue;
+    if (absl::Status s = serve(*r, m.upstream, m.upstream_backup); !s.ok()) return s;
   }
   if (absl::Status s = o.validate(); !s.ok()) return keel::annotate(s, cfg.path);
   return o;

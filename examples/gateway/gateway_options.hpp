@@ -24,8 +24,11 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
+
+#include <openssl/crypto.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -97,6 +100,21 @@ struct api_key {
   keel::digest sha256{};
   std::string tenant;
 };
+
+// The entry whose digest (`digest_of`) is the SHA-256 of `presented`,
+// compared with every entry in constant time (CRYPTO_memcmp, no early
+// exit), so timing says nothing about which keys exist. nullptr: none.
+template <class Entry>
+[[nodiscard]] const Entry* find_by_key_digest(const std::vector<Entry>& entries, keel::digest Entry::*digest_of,
+                                              std::string_view presented) {
+  const keel::digest h = keel::sha256(presented);
+  const Entry* found = nullptr;
+  for (const Entry& e : entries) {
+    const bool same = CRYPTO_memcmp(h.bytes.data(), (e.*digest_of).bytes.data(), h.bytes.size()) == 0;
+    found = same ? &e : found;
+  }
+  return found;
+}
 
 struct model_config {
   std::string name;

@@ -58,12 +58,10 @@
 #include <string_view>
 #include <utility>
 
-#include <openssl/crypto.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "keel/durable/digest.hpp"
 #include "text.hpp"
 #include "keel/store/sqlite_jobs.hpp"
 #include "gateway_core.hpp"
@@ -190,21 +188,15 @@ class service {
     return std::chrono::seconds(std::max<std::int64_t>(seconds, 1));
   }
 
-  // With API keys configured, the tenant of the request's Bearer key; an
-  // error naming what is wrong otherwise. Keys are compared as SHA-256
-  // digests in constant time, every key tried.
+  // With API keys configured, the tenant of the request's Bearer key
+  // (find_by_key_digest); an error naming what is wrong otherwise.
   [[nodiscard]] absl::StatusOr<std::string> authenticate(const http_request& req) const {
     if (req.header_count("Authorization") != 1)
       return absl::UnauthenticatedError("send one Authorization: Bearer <API key> header");
     const std::string_view v = *req.header("Authorization");
     if (v.size() < 8 || !detail::iequals(v.substr(0, 7), "Bearer "))
       return absl::UnauthenticatedError("the Authorization header must be Bearer <API key>");
-    const keel::digest presented = keel::sha256(v.substr(7));
-    const api_key* found = nullptr;
-    for (const api_key& k : core_->options().api_keys) {
-      const bool same = CRYPTO_memcmp(presented.bytes.data(), k.sha256.bytes.data(), presented.bytes.size()) == 0;
-      found = same ? &k : found;
-    }
+    const api_key* found = find_by_key_digest(core_->options().api_keys, &api_key::sha256, v.substr(7));
     if (found == nullptr) return absl::UnauthenticatedError("incorrect API key provided");
     return found->tenant;
   }
