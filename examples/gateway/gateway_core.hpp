@@ -454,9 +454,7 @@ class gateway_core {
                   // Without a rubric there is no fallback: say so, or an outage reads as a mystery.
                   ? detail::error_reply(keel::annotate(s, cat("no rubric-only fallback (", p.retrieval_error, ")")), 0)
                   : detail::error_reply(s);
-    // The model was tried (and retried) within this call: see chat_completions.
-    if (options_.tell_clients_retries_spent && call.record().attempts > 0) e.should_retry = false;
-    return answered("feedback", std::move(e));
+    return answered("feedback", after_attempts(std::move(e), call));
   }
 
   // A request the HTTP layer refused itself (gateway/http_server.hpp):
@@ -537,11 +535,7 @@ class gateway_core {
       }
       chat_slo_->record(absl::IsCancelled(s) ? keel::request_outcome::abandoned : keel::request_outcome::failure,
                         done - t0, done);
-      reply e = detail::error_reply(s);
-      // The upstreams were tried (retried, failed over) within this call:
-      // an SDK's retry of the whole request would only multiply that.
-      if (options_.tell_clients_retries_spent && call.record().attempts > 0) e.should_retry = false;
-      return answered("chat", std::move(e));
+      return answered("chat", after_attempts(detail::error_reply(s), call));
     }
     keel::stream_result& a = *r;
     stream_metrics_.record_tokens(rq.model, carried.reserved, a.charged);
@@ -899,9 +893,7 @@ class gateway_core {
                     carried);
     absl::StatusOr<std::string> r = model.embed(call, t0, *j);
     if (!r.ok()) {
-      reply e = detail::error_reply(r.status());
-      if (options_.tell_clients_retries_spent && call.record().attempts > 0 && e.status >= 500) e.should_retry = false;
-      return answered("embeddings", std::move(e));
+      return answered("embeddings", after_attempts(detail::error_reply(r.status()), call));
     }
     return answered("embeddings", {.status = 200, .body = std::move(*r)});
   }
@@ -1537,6 +1529,15 @@ class gateway_core {
   void record_slo(work_class w, keel::request_outcome o, keel::duration took, keel::time_point now) {
     if (keel::work_class_slo* s = slos_.find(work_class_names[idx(w)])) s->record(o, took, now);
     if (w == work_class::interactive) full_answers_->record(o, took, now);
+  }
+
+  // A failure after the upstreams were tried (retried, failed over) within
+  // `call`: x-should-retry: false, since an SDK's retry of the whole request
+  // would only multiply that (gateway_options::tell_clients_retries_spent).
+  // A refusal with a hint (4xx) is left to the client's retry.
+  [[nodiscard]] reply after_attempts(reply e, const keel::call& call) const {
+    if (options_.tell_clients_retries_spent && call.record().attempts > 0 && e.status >= 500) e.should_retry = false;
+    return e;
   }
 
   reply answered(std::string_view endpoint, reply r) {
