@@ -72,7 +72,7 @@ inline pid_t spawn_self(const child_spec& c) {
 // The child's exit code, or 128 + signal when it was killed; -1 when it was
 // still running after `limit` (it is then killed, so a stuck child fails the
 // test instead of hanging it).
-inline int wait_child(pid_t pid, std::chrono::seconds limit = std::chrono::seconds(300)) {
+inline int wait_child(pid_t pid, std::chrono::milliseconds limit = std::chrono::seconds(300)) {
   const auto end = std::chrono::steady_clock::now() + limit;
   int status = 0;
   for (;;) {

@@ -37,6 +37,8 @@
 #include <thread>
 #include <vector>
 
+#include "support/child_process.hpp"
+
 extern char** environ;
 
 namespace keel_test {
@@ -114,22 +116,9 @@ class child_program {
   // Waits for the child to exit on its own (see terminate() for the result).
   int wait(std::chrono::milliseconds limit = std::chrono::seconds(30)) {
     if (exit_code_ >= 0) return exit_code_;
-    const auto end = std::chrono::steady_clock::now() + limit;
-    int status = 0;
-    for (;;) {
-      const pid_t r = ::waitpid(pid_, &status, WNOHANG);
-      if (r == pid_) break;
-      if (r < 0 && errno != EINTR) return -1;
-      if (std::chrono::steady_clock::now() > end) {
-        ::kill(pid_, SIGKILL);
-        ::waitpid(pid_, &status, 0);
-        exit_code_ = 128 + SIGKILL;
-        return -1;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    }
-    exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 255;
-    return exit_code_;
+    const int rc = keel_test::wait_child(pid_, limit);  // killed, and -1, past the limit
+    exit_code_ = rc >= 0 ? rc : 128 + SIGKILL;
+    return rc;
   }
 
   // False once the child has been waited for.
