@@ -12,9 +12,11 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,11 +28,14 @@
 #include "gateway_service.hpp"
 #include "keel/durable/digest.hpp"
 #include "support/catch.hpp"
+#include "support/child_program.hpp"
 #include "support/mock_upstream.hpp"
 #include "support/service.hpp"
+#include "support/started_service.hpp"
 
 using namespace std::chrono_literals;
 using json = nlohmann::json;
+using keel_service::start;
 using keel_service::temp_dir;
 
 namespace {
@@ -49,14 +54,6 @@ struct mock_upstream {
 
 gateway::http_upstream_options upstream_of(const mock_upstream& m) {
   return {.name = m.name + "/mock-small", .base_url = m.url(), .model = "mock-small"};
-}
-
-std::unique_ptr<gateway::service> start(const gateway::gateway_options& o) {
-  auto svc = gateway::service::open(o);
-  if (!svc.ok()) FAIL(std::string(svc.status().message()));
-  const absl::Status up = (*svc)->start("127.0.0.1", 0);
-  if (!up.ok()) FAIL(std::string(up.message()));
-  return std::move(*svc);
 }
 
 struct reply {
@@ -334,20 +331,26 @@ std::string config_text(const std::string& dir, const mock_upstream& a, const mo
 
 httplib::Headers bearer(const std::string& key) { return {{"Authorization", "Bearer " + key}}; }
 
+// config_text's file, read and mapped as `gateway --config` does.
+gateway::gateway_options options_from_config(const std::string& dir, const mock_upstream& a, const mock_upstream& b) {
+  const absl::StatusOr<gateway::gateway_config> cfg = gateway::parse_config(config_text(dir, a, b), "t.toml");
+  if (!cfg.ok()) throw std::runtime_error(std::string(cfg.status().message()));
+  absl::StatusOr<gateway::gateway_options> o = gateway::with_upstreams(*cfg);
+  if (!o.ok()) throw std::runtime_error(std::string(o.status().message()));
+  return std::move(*o);
+}
+
 }  // namespace
 
 TEST_CASE("from a config file: Bearer keys name the tenant, a bad key is a 401, a tenant's quota a 429 with both hints",
           "[service][upstreams][auth]") {
   temp_dir dir;
   mock_upstream a(dir, "mock-a", {"--latency-ms", "5"}), b(dir, "mock-b", {"--latency-ms", "5"});
-  const absl::StatusOr<gateway::gateway_config> cfg = gateway::parse_config(config_text(dir.path(), a, b), "t.toml");
-  REQUIRE(cfg.ok());
-  const absl::StatusOr<gateway::gateway_options> o = gateway::with_upstreams(*cfg);
-  REQUIRE(o.ok());
-  REQUIRE(o->api_keys.size() == 2);
-  CHECK(o->upstream->name == "mock-a/m-large");
-  CHECK(o->upstream_backup->name == "mock-b/m-small");
-  auto svc = start(*o);
+  const gateway::gateway_options o = options_from_config(dir.path(), a, b);
+  REQUIRE(o.api_keys.size() == 2);
+  CHECK(o.upstream->name == "mock-a/m-large");
+  CHECK(o.upstream_backup->name == "mock-b/m-small");
+  auto svc = start(o);
   const int port = svc->port();
   const json body = {{"question_id", "q-timeouts"}, {"answer", "one deadline, stages get what remains"}};
   auto keyed = [](httplib::Headers h, const std::string& key) {
@@ -417,11 +420,8 @@ TEST_CASE("from a config file: each model is served by its own deployments, with
           "[service][upstreams]") {
   temp_dir dir;
   mock_upstream a(dir, "mock-a", {"--latency-ms", "5"}), b(dir, "mock-b", {"--latency-ms", "5"});
-  const absl::StatusOr<gateway::gateway_config> cfg = gateway::parse_config(config_text(dir.path(), a, b), "t.toml");
-  REQUIRE(cfg.ok());
-  const absl::StatusOr<gateway::gateway_options> o = gateway::with_upstreams(*cfg);
-  REQUIRE(o.ok());
-  auto svc = start(*o);
+  const gateway::gateway_options o = options_from_config(dir.path(), a, b);
+  auto svc = start(o);
   const int port = svc->port();
   auto ask = [&](const std::string& model, const std::string& key) {
     httplib::Headers h = bearer("sk-team-a");
@@ -439,7 +439,7 @@ TEST_CASE("from a config file: each model is served by its own deployments, with
 
   // mock-b down: other-model's breaker (mock-b/o-1) opens; feedback-large's (mock-a/m-large) stays closed.
   b.fault({{"kind", "outage"}});
-  for (int i = 0; i < o->breaker.minimum_calls + 2; ++i) CHECK(ask("other-model", "o-" + std::to_string(i)).status == 200);
+  for (int i = 0; i < o.breaker.minimum_calls + 2; ++i) CHECK(ask("other-model", "o-" + std::to_string(i)).status == 200);
   const json h = healthz(port);
   std::string open_domains;
   for (const json& e : h["breakers"])
@@ -551,11 +551,8 @@ TEST_CASE("embeddings go to the model's first deployment as the client asked the
           "[service][upstreams]") {
   temp_dir dir;
   mock_upstream a(dir, "mock-a", {"--latency-ms", "5"}), b(dir, "mock-b", {"--latency-ms", "5"});
-  const absl::StatusOr<gateway::gateway_config> cfg = gateway::parse_config(config_text(dir.path(), a, b), "t.toml");
-  REQUIRE(cfg.ok());
-  const absl::StatusOr<gateway::gateway_options> o = gateway::with_upstreams(*cfg);
-  REQUIRE(o.ok());
-  auto svc = start(*o);
+  const gateway::gateway_options o = options_from_config(dir.path(), a, b);
+  auto svc = start(o);
   const int port = svc->port();
   const http_answer floats =
       call(port, "POST", "/v1/embeddings", {{"input", "hello"}, {"encoding_format", "float"}}, bearer("sk-team-a"));
@@ -578,4 +575,35 @@ TEST_CASE("embeddings go to the model's first deployment as the client asked the
   const http_answer down = call(port, "POST", "/v1/embeddings", {{"input", "x"}}, bearer("sk-team-a"));
   CHECK(down.status == 503);
   CHECK(down.header("x-should-retry") == "false");
+}
+
+TEST_CASE("gateway --config FILE serves in front of the upstreams the file names", "[service][upstreams][cli]") {
+  temp_dir dir;
+  mock_upstream a(dir, "mock-a", {"--latency-ms", "5"}), b(dir, "mock-b", {"--latency-ms", "5"});
+  const std::string file = dir.path() + "/gateway.toml";
+  {
+    std::ofstream out(file);
+    out << config_text(dir.path() + "/data", a, b);
+  }
+  std::filesystem::create_directories(dir.path() + "/data");
+  keel_test::child_program gw({KEEL_GATEWAY_CLI, "--config", file}, dir.path() + "/gateway.err");
+  const std::optional<std::string> line = gw.read_line();
+  REQUIRE(line);
+  INFO(*line << keel_test::read_file(dir.path() + "/gateway.err"));
+  // "gateway serving on http://127.0.0.1:PORT (... model upstreams URL, URL)": the first address is ours.
+  const std::size_t at = line->find("serving on http://");
+  REQUIRE(at != std::string::npos);
+  const int port = keel_test::port_in(line->substr(at, line->find(' ', at + 18) - at));
+  REQUIRE(port > 0);
+  CHECK(line->find(a.url()) != std::string::npos);  // it says which upstreams it serves
+  httplib::Headers h = bearer("sk-team-a");
+  h.emplace("Idempotency-Key", "cli-1");
+  const http_answer r = call(port, "POST", "/v1/feedback",
+                             {{"question_id", "q-timeouts"}, {"answer", "one deadline, stages get what remains"}}, h);
+  INFO(r.body.dump());
+  REQUIRE(r.status == 200);
+  CHECK(r.body.value("degraded", true) == false);
+  CHECK(stat(a.stats(), "requests", "chat") == 1);
+  CHECK(call(port, "POST", "/v1/feedback", {{"question_id", "q"}, {"answer", "x"}}, {}).status == 401);
+  CHECK(gw.terminate() == 0);
 }
