@@ -717,9 +717,11 @@ TEST_CASE("slow clients: 100 trickling connections hold no worker; health and ad
   for (int i = 0; i < kSlow + kSlowBodies; ++i) {
     slow.push_back(std::make_unique<raw_connection>(port));
     const bool body = i >= kSlow;
+    // Read before the send: the server's clock starts when the byte lands,
+    // which a thread preempted after send() would otherwise read as later.
+    first_byte.push_back(std::chrono::steady_clock::now());
     REQUIRE(slow.back()->send(body ? head_of("POST", "/v1/feedback", "Idempotency-Key: slow-body\r\nContent-Length: 1000\r\n")
                                    : "POST /v1/feedback HTTP/1.1\r\nX-Slow: "));
-    first_byte.push_back(std::chrono::steady_clock::now());
   }
   std::atomic<bool> trickling{true};
   std::thread trickle([&] {

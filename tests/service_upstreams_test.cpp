@@ -8,12 +8,15 @@
 // Latency bounds are correctness bounds (keel_service::http_slack), never
 // speed claims.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <stdexcept>
@@ -466,12 +469,16 @@ struct sdk_result {
   std::string should_retry;
 };
 
-sdk_result sdk_chat(int port, const json& body, int timeout_s, double scale) {
+// `max_retries`: the SDK's maxRetries option (2 by default); `extra`: the
+// caller's own headers, sent on every attempt (an Idempotency-Key).
+sdk_result sdk_chat(int port, const json& body, int timeout_s, double scale, int max_retries = 2,
+                    const httplib::Headers& extra = {}) {
   sdk_result out;
   std::mt19937 rng(7);
   for (int retry = 0;; ++retry) {
     httplib::Headers h = {{"X-Stainless-Retry-Count", std::to_string(retry)},
                           {"X-Stainless-Timeout", std::to_string(timeout_s)}};
+    h.insert(extra.begin(), extra.end());
     const http_answer r = call(port, "POST", "/v1/chat/completions", body, h);
     ++out.attempts;
     out.status = r.status;
@@ -479,7 +486,7 @@ sdk_result sdk_chat(int port, const json& body, int timeout_s, double scale) {
     bool again = r.status == 0 || r.status == 408 || r.status == 409 || r.status == 429 || r.status >= 500;
     if (out.should_retry == "false") again = false;
     if (out.should_retry == "true") again = true;
-    if (!again || retry == 2) return out;
+    if (!again || retry == max_retries) return out;
     const double wait_s = std::min(0.5 * std::pow(2.0, retry), 8.0) *
                           (1.0 - 0.25 * std::uniform_real_distribution<double>(0, 1)(rng));
     std::this_thread::sleep_for(std::chrono::duration<double>(wait_s * scale));
@@ -606,4 +613,351 @@ TEST_CASE("gateway --config FILE serves in front of the upstreams the file names
   CHECK(stat(a.stats(), "requests", "chat") == 1);
   CHECK(call(port, "POST", "/v1/feedback", {{"question_id", "q"}, {"answer", "x"}}, {}).status == 401);
   CHECK(gw.terminate() == 0);
+}
+
+// --- a configuration reload (SIGHUP) -----------------------------------------
+
+namespace {
+
+// config_text with other-model served by mock-a alone, a new model on
+// mock-b, and team-a's key replaced by `team_a_key`.
+std::string moved_config_text(const std::string& dir, const mock_upstream& a, const mock_upstream& b,
+                              const std::string& team_a_key = "sk-team-a") {
+  std::string text = config_text(dir, a, b);
+  auto replace = [&text](const std::string& from, const std::string& to) {
+    const std::size_t at = text.find(from);
+    if (at == std::string::npos) throw std::runtime_error("moved_config_text: no " + from);
+    text.replace(at, from.size(), to);
+  };
+  replace("deployments = [{ upstream = \"mock-b\", model = \"o-1\" }, { upstream = \"mock-a\", model = \"o-2\" }]",
+          "deployments = [{ upstream = \"mock-a\", model = \"o-2\" }]\n"
+          "[models.new-model]\ndeployments = [{ upstream = \"mock-b\", model = \"n-1\" }]");
+  replace(keel::sha256("sk-team-a").hex(), keel::sha256(team_a_key).hex());
+  return text;
+}
+
+absl::StatusOr<gateway::gateway_options> options_of(const std::string& text) {
+  absl::StatusOr<gateway::gateway_config> cfg = gateway::parse_config(text, "reload.toml");
+  if (!cfg.ok()) return cfg.status();
+  return gateway::with_upstreams(*cfg);
+}
+
+std::string metrics_text(int port) {
+  httplib::Client c("127.0.0.1", port);
+  const httplib::Result r = c.Get("/metrics");
+  return r ? r->body : std::string();
+}
+
+json chat_for(const std::string& model, int max_tokens, bool stream) {
+  return {{"model", model},
+          {"messages", {{{"role", "user"}, {"content", "How long may one stage take?"}}}},
+          {"max_tokens", max_tokens},
+          {"stream", stream}};
+}
+
+}  // namespace
+
+TEST_CASE("a config reload: new requests take the new plan, a stream in flight finishes on its own, a bad file "
+          "changes nothing",
+          "[service][upstreams][reload]") {
+  temp_dir dir;
+  // 100 tokens 20 ms apart: the stream runs for 2 s, across the reload.
+  const std::vector<std::string> slow = {"--latency-ms", "5", "--first-token-ms", "5", "--token-gap-ms", "20",
+                                         "--tokens", "100"};
+  mock_upstream a(dir, "mock-a", slow), b(dir, "mock-b", slow);
+  gateway::gateway_options o = options_from_config(dir.path(), a, b);
+  o.chat.hedge_delay = 0ms;  // which upstream served is the route's doing alone
+  o.chat.hedge_percentile = 0;
+  o.chat.first_token = 10s;
+  o.chat.whole = 1min;
+  o.chat.deadline = 2min;
+  auto svc = start(o);
+  const int port = svc->port();
+  CHECK(svc->core().plan_generation() == 1);
+
+  // A stream on other-model, served by its first deployment (mock-b/o-1).
+  keel_service::raw_connection c(port);
+  const std::string b_body = chat_for("other-model", 100, true).dump();
+  REQUIRE(c.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-team-a\r\n"
+                 "Content-Type: application/json\r\nContent-Length: " +
+                 std::to_string(b_body.size()) + "\r\n\r\n" + b_body));
+  REQUIRE(c.read_until("\"content\":\"", 30s).find("\"content\":\"") != std::string::npos);
+  REQUIRE(stat(b.stats(), "requests", "chat") == 1);
+
+  // The new plan: other-model on mock-a, a new model, team-a's key replaced.
+  absl::StatusOr<gateway::gateway_options> next = options_of(moved_config_text(dir.path(), a, b, "sk-team-a2"));
+  REQUIRE(next.ok());
+  const absl::StatusOr<gateway::service::core_type::reload_result> done = svc->core().reload(std::move(next));
+  REQUIRE(done.ok());
+  CHECK(done->generation == 2);
+  CHECK(svc->core().plan_generation() == 2);
+
+  // New requests: the new key, the new route, the new model.
+  CHECK(call(port, "GET", "/v1/models", {}, bearer("sk-team-a")).status == 401);
+  const http_answer models = call(port, "GET", "/v1/models", {}, bearer("sk-team-a2"));
+  REQUIRE(models.status == 200);
+  CHECK(models.body.dump().find("new-model") != std::string::npos);
+  const http_answer moved = call(port, "POST", "/v1/chat/completions", chat_for("other-model", 4, false), bearer("sk-team-a2"));
+  INFO(moved.body.dump());
+  CHECK(moved.status == 200);
+  CHECK(stat(a.stats(), "requests", "chat") == 1);  // other-model now goes to mock-a
+  CHECK(call(port, "POST", "/v1/chat/completions", chat_for("new-model", 4, false), bearer("sk-team-a2")).status == 200);
+  CHECK(stat(b.stats(), "requests", "chat") == 2);  // new-model is on mock-b
+
+  // The stream that started before finishes on its plan: every token from mock-b, nothing continued elsewhere.
+  const std::string rest = c.read_until("\r\n0\r\n\r\n", 60s);
+  INFO(rest.substr(rest.size() > 400 ? rest.size() - 400 : 0));
+  CHECK(rest.find("[DONE]") != std::string::npos);
+  CHECK(rest.find("\"complete\":true") != std::string::npos);
+  CHECK(rest.find("\"continuations\":0") != std::string::npos);
+  CHECK(stat(a.stats(), "requests", "chat") == 1);
+
+  // A bad file: refused, naming it; the plan serving stays.
+  const absl::StatusOr<gateway::service::core_type::reload_result> bad =
+      svc->core().reload(options_of("[gateway]\nlisten = \"127.0.0.1:0\"\ndata_dir = 7\n"));
+  REQUIRE_FALSE(bad.ok());
+  CHECK(std::string(bad.status().message()).find("reload.toml:3:") != std::string::npos);
+  CHECK(svc->core().plan_generation() == 2);
+  CHECK(call(port, "POST", "/v1/chat/completions", chat_for("new-model", 4, false), bearer("sk-team-a2")).status == 200);
+  const std::string m = metrics_text(port);
+  CHECK(m.find("gateway_config_reloads_total{result=\"applied\"} 1") != std::string::npos);
+  CHECK(m.find("gateway_config_reloads_total{result=\"refused\"} 1") != std::string::npos);
+  CHECK(m.find("gateway_config_generation 2") != std::string::npos);
+}
+
+TEST_CASE("SIGHUP under load: gateway --config reloads its file, no request fails, a bad file is refused",
+          "[service][upstreams][reload][cli]") {
+  temp_dir dir;
+  mock_upstream a(dir, "mock-a", {"--latency-ms", "5"}), b(dir, "mock-b", {"--latency-ms", "5"});
+  const std::string file = dir.path() + "/gateway.toml", err = dir.path() + "/gateway.err";
+  auto write = [&file](const std::string& text) {
+    const std::string next = file + ".next";
+    {
+      std::ofstream out(next);
+      out << text;
+    }
+    std::filesystem::rename(next, file);  // whole, as a deploy tool writes it
+  };
+  std::filesystem::create_directories(dir.path() + "/data");
+  write(config_text(dir.path() + "/data", a, b));
+  keel_test::child_program gw({KEEL_GATEWAY_CLI, "--config", file}, err);
+  const std::optional<std::string> line = gw.read_line();
+  REQUIRE(line);
+  const std::size_t at = line->find("serving on http://");
+  REQUIRE(at != std::string::npos);
+  const int port = keel_test::port_in(line->substr(at, line->find(' ', at + 18) - at));
+  REQUIRE(port > 0);
+
+  // Four clients asking other-model without pause, through every reload.
+  std::atomic<bool> stop{false};
+  std::atomic<int> answered{0};
+  std::mutex mu;
+  std::vector<std::string> failures;
+  std::vector<std::thread> load;
+  for (int t = 0; t < 4; ++t) {
+    load.emplace_back([&] {
+      while (!stop.load()) {
+        const http_answer r =
+            call(port, "POST", "/v1/chat/completions", chat_for("other-model", 4, false), bearer("sk-team-a"));
+        if (r.status == 200) {
+          answered.fetch_add(1);
+        } else {
+          std::lock_guard lock(mu);
+          failures.push_back(std::to_string(r.status) + " " + r.body.dump());
+        }
+      }
+    });
+  }
+  auto reload_and_wait = [&](const std::string& text, const std::string& expect) {
+    const int before = answered.load();
+    write(text);
+    REQUIRE(::kill(gw.pid(), SIGHUP) == 0);
+    if (expect == "reloaded") {
+      const std::optional<std::string> said = gw.read_line();
+      REQUIRE(said);
+      CHECK(said->find("gateway: reloaded " + file) != std::string::npos);
+    } else {
+      REQUIRE(eventually([&] { return keel_test::read_file(err).find(expect) != std::string::npos; }, 30s));
+    }
+    // Traffic went on across it.
+    REQUIRE(eventually([&] { return answered.load() > before + 20; }, 30s));
+  };
+  REQUIRE(eventually([&] { return answered.load() > 20; }, 30s));
+  reload_and_wait(moved_config_text(dir.path() + "/data", a, b), "reloaded");
+  const std::int64_t on_a = stat(a.stats(), "requests", "chat");
+  CHECK(on_a > 0);  // other-model moved to mock-a
+  reload_and_wait(config_text(dir.path() + "/data", a, b), "reloaded");
+  reload_and_wait("[gateway]\nlisten = \"127.0.0.1:0\"\n[models.x]\ndeployments = 3\n", "reload refused");
+  stop = true;
+  for (std::thread& t : load) t.join();
+  INFO(keel_test::read_file(err));
+  CHECK(failures.empty());
+  if (!failures.empty()) INFO(failures.front());
+  CHECK(answered.load() > 60);
+  CHECK(keel_test::read_file(err).find(file + ":") != std::string::npos);  // the refusal names the file
+  const std::string m = metrics_text(port);
+  CHECK(m.find("gateway_config_reloads_total{result=\"applied\"} 2") != std::string::npos);
+  CHECK(m.find("gateway_config_reloads_total{result=\"refused\"} 1") != std::string::npos);
+  CHECK(m.find("gateway_config_generation 3") != std::string::npos);
+  CHECK(gw.terminate() == 0);
+}
+
+// --- Idempotency-Key on chat completions ----------------------------------------
+
+namespace {
+
+json keyed_chat(const std::string& content, int max_tokens, bool stream) {
+  return {{"tenant", "acme"},
+          {"messages", {{{"role", "user"}, {"content", content}}}},
+          {"max_tokens", max_tokens},
+          {"stream", stream}};
+}
+
+httplib::Headers idempotency(const std::string& key) { return {{"Idempotency-Key", key}}; }
+
+std::string raw_chat(const json& body, const std::string& key) {
+  const std::string b = body.dump();
+  return "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nIdempotency-Key: " + key +
+         "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(b.size()) + "\r\n\r\n" + b;
+}
+
+}  // namespace
+
+TEST_CASE("chat completions with an Idempotency-Key: a retry replays the answer (after a restart too), another "
+          "body is a 422, a retry while it runs a 409",
+          "[service][upstreams][idempotency]") {
+  temp_dir dir;
+  // 60 tokens 20 ms apart: a stream runs for over a second.
+  const std::vector<std::string> slow = {"--latency-ms", "5", "--first-token-ms", "5", "--token-gap-ms", "20",
+                                         "--tokens", "60"};
+  mock_upstream a(dir, "mock-a", slow), b(dir, "mock-b", slow);
+  gateway::gateway_options o = options_for(dir.path(), a, b);
+  o.chat.hedge_delay = 0ms;
+  o.chat.hedge_percentile = 0;
+  o.chat.first_token = 10s;
+  o.chat.whole = 1min;
+  o.chat.deadline = 2min;
+  o.idempotency_retention = 1h;
+  auto svc = std::make_unique<std::unique_ptr<gateway::service>>(start(o));
+  auto port = [&] { return (*svc)->port(); };
+  auto upstream_calls = [&] { return stat(a.stats(), "requests", "chat") + stat(b.stats(), "requests", "chat"); };
+
+  const http_answer first = call(port(), "POST", "/v1/chat/completions", keyed_chat("q-1", 8, false), idempotency("k-1"));
+  INFO(first.body.dump());
+  REQUIRE(first.status == 200);
+  REQUIRE(upstream_calls() == 1);
+  CHECK(first.header("Idempotent-Replayed").empty());
+  const std::string text = first.body["choices"][0]["message"]["content"];
+
+  SECTION("the same request again: the recorded answer, no upstream call") {
+    const http_answer again = call(port(), "POST", "/v1/chat/completions", keyed_chat("q-1", 8, false), idempotency("k-1"));
+    CHECK(again.status == 200);
+    CHECK(again.header("Idempotent-Replayed") == "true");
+    CHECK(again.body["id"] == first.body["id"]);
+    CHECK(again.body["choices"][0]["message"]["content"] == text);
+    CHECK(again.body["keel"]["replayed"] == true);
+    CHECK(upstream_calls() == 1);
+  }
+  SECTION("the same request as a stream: the recorded answer as one content chunk, usage and [DONE]") {
+    keel_service::raw_connection c(port());
+    REQUIRE(c.send(raw_chat(keyed_chat("q-1", 8, true), "k-1")));
+    const std::string got = c.read_until("\r\n0\r\n\r\n");
+    INFO(got);
+    CHECK(got.rfind("HTTP/1.1 200 ", 0) == 0);
+    CHECK(got.find("\"role\":\"assistant\"") != std::string::npos);
+    CHECK(got.find(json(text).dump().substr(1, 20)) != std::string::npos);
+    CHECK(got.find("\"usage\":") != std::string::npos);
+    CHECK(got.find("\"replayed\":true") != std::string::npos);
+    CHECK(got.find("data: [DONE]") != std::string::npos);
+    CHECK(upstream_calls() == 1);
+  }
+  SECTION("another body under the same key: 422, as the IETF draft says, and nothing is called") {
+    const http_answer other = call(port(), "POST", "/v1/chat/completions", keyed_chat("q-2", 8, false), idempotency("k-1"));
+    CHECK(other.status == 422);
+    CHECK(other.body["error"]["code"] == "idempotency_conflict");
+    CHECK(other.body["error"]["condition"] == "conflict");
+    CHECK(upstream_calls() == 1);
+    // Another tenant's key space is its own.
+    json globex = keyed_chat("q-2", 8, false);
+    globex["tenant"] = "globex";
+    CHECK(call(port(), "POST", "/v1/chat/completions", globex, idempotency("k-1")).status == 200);
+  }
+  SECTION("a retry while the first still streams: 409 with a hint, then the replay once it is done") {
+    keel_service::raw_connection c(port());
+    REQUIRE(c.send(raw_chat(keyed_chat("q-3", 60, true), "k-3")));
+    REQUIRE(c.read_until("\"content\":\"", 30s).find("\"content\":\"") != std::string::npos);
+    const http_answer busy = call(port(), "POST", "/v1/chat/completions", keyed_chat("q-3", 60, false), idempotency("k-3"));
+    INFO(busy.body.dump());
+    CHECK(busy.status == 409);
+    CHECK(busy.body["error"]["condition"] == "in_flight");
+    CHECK(busy.count("retry-after-ms") == 1);
+    CHECK(upstream_calls() == 2);
+    REQUIRE(c.read_until("\r\n0\r\n\r\n", 60s).find("[DONE]") != std::string::npos);
+    const http_answer done = call(port(), "POST", "/v1/chat/completions", keyed_chat("q-3", 60, false), idempotency("k-3"));
+    CHECK(done.status == 200);
+    CHECK(done.header("Idempotent-Replayed") == "true");
+    CHECK(done.body["usage"]["completion_tokens"] == 60);
+    CHECK(upstream_calls() == 2);
+  }
+  SECTION("after a restart of the gateway on the same data directory: still the recorded answer") {
+    svc->reset();
+    *svc = start(o);
+    const http_answer again = call(port(), "POST", "/v1/chat/completions", keyed_chat("q-1", 8, false), idempotency("k-1"));
+    CHECK(again.status == 200);
+    CHECK(again.header("Idempotent-Replayed") == "true");
+    CHECK(again.body["choices"][0]["message"]["content"] == text);
+    CHECK(upstream_calls() == 1);
+  }
+  SECTION("a failed request is not recorded: its key stays free for a retry that succeeds") {
+    a.fault({{"kind", "outage"}});
+    b.fault({{"kind", "outage"}});
+    CHECK(call(port(), "POST", "/v1/chat/completions", keyed_chat("q-4", 8, false), idempotency("k-4")).status == 503);
+    a.fault({{"kind", "none"}});
+    b.fault({{"kind", "none"}});
+    const http_answer later = call(port(), "POST", "/v1/chat/completions", keyed_chat("q-4", 8, false), idempotency("k-4"));
+    CHECK(later.status == 200);
+    CHECK(later.header("Idempotent-Replayed").empty());
+  }
+}
+
+TEST_CASE("a client's retries tied by an Idempotency-Key share one attempt cap: an SDK that ignores x-should-retry "
+          "cannot multiply upstream calls",
+          "[service][upstreams][amplification][idempotency]") {
+  temp_dir dir;
+  mock_upstream a(dir, "mock-a", {"--latency-ms", "5"}), b(dir, "mock-b", {"--latency-ms", "5"});
+  const json body = keyed_chat("Summarise the plan.", 8, false);
+  auto upstream_calls = [&] { return stat(a.stats(), "requests", "chat") + stat(b.stats(), "requests", "chat"); };
+  a.fault({{"kind", "outage"}});
+  b.fault({{"kind", "outage"}});
+  int cap = 0;
+  // One gateway per run, so that each starts with closed breakers and a full budget.
+  auto run = [&](const std::string& name, const httplib::Headers& tie) {
+    gateway::gateway_options o = options_for(dir.path() + "/" + name, a, b);
+    std::filesystem::create_directories(o.data_dir);
+    o.tell_clients_retries_spent = false;  // an SDK that retries whatever the gateway says of its retries
+    o.retry_budget = {.ratio = 1, .min_per_second = 100};  // the cap under test, not the budget
+    o.breaker.minimum_calls = 1000;                          // nor the breaker
+    o.breaker.window_calls = 1000;
+    cap = 2 * o.chat.attempts + 4;
+    auto svc = start(o);
+    const std::int64_t before = upstream_calls();
+    const sdk_result r = sdk_chat(svc->port(), body, 20, 0.02, 5, tie);  // maxRetries: 5, as services raise it
+    return std::pair{r, upstream_calls() - before};
+  };
+  const auto [untied, untied_calls] = run("untied", {});
+  const auto [tied, tied_calls] = run("tied", idempotency("tie-1"));
+  const auto [own_id, own_id_calls] = run("own-id", {{"x-request-id", "client-req-7"}});
+  std::printf("full outage, an SDK with maxRetries 5 ignoring x-should-retry: %lld upstream calls in %d client "
+              "attempts without an Idempotency-Key, %lld in %d with one (attempt cap %d per request)\n",
+              static_cast<long long>(untied_calls), untied.attempts, static_cast<long long>(tied_calls), tied.attempts,
+              cap);
+  CHECK(untied.attempts == 6);
+  CHECK(untied_calls > cap);
+  CHECK(tied_calls <= cap);
+  CHECK(tied.attempts < 6);             // the refusal once the cap is spent stops the SDK...
+  CHECK(tied.status == 503);
+  CHECK(tied.should_retry == "false");  // ...because it says so, whatever the options
+  // A client that ties its retries by its own x-request-id gets the same.
+  CHECK(own_id_calls <= cap);
+  CHECK(own_id.should_retry == "false");
 }

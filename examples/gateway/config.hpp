@@ -2,8 +2,9 @@
 // servers over HTTP), models (the names clients send, each an ordered list
 // of deployments with its budgets, hedge, retry budget, breaker and
 // bulkhead class), and client keys with their tenants' quotas. One TOML
-// file, read once at start; a bad file is refused with one line naming the
-// file, line, column, field path and rule:
+// file, read at start and again on SIGHUP (gateway_core::reload); a bad
+// file is refused with one line naming the file, line, column, field path
+// and rule:
 //
 //   config.toml:14:13: models.chat-default.deployments[1].upstream: names no upstream 'opnai' (known: local, openai)
 //

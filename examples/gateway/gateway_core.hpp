@@ -40,6 +40,10 @@
 // class of work, switch the simulated provider's faults; /healthz and
 // /metrics (Prometheus text) show what is going on.
 //
+// The plan a config file describes (the models with their deployments and
+// pipelines, the quotas, the client keys) is one `routing`: reload() builds
+// a new one for new requests while requests in flight finish on theirs.
+//
 // Example:
 //
 //   gateway::gateway_options o;
@@ -48,9 +52,10 @@
 //       o, [](const std::string& path) { return keel::sqlite_job_store<>::open(path); });
 //   gateway::reply r = (*core)->feedback(body, "key-1");     // {"score":..., "degraded":false, ...}
 //
-// Thread-safety: every endpoint may be called from any number of threads at
-// once; the shared state (breakers, bulkheads, quotas, budgets, stores) is in
-// thread-safe keel objects.
+// Thread-safety: every endpoint, and reload(), may be called from any
+// number of threads at once; the shared state (breakers, bulkheads, quotas,
+// budgets, stores) is in thread-safe keel objects, and the plan serving is
+// swapped under a mutex (a request copies its shared_ptr once).
 #pragma once
 
 #include <algorithm>
@@ -119,6 +124,7 @@ struct reply {
   std::string content_type = "application/json";
   std::optional<keel::duration> retry_after{};  // sent as Retry-After (whole seconds, rounded up)
   bool streamed = false;  // the answer went to the chat_sink as server-sent events; nothing more to send
+  bool replayed = false;  // the answer an Idempotency-Key recorded (sent as Idempotent-Replayed: true)
   // Sent as x-should-retry (the header the OpenAI and Anthropic SDKs obey):
   // false when the gateway already spent the retries that make sense, so
   // an SDK's own retries do not multiply upstream calls; unset: not sent.
@@ -132,6 +138,11 @@ struct reply {
 struct caller_info {
   std::optional<std::string_view> tenant{};
   std::optional<keel::duration> timeout{};
+  // The request's Idempotency-Key header, as sent (chat completions).
+  std::optional<std::string_view> idempotency_key{};
+  // The client's own x-request-id (not one the gateway made): without a
+  // key, what ties a client's retries of one request together.
+  std::optional<std::string_view> request_id{};
 };
 
 enum class work_class : std::uint8_t { interactive, batch, recovery };
@@ -371,11 +382,12 @@ class gateway_core {
   reply feedback(std::string_view body, const std::optional<std::string_view>& key_header,
                  const caller_info& caller = {}) {
     const keel::time_point t0 = clock_.now();
-    absl::StatusOr<feedback_request> parsed = parse_feedback(body, key_header, caller.tenant);
+    const std::shared_ptr<routing> rt = routing_now();  // this request's, whatever reloads come
+    absl::StatusOr<feedback_request> parsed = parse_feedback(*rt, body, key_header, caller.tenant);
     if (!parsed.ok()) return answered("feedback", detail::error_reply(parsed.status()));
     const feedback_request& rq = *parsed;
-    const tenant_state& tenant = tenant_of(rq.tenant);
-    const model_state& model = *models_.find(rq.model)->second;
+    const tenant_state& tenant = rt->tenant_of(rq.tenant);
+    const model_state& model = *rt->find(rq.model);
     const deadline_plan& plan = options_.interactive;
 
     // The request travels with the call; the model's pipeline, built at
@@ -483,124 +495,68 @@ class gateway_core {
   // and a sink the tokens go to `sink` as they come (reply.streamed);
   // otherwise the answer is one chat.completion. Nothing is sent before the
   // first token: a failure until then is an ordinary JSON error.
+  //
+  // With an Idempotency-Key (caller.idempotency_key; the IETF
+  // Idempotency-Key draft's rules), a complete answer is recorded in
+  // keel.db under the tenant and key, and a retry gets it again, streamed
+  // or not as the retry asks (a stream replays as one content chunk, then
+  // the finish chunk with usage), with reply.replayed set, after a restart
+  // too. The same key with another request: 422. The same key while the
+  // first is running: 409 with a retry hint. A partial or failed answer is
+  // not recorded: the key stays free. Whatever ties a client's retries
+  // together (the key, or the client's own request id) also ties their
+  // attempts: a retry after a failure gets what is left of the attempt
+  // cap, spends the retry budget, and is refused at once when nothing is left.
   reply chat_completions(std::string_view body, chat_sink* sink, const caller_info& caller = {}) {
     const keel::time_point t0 = clock_.now();
-    absl::StatusOr<chat_request> parsed = parse_chat(body, caller.tenant);
+    const std::shared_ptr<routing> rt = routing_now();  // this request's, whatever reloads come
+    absl::StatusOr<chat_request> parsed = parse_chat(*rt, body, caller.tenant);
     if (!parsed.ok()) return answered("chat", detail::error_reply(parsed.status()));
     const chat_request& rq = *parsed;
-    const bool streaming = rq.stream && sink != nullptr;
-    const tenant_state& tenant = tenant_of(rq.tenant);
-    model_state& model = *models_.find(rq.model)->second;
-    const chat_call carried{.body = rq,
-                            .tenant_key = tenant.key ? &tenant.key : nullptr,
-                            .reserved = model.tokens.estimate(rq.input_tokens, rq.max_tokens)};
-    // The call stops for a service shutdown or a client that went away.
-    std::stop_source stop;
-    auto forward = [&stop] { stop.request_stop(); };
-    std::stop_callback<decltype(forward)> on_shutdown(stop_.get_token(), forward);
-    std::optional<std::stop_callback<decltype(forward)>> on_gone;
-    if (streaming) on_gone.emplace(sink->client_gone(), forward);
-    const std::int64_t created =
-        std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-    const std::string id = cat("chatcmpl-", chat_ids_.fetch_add(1, std::memory_order_relaxed) + 1);
-    chat_relay relay(streaming ? sink : nullptr, id, created, rq.model, stop);
-    chat_stream stream(guard_, relay_token{&relay});
-    stream.reserve(static_cast<std::size_t>(rq.max_tokens) * 8);
-    keel::call call(t0,
-                    {.timeout = caller.timeout ? std::min(options_.chat.deadline, *caller.timeout)
-                                               : options_.chat.deadline,
-                     .stop = stop.get_token(),
-                     .labels = {.tenant = rq.tenant,
-                                .model = rq.model,
-                                .endpoint = model.primary->name(),
-                                .region = tenant.config->region,
-                                .work_class = "streaming"},
-                     .max_attempts = 2 * options_.chat.attempts + 4},
-                    carried);
-    chat_route route;
-    absl::StatusOr<keel::stream_result> r = model.chat(call, t0, stream, route);
-    const keel::time_point done = clock_.now();
-    stream_metrics_.record(rq.model, r);
-    keel::record_time_to_first_token(*chat_ttft_, r, done);
-
+    if (!caller.idempotency_key) return serve_chat(*rt, rq, sink, caller, t0, nullptr);
+    absl::StatusOr<std::string> key = detail::check_idempotency_key(caller.idempotency_key);
+    if (!key.ok()) return answered("chat", detail::error_reply(key.status()));
+    const keel::request_identity id{.tenant = rq.tenant, .endpoint = "chat", .key = *key};
+    keel::call claim(t0, {.timeout = options_.chat.deadline, .stop = stop_.get_token()});
+    std::optional<reply> fresh;
+    absl::StatusOr<keel::once_result> r =
+        chat_once_.run(claim, id, rq.digest, [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
+          std::string completion;
+          fresh = serve_chat(*rt, rq, sink, caller, t0, &completion);
+          // Only a complete answer is the key's; anything else leaves it free.
+          if (completion.empty()) return absl::AbortedError("not a complete answer: not recorded");
+          return keel::decision{.model_digest = rq.model, .result = std::move(completion)};
+        });
+    if (fresh) return std::move(*fresh);  // it ran here, recorded or not
     if (!r.ok()) {
       const absl::Status& s = r.status();
-      if (std::optional<std::string_view> reason = admission_refusal(s)) {
-        const bool own_quota = *reason == "tenant_quota";
-        rejections_->with({"streaming", *reason}).inc();
-        if (!own_quota) chat_slo_->record(keel::request_outcome::rejected, done - t0, done);
-        absl::Status refused = s;
-        if (!keel::retry_after(refused)) refused = keel::with_retry_after(std::move(refused), options_.interactive.admit);
-        return answered("chat", detail::error_reply(refused));
-      }
-      chat_slo_->record(absl::IsCancelled(s) ? keel::request_outcome::abandoned : keel::request_outcome::failure,
-                        done - t0, done);
-      return answered("chat", after_attempts(detail::error_reply(s), call));
+      // The draft's codes: another request under a used key is 422 (a 409
+      // would be retried by the SDKs for nothing); one still running, 409.
+      if (keel::is_conflict(s)) return answered("chat", detail::error_reply(s, 422));
+      if (keel::is_in_flight(s)) return answered("chat", detail::error_reply(s, 409));
+      return answered("chat", detail::error_reply(s));
     }
-    keel::stream_result& a = *r;
-    stream_metrics_.record_tokens(rq.model, carried.reserved, a.charged);
-    model.tokens.record(r);
-    const bool answered_whole = a.complete;
-    chat_slo_->record(answered_whole ? keel::request_outcome::success
-                      : a.reason == keel::stream_stop::cancelled ? keel::request_outcome::abandoned
-                                                                 : keel::request_outcome::partial,
-                      done - t0, done);
-    const std::string served_by = route.failed_over ? cat("backup:", model.second->name())
-                                  : a.continuations > 0 ? cat("model:", rq.model, "+backup:", model.second->name())
-                                                        : cat("model:", rq.model);
-    answers_->with({"streaming", served_by}).inc();
-    detail::json keel_view = {{"complete", a.complete},
-                              {"partial", a.partial},
-                              {"degraded", a.degraded || route.failed_over},
-                              {"continuations", a.continuations},
-                              {"failed_over", route.failed_over},
-                              {"hedged", a.hedge == 1},
-                              {"served_by", served_by},
-                              {"ttft_ms", std::chrono::duration<double, std::milli>(a.time_to_first_token).count()},
-                              {"elapsed_ms", detail::to_ms(done - t0)},
-                              {"tokens", a.tokens},
-                              {"reserved_tokens", carried.reserved},
-                              {"charged_tokens", a.charged},
-                              {"attempts", call.record().attempts}};
-    if (!a.complete) {
-      keel_view["reason"] = std::string(keel::to_string(a.reason));
-      keel_view["cause"] = std::string(a.cause.message());
-      keel_view["continuable"] = a.continuable;
-      if (!a.continuation_failure.ok()) keel_view["continuation_failure"] = std::string(a.continuation_failure.message());
-    }
-    const std::int64_t prompt_tokens = a.usage.prompt_tokens >= 0 ? a.usage.prompt_tokens : rq.input_tokens;
-    const detail::json usage = {{"prompt_tokens", prompt_tokens},
-                                {"completion_tokens", a.tokens},
-                                {"total_tokens", prompt_tokens + a.tokens}};
-    const char* finish = a.tokens >= rq.max_tokens ? "length" : "stop";
-    if (streaming) {
-      if (a.complete) {
-        relay.open();
-        relay.event(cat(R"({"index":0,"delta":{},"finish_reason":")", finish, "\"}]"));
-        relay.event(cat("],\"usage\":", detail::dump(usage), ",\"keel\":", detail::dump(keel_view)));
-        relay.done();
-      } else {
-        relay.fail(detail::dump({{"error",
-                                  {{"message", cat("the stream ended early (", keel::to_string(a.reason),
-                                                   "): ", a.cause.message())},
-                                   {"type", "stream_interrupted"},
-                                   {"code", std::string(keel::to_string(a.reason))}}},
-                                 {"keel", keel_view}}));
-      }
-      return answered("chat", {.status = 200, .streamed = true});
-    }
-    detail::json out = {{"id", id},
-                        {"object", "chat.completion"},
-                        {"created", created},
-                        {"model", rq.model},
-                        {"choices",
-                         {{{"index", 0},
-                           {"message", {{"role", "assistant"}, {"content", a.text}}},
-                           {"finish_reason", a.complete ? finish : "partial"}}}},
-                        {"usage", usage},
-                        {"degraded", a.degraded || route.failed_over || !a.complete},
-                        {"keel", keel_view}};
-    return answered("chat", {.status = 200, .body = detail::dump(out)});
+    return answered("chat", replay_chat(r->decision.result, rq, rq.stream ? sink : nullptr));
+  }
+
+  // The stored answer of a keyed chat request, as the retry asks for it.
+  reply replay_chat(const std::string& stored, const chat_request& rq, chat_sink* sink) {
+    detail::json out = detail::json::parse(stored, nullptr, false);
+    if (!out.is_object() || !out.contains("choices"))
+      return detail::error_reply(absl::DataLossError("the recorded answer for this Idempotency-Key cannot be read"));
+    out["keel"]["replayed"] = true;
+    if (sink == nullptr) return {.status = 200, .body = detail::dump(out), .replayed = true};
+    std::stop_source stop;
+    const std::string text = out["choices"][0]["message"].value("content", std::string());
+    chat_relay relay(sink, out.value("id", std::string("chatcmpl-replay")), out.value("created", std::int64_t{0}),
+                     rq.model, stop);
+    relay.open();
+    if (!text.empty()) relay.token(text);
+    relay.event(cat(R"({"index":0,"delta":{},"finish_reason":")",
+                    out["choices"][0].value("finish_reason", std::string("stop")), "\"}]"));
+    relay.event(cat("],\"usage\":", detail::dump(out["usage"]), ",\"keel\":", detail::dump(out["keel"])));
+    relay.done();
+    return {.status = 200, .streamed = true, .replayed = true};
   }
 
   // POST /v1/batch: {"tenant", "learner", "sessions": [...], ["model"], ["class"]}
@@ -608,7 +564,8 @@ class gateway_core {
   reply batch_submit(std::string_view body, const std::optional<std::string_view>& key_header,
                      const caller_info& caller = {}) {
     const keel::time_point t0 = clock_.now();
-    absl::StatusOr<batch_request> parsed = parse_batch(body, key_header, caller.tenant);
+    const std::shared_ptr<routing> rt = routing_now();
+    absl::StatusOr<batch_request> parsed = parse_batch(*rt, body, key_header, caller.tenant);
     if (!parsed.ok()) return answered("batch", detail::error_reply(parsed.status()));
     const batch_request& rq = *parsed;
     if (shed_[idx(work_class::batch)].load(std::memory_order_relaxed)) {
@@ -617,7 +574,7 @@ class gateway_core {
     // The tenant's quota counts the submission; the job's compute is spent
     // later, by a worker.
     keel::admission::refusal_reason why;
-    keel::admission_ticket ticket = quotas_.try_admit({.tenant = rq.tenant, .model = rq.model}, t0, why);
+    keel::admission_ticket ticket = rt->quotas.try_admit({.tenant = rq.tenant, .model = rq.model}, t0, why);
     if (!ticket) return quota_refusal(work_class::batch, why, t0);
     absl::StatusOr<keel::job_submission> s = queue_.submit(rq.tenant, rq.key, rq.payload);
     if (!s.ok()) {
@@ -831,9 +788,9 @@ class gateway_core {
                         {"hedge_delay_ms", std::chrono::duration<double, std::milli>(guard_.current_hedge_delay()).count()},
                         {"backup", {{"provider", second_->name()},
                                     {"fault", http_backup_ ? "upstream" : std::string(to_string(backup_.current_fault().kind))}}}};
-      if (http_primary_ != nullptr) {
+      if (const std::shared_ptr<routing> rt = routing_now(); http_primary_ != nullptr) {
         detail::json ups = detail::json::array();
-        for (const http_upstream* u : http_upstreams()) {
+        for (const http_upstream* u : upstreams_in(*rt)) {
           const upstream_figures f = u->figures();
           ups.push_back({{"name", u->name()}, {"base_url", u->options().base_url}, {"model", u->options().model},
                          {"calls", f.calls}, {"answered", f.answered}, {"failed", f.failed}});
@@ -860,24 +817,25 @@ class gateway_core {
   // answer relayed as the upstream sent it. "tenant", keel's, is not sent.
   reply embeddings(std::string_view body, const caller_info& caller = {}) {
     const keel::time_point t0 = clock_.now();
+    const std::shared_ptr<routing> rt = routing_now();
     absl::StatusOr<detail::json> j = detail::parse_object(body);
     if (!j.ok()) return answered("embeddings", detail::error_reply(j.status()));
     absl::StatusOr<std::string> tenant_name = request_tenant(*j, caller.tenant);
     if (!tenant_name.ok()) return answered("embeddings", detail::error_reply(tenant_name.status()));
     if (absl::Status s = detail::check_name("tenant", *tenant_name); !s.ok())
       return answered("embeddings", detail::error_reply(s));
-    absl::StatusOr<std::string> model_name = detail::string_field(*j, "model", 64, options_.models.front().name);
+    absl::StatusOr<std::string> model_name = detail::string_field(*j, "model", 64, rt->default_model());
     if (!model_name.ok()) return answered("embeddings", detail::error_reply(model_name.status()));
-    const auto found = models_.find(*model_name);
-    if (found == models_.end())
+    model_state* found = rt->find(*model_name);
+    if (found == nullptr)
       return answered("embeddings", detail::error_reply(detail::bad_input(cat("unknown model '", *model_name, "'"))));
     const auto input = j->find("input");
     if (input == j->end() || !(input->is_string() || (input->is_array() && !input->empty())))
       return answered("embeddings",
                       detail::error_reply(detail::bad_input("'input' must be a string or a non-empty array")));
     j->erase("tenant");
-    model_state& model = *found->second;
-    const tenant_state& tenant = tenant_of(*tenant_name);
+    model_state& model = *found;
+    const tenant_state& tenant = rt->tenant_of(*tenant_name);
     const embeddings_call carried{.tenant_key = tenant.key ? &tenant.key : nullptr,
                                   .reserved = static_cast<std::int64_t>(input->dump().size() / 4 + 1)};
     keel::call call(t0,
@@ -907,7 +865,8 @@ class gateway_core {
   // GET /v1/models: the models clients may name, as OpenAI lists them.
   reply list_models() {
     detail::json data = detail::json::array();
-    for (const model_config& m : options_.models)
+    const std::shared_ptr<routing> rt = routing_now();
+    for (const model_config& m : rt->models)
       data.push_back({{"id", m.name}, {"object", "model"}, {"created", 0}, {"owned_by", "keel-gateway"}});
     return answered("models", {.status = 200, .body = detail::dump({{"object", "list"}, {"data", std::move(data)}})});
   }
@@ -933,17 +892,51 @@ class gateway_core {
   // The model upstreams over HTTP (gateway_options::upstream); null without them.
   [[nodiscard]] const http_upstream* http_primary() const noexcept { return http_primary_.get(); }
   [[nodiscard]] const http_upstream* http_backup() const noexcept { return http_backup_.get(); }
-  // Every HTTP upstream the gateway calls: its own, then each model's.
-  [[nodiscard]] std::vector<const http_upstream*> http_upstreams() const {
-    std::vector<const http_upstream*> out;
-    for (const http_upstream* u : {http_primary_.get(), http_backup_.get()})
-      if (u != nullptr) out.push_back(u);
-    for (const auto& [name, m] : models_) {
-      for (const http_upstream* u : {m->own_primary.get(), m->own_second.get()})
-        if (u != nullptr) out.push_back(u);
+  // Every HTTP upstream the gateway calls now: its own, then each model's
+  // (valid until the next reload()).
+  [[nodiscard]] std::vector<const http_upstream*> http_upstreams() const { return upstreams_in(*routing_now()); }
+
+  // ---- configuration reload -----------------------------------------------
+
+  struct reload_result {
+    std::int64_t generation = 0;  // the plan now serving (the first is 1)
+    // Settings the new options change that only a restart applies (named
+    // as gateway_options names them); they keep their old values.
+    std::vector<std::string> kept_until_restart{};
+  };
+
+  // Serves new requests with a plan built from `o`: the models, their
+  // deployments and pipelines, the tenants' and models' quotas, the API
+  // keys. Requests in flight finish on the plan they started with (each
+  // holds it; the old one goes when its last request does). A refused `o`
+  // (not ok: the file could not be read or parsed; or invalid) leaves the
+  // plan as it was. Both are counted (gateway_config_reloads_total). Quota
+  // buckets start full in the new plan; breakers are per deployment name
+  // and keep their state. One reload at a time; from any thread.
+  absl::StatusOr<reload_result> reload(absl::StatusOr<gateway_options> o) {
+    std::lock_guard serial(reload_mu_);
+    if (o.ok()) {
+      if (absl::Status s = o->validate(); !s.ok()) o = std::move(s);
     }
+    if (!o.ok()) {
+      reloads_->with({"refused"}).inc();
+      return o.status();
+    }
+    reload_result out{.generation = routing_now()->generation + 1, .kept_until_restart = restart_only_changes(*o)};
+    std::shared_ptr<routing> next = build_routing(*o, out.generation);
+    {
+      std::lock_guard lock(routing_mu_);
+      routing_.swap(next);
+    }
+    next.reset();  // the old plan, unless requests still hold it
+    reloads_->with({"applied"}).inc();
     return out;
   }
+
+  // The API keys of the plan serving now (gateway_options::api_keys); the
+  // caller holds them as long as it reads them.
+  [[nodiscard]] std::shared_ptr<const std::vector<api_key>> api_keys() const { return routing_now()->api_keys; }
+  [[nodiscard]] std::int64_t plan_generation() const { return routing_now()->generation; }
 
   guard_type& stream_guard() noexcept { return guard_; }
   keel::breaker_registry& breakers() noexcept { return breakers_; }
@@ -951,7 +944,8 @@ class gateway_core {
   // What the replicas share through Redis; null without one.
   fleet_sharing* fleet() noexcept { return fleet_.get(); }
   keel::bulkhead& bulkheads() noexcept { return pools_; }
-  keel::admission& quotas() noexcept { return quotas_; }
+  // The quotas of the plan serving now (until the next reload()).
+  keel::admission& quotas() noexcept { return routing_now()->quotas; }
   keel::slo_tracker& slos() noexcept { return slos_; }
   keel::metrics_registry& registry() noexcept { return registry_; }
   queue_type& queue() noexcept { return queue_; }
@@ -985,6 +979,7 @@ class gateway_core {
     std::string tenant, model, key, payload;
   };
 
+
   // How a chat request was served, beyond its stream_result.
   struct chat_route {
     bool failed_over = false;  // the second model served: the first failed before its first token
@@ -999,7 +994,9 @@ class gateway_core {
     keel::admission_key quota_key;  // the model's quota, resolved once
     // Where the model is served: its own deployments over HTTP
     // (model_config::upstream), else the gateway's.
-    std::unique_ptr<http_upstream> own_primary, own_second;
+    // Shared with the next plan when a reload keeps the deployment as it
+    // was: its connections and figures carry over.
+    std::shared_ptr<http_upstream> own_primary, own_second;
     model_upstream* primary = nullptr;
     model_upstream* second = nullptr;
     // The interactive path for this model: one pipeline, built in the
@@ -1020,6 +1017,333 @@ class gateway_core {
     const tenant_config* config;
     keel::admission_key key{};  // empty: not resolved ahead
   };
+
+  // The plan a configuration reload replaces: the models with their
+  // deployments and pipelines, the quotas, the tenants, the API keys. A
+  // request takes the one serving when it starts (routing_now()) and holds
+  // it to its end; the breakers, bulkheads, retry budget, stores and
+  // metrics are the gateway's and outlive every plan.
+  struct routing {
+    routing(const gateway_options& o, std::int64_t gen)
+        : models(o.models),
+          tenants(o.tenants),
+          api_keys(std::make_shared<const std::vector<api_key>>(o.api_keys)),
+          quotas(admission_options(o)),
+          default_tenant{.name = "", .region = o.region},
+          generation(gen) {}
+    routing(const routing&) = delete;
+    routing& operator=(const routing&) = delete;
+
+    std::vector<model_config> models;  // the first is the default model
+    std::vector<tenant_config> tenants;
+    std::shared_ptr<const std::vector<api_key>> api_keys;
+    keel::admission quotas;
+    std::map<std::string, std::unique_ptr<model_state>, std::less<>> routes;  // by model name
+    tenant_config default_tenant;
+    std::vector<tenant_state> tenant_states;  // `tenants`, with their quota keys
+    tenant_state default_tenant_state{.config = &default_tenant};
+    std::int64_t generation;
+
+    [[nodiscard]] const std::string& default_model() const noexcept { return models.front().name; }
+    [[nodiscard]] model_state* find(std::string_view model) const {
+      const auto it = routes.find(model);
+      return it == routes.end() ? nullptr : it->second.get();
+    }
+    [[nodiscard]] const tenant_state& tenant_of(std::string_view name) const {
+      for (const tenant_state& t : tenant_states) {
+        if (t.config->name == name) return t;
+      }
+      return default_tenant_state;
+    }
+  };
+
+  [[nodiscard]] std::shared_ptr<routing> routing_now() const {
+    std::lock_guard lock(routing_mu_);
+    return routing_;
+  }
+
+  // One chat request on plan `rt`: the pipeline, the reply, the metrics.
+  // `completion`: set to the answer as one chat.completion when it is
+  // complete (what an Idempotency-Key records).
+  reply serve_chat(routing& rt, const chat_request& rq, chat_sink* sink, const caller_info& caller,
+                   keel::time_point t0, std::string* completion) {
+    const bool streaming = rq.stream && sink != nullptr;
+    const tenant_state& tenant = rt.tenant_of(rq.tenant);
+    model_state& model = *rt.find(rq.model);
+    const chat_call carried{.body = rq,
+                            .tenant_key = tenant.key ? &tenant.key : nullptr,
+                            .reserved = model.tokens.estimate(rq.input_tokens, rq.max_tokens)};
+    // The call stops for a service shutdown or a client that went away.
+    std::stop_source stop;
+    auto forward = [&stop] { stop.request_stop(); };
+    std::stop_callback<decltype(forward)> on_shutdown(stop_.get_token(), forward);
+    std::optional<std::stop_callback<decltype(forward)>> on_gone;
+    if (streaming) on_gone.emplace(sink->client_gone(), forward);
+    const std::int64_t created =
+        std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+    const std::string id = cat("chatcmpl-", chat_ids_.fetch_add(1, std::memory_order_relaxed) + 1);
+    chat_relay relay(streaming ? sink : nullptr, id, created, rq.model, stop);
+    chat_stream stream(guard_, relay_token{&relay});
+    stream.reserve(static_cast<std::size_t>(rq.max_tokens) * 8);
+    // A client's retry of a request that failed here continues its attempt
+    // count (the cap is the request's, not each retry's) and spends the
+    // retry budget instead of depositing a new request.
+    const int cap = 2 * options_.chat.attempts + 4;
+    const std::string tie = tie_of(rq, caller);
+    const int spent = tie.empty() ? 0 : attempts_spent(tie, t0);
+    if (spent >= cap) {
+      rejections_->with({"streaming", "attempts_spent"}).inc();
+      reply e = detail::error_reply(keel::with_refused_by(absl::UnavailableError(cat(
+                                       "this request's retries already spent its ", spent, " attempts of ", cap,
+                                       "; the gateway will not try it again")), "attempts"), 503);
+      e.should_retry = false;
+      return answered("chat", std::move(e));
+    }
+    keel::call call(t0,
+                    {.timeout = caller.timeout ? std::min(options_.chat.deadline, *caller.timeout)
+                                               : options_.chat.deadline,
+                     .stop = stop.get_token(),
+                     .labels = {.tenant = rq.tenant,
+                                .model = rq.model,
+                                .endpoint = model.primary->name(),
+                                .region = tenant.config->region,
+                                .work_class = "streaming"},
+                     .max_attempts = cap - spent},
+                    carried);
+    if (spent > 0) {
+      (void)call.first_deposit(&budget_);  // the request deposited when it first came
+      if (!budget_.try_acquire_retry(t0)) {
+        rejections_->with({"streaming", "retry_budget"}).inc();
+        reply e = detail::error_reply(
+            keel::with_refused_by(absl::UnavailableError("the service's retry budget is spent: this request's "
+                                                                 "retry is not sent upstream"), "retry_budget"),
+            503);
+        e.should_retry = false;
+        return answered("chat", std::move(e));
+      }
+    }
+    chat_route route;
+    absl::StatusOr<keel::stream_result> r = model.chat(call, t0, stream, route);
+    const keel::time_point done = clock_.now();
+    stream_metrics_.record(rq.model, r);
+    keel::record_time_to_first_token(*chat_ttft_, r, done);
+    if (!tie.empty()) note_attempts(tie, r.ok() ? 0 : call.record().attempts, done);
+
+    if (!r.ok()) {
+      const absl::Status& s = r.status();
+      if (std::optional<std::string_view> reason = admission_refusal(s)) {
+        const bool own_quota = *reason == "tenant_quota";
+        rejections_->with({"streaming", *reason}).inc();
+        if (!own_quota) chat_slo_->record(keel::request_outcome::rejected, done - t0, done);
+        absl::Status refused = s;
+        if (!keel::retry_after(refused)) refused = keel::with_retry_after(std::move(refused), options_.interactive.admit);
+        return answered("chat", detail::error_reply(refused));
+      }
+      chat_slo_->record(absl::IsCancelled(s) ? keel::request_outcome::abandoned : keel::request_outcome::failure,
+                        done - t0, done);
+      return answered("chat", after_attempts(detail::error_reply(s), call));
+    }
+    keel::stream_result& a = *r;
+    stream_metrics_.record_tokens(rq.model, carried.reserved, a.charged);
+    model.tokens.record(r);
+    const bool answered_whole = a.complete;
+    chat_slo_->record(answered_whole ? keel::request_outcome::success
+                      : a.reason == keel::stream_stop::cancelled ? keel::request_outcome::abandoned
+                                                                 : keel::request_outcome::partial,
+                      done - t0, done);
+    const std::string served_by = route.failed_over ? cat("backup:", model.second->name())
+                                  : a.continuations > 0 ? cat("model:", rq.model, "+backup:", model.second->name())
+                                                        : cat("model:", rq.model);
+    answers_->with({"streaming", served_by}).inc();
+    detail::json keel_view = {{"complete", a.complete},
+                              {"partial", a.partial},
+                              {"degraded", a.degraded || route.failed_over},
+                              {"continuations", a.continuations},
+                              {"failed_over", route.failed_over},
+                              {"hedged", a.hedge == 1},
+                              {"served_by", served_by},
+                              {"ttft_ms", std::chrono::duration<double, std::milli>(a.time_to_first_token).count()},
+                              {"elapsed_ms", detail::to_ms(done - t0)},
+                              {"tokens", a.tokens},
+                              {"reserved_tokens", carried.reserved},
+                              {"charged_tokens", a.charged},
+                              {"attempts", call.record().attempts}};
+    if (!a.complete) {
+      keel_view["reason"] = std::string(keel::to_string(a.reason));
+      keel_view["cause"] = std::string(a.cause.message());
+      keel_view["continuable"] = a.continuable;
+      if (!a.continuation_failure.ok()) keel_view["continuation_failure"] = std::string(a.continuation_failure.message());
+    }
+    const std::int64_t prompt_tokens = a.usage.prompt_tokens >= 0 ? a.usage.prompt_tokens : rq.input_tokens;
+    const detail::json usage = {{"prompt_tokens", prompt_tokens},
+                                {"completion_tokens", a.tokens},
+                                {"total_tokens", prompt_tokens + a.tokens}};
+    const char* finish = a.tokens >= rq.max_tokens ? "length" : "stop";
+    // The answer as one chat.completion: the reply, or (streamed) what an
+    // Idempotency-Key records.
+    const detail::json out = {{"id", id},
+                        {"object", "chat.completion"},
+                        {"created", created},
+                        {"model", rq.model},
+                        {"choices",
+                         {{{"index", 0},
+                           {"message", {{"role", "assistant"}, {"content", a.text}}},
+                           {"finish_reason", a.complete ? finish : "partial"}}}},
+                        {"usage", usage},
+                        {"degraded", a.degraded || route.failed_over || !a.complete},
+                        {"keel", keel_view}};
+    if (streaming) {
+      if (a.complete) {
+        relay.open();
+        relay.event(cat(R"({"index":0,"delta":{},"finish_reason":")", finish, "\"}]"));
+        relay.event(cat("],\"usage\":", detail::dump(usage), ",\"keel\":", detail::dump(keel_view)));
+        relay.done();
+      } else {
+        relay.fail(detail::dump({{"error",
+                                  {{"message", cat("the stream ended early (", keel::to_string(a.reason),
+                                                   "): ", a.cause.message())},
+                                   {"type", "stream_interrupted"},
+                                   {"code", std::string(keel::to_string(a.reason))}}},
+                                 {"keel", keel_view}}));
+      }
+      if (a.complete && completion != nullptr) *completion = detail::dump(out);
+      return answered("chat", {.status = 200, .streamed = true});
+    }
+    if (a.complete && completion != nullptr) *completion = detail::dump(out);
+    return answered("chat", {.status = 200, .body = detail::dump(out)});
+  }
+
+  // What ties a client's retries of one chat request together: its
+  // Idempotency-Key, else its own request id; "" for neither.
+  [[nodiscard]] static std::string tie_of(const chat_request& rq, const caller_info& caller) {
+    if (caller.idempotency_key) return cat("key\n", rq.tenant, "\n", *caller.idempotency_key);
+    if (caller.request_id) return cat("id\n", rq.tenant, "\n", *caller.request_id);
+    return {};
+  }
+
+  // Attempts the failed requests tied by `tie` spent, within chat.deadline of the last.
+  [[nodiscard]] int attempts_spent(const std::string& tie, keel::time_point now) {
+    std::lock_guard lock(spent_mu_);
+    const auto it = spent_.find(tie);
+    if (it == spent_.end()) return 0;
+    if (it->second.until <= now) {
+      spent_.erase(it);
+      return 0;
+    }
+    return it->second.attempts;
+  }
+
+  // Adds a failed request's attempts to its tie (0: it was answered; the tie is forgotten).
+  void note_attempts(const std::string& tie, int attempts, keel::time_point now) {
+    std::lock_guard lock(spent_mu_);
+    if (attempts <= 0) {
+      spent_.erase(tie);
+      return;
+    }
+    if (spent_.size() >= kMaxTies) {
+      // Full: drop what has lapsed; if still full, this tie goes unremembered
+      // (its retries get a whole cap again, as without a key).
+      for (auto it = spent_.begin(); it != spent_.end();) it = it->second.until <= now ? spent_.erase(it) : std::next(it);
+      if (spent_.size() >= kMaxTies) return;
+    }
+    spent_attempts& e = spent_[tie];
+    e.attempts += attempts;
+    e.until = now + options_.chat.deadline;
+  }
+
+  // A plan from `o`. Every configured tenant and model is an override in the
+  // quota tables, never reclaimed, so resolving its key cannot be refused.
+  // A model is served by its own deployments (model_config::upstream), else
+  // by the gateway's; when a reload moved the gateway's default deployments
+  // (options.upstream), the default models get their own from the new ones
+  // (the batch reports keep the old until a restart).
+  std::shared_ptr<routing> build_routing(const gateway_options& o, std::int64_t generation) {
+    auto rt = std::make_shared<routing>(o, generation);
+    const keel::time_point now = clock_.now();
+    for (const tenant_config& t : rt->tenants)
+      rt->tenant_states.push_back({&t, rt->quotas.tenant_key(t.name, now).value()});
+    const bool defaults_moved =
+        o.upstream && (o.upstream != options_.upstream || o.upstream_backup != options_.upstream_backup);
+    for (const model_config& m : rt->models) {
+      auto state = std::make_unique<model_state>(m, o);
+      state->quota_key = rt->quotas.model_key(m.name, now).value();
+      const bool own = m.upstream.has_value() || !defaults_moved;
+      const std::optional<http_upstream_options>& first = own ? m.upstream : o.upstream;
+      const std::optional<http_upstream_options>& second = own ? m.upstream_backup : o.upstream_backup;
+      if (first) {
+        state->own_primary = deployment_for(*first);
+        if (second) state->own_second = deployment_for(*second);
+      }
+      state->primary = state->own_primary ? state->own_primary.get() : primary_;
+      state->second = state->own_second ? state->own_second.get() : state->own_primary ? state->primary : second_;
+      state->interactive = interactive_pipeline(*rt, *state);
+      state->chat = chat_pipeline(*rt, *state);
+      state->embed = embeddings_pipeline(*rt, *state);
+      rt->routes.emplace(m.name, std::move(state));
+    }
+    return rt;
+  }
+
+  // The serving plan's upstream with these very options, else a new one.
+  [[nodiscard]] std::shared_ptr<http_upstream> deployment_for(const http_upstream_options& o) const {
+    if (const std::shared_ptr<routing> now = routing_now()) {
+      for (const auto& [name, m] : now->routes) {
+        for (const std::shared_ptr<http_upstream>& u : {m->own_primary, m->own_second})
+          if (u != nullptr && u->options() == o) return u;
+      }
+    }
+    return std::make_shared<http_upstream>(o);
+  }
+
+  // What `o` changes that a reload does not apply (reload_result).
+  [[nodiscard]] std::vector<std::string> restart_only_changes(const gateway_options& o) const {
+    const gateway_options& was = options_;
+    const std::pair<const char*, bool> fields[] = {
+        {"data_dir", o.data_dir != was.data_dir},
+        {"region", o.region != was.region},
+        {"fleet.redis", o.fleet.redis != was.fleet.redis},
+        {"idempotency_retention", o.idempotency_retention != was.idempotency_retention},
+        {"interactive.deadline", o.interactive.deadline != was.interactive.deadline},
+        {"chat.deadline", o.chat.deadline != was.chat.deadline},
+        {"chat.first_token", o.chat.first_token != was.chat.first_token},
+        {"chat.stall", o.chat.stall != was.chat.stall},
+        {"chat.attempts", o.chat.attempts != was.chat.attempts},
+        {"chat.hedge", o.chat.hedge_delay != was.chat.hedge_delay ||
+                           o.chat.hedge_percentile != was.chat.hedge_percentile ||
+                           o.chat.hedge_min_delay != was.chat.hedge_min_delay},
+        {"breaker", o.breaker.window_calls != was.breaker.window_calls ||
+                        o.breaker.failure_rate_threshold != was.breaker.failure_rate_threshold ||
+                        o.breaker.open_duration != was.breaker.open_duration ||
+                        o.breaker.minimum_calls != was.breaker.minimum_calls},
+        {"retry_budget", o.retry_budget.ratio != was.retry_budget.ratio ||
+                             o.retry_budget.min_per_second != was.retry_budget.min_per_second},
+        {"upstream (batch reports)", o.upstream != was.upstream || o.upstream_backup != was.upstream_backup},
+        {"http", o.http_threads != was.http_threads || o.http_max_connections != was.http_max_connections ||
+                     o.max_body_bytes != was.max_body_bytes || o.max_header_bytes != was.max_header_bytes},
+    };
+    std::vector<std::string> out;
+    for (const auto& [name, changed] : fields)
+      if (changed) out.emplace_back(name);
+    return out;
+  }
+
+  // The HTTP upstreams `rt` calls, the gateway's own first, once per name.
+  [[nodiscard]] std::vector<const http_upstream*> upstreams_in(const routing& rt) const {
+    std::vector<const http_upstream*> out;
+    auto add = [&out](const http_upstream* u) {
+      if (u == nullptr) return;
+      for (const http_upstream* seen : out)
+        if (seen->name() == u->name()) return;
+      out.push_back(u);
+    };
+    add(http_primary_.get());
+    add(http_backup_.get());
+    for (const auto& [name, m] : rt.routes) {
+      add(m->own_primary.get());
+      add(m->own_second.get());
+    }
+    return out;
+  }
 
   gateway_core(gateway_options o, std::unique_ptr<keel::sqlite_store<>> ids, std::unique_ptr<JobStore> jobs,
                std::unique_ptr<effect_log> effects, Clock clock)
@@ -1050,7 +1374,6 @@ class gateway_core {
                          .capacity = options_.chat.slots,
                          .max_queue = options_.chat.queue,
                          .max_queue_age = options_.chat.queue_age}}}),
-        quotas_(admission_options(options_)),
         slos_(slo_classes(options_)),
         ids_(std::move(ids)),
         once_(*ids_,
@@ -1063,6 +1386,16 @@ class gateway_core {
                                         .remember_failures = {.permanent = false},
                                         .policy_revision = options_.policy_revision},
               env()),
+        chat_once_(*ids_,
+                   keel::idempotency_options{
+                       .lease = std::max(options_.idempotency_lease, options_.chat.deadline + std::chrono::seconds(10)),
+                       .retention = options_.idempotency_retention,
+                       .retry_window = std::min<keel::duration>(std::chrono::hours(1),
+                                                                options_.idempotency_retention / 2),
+                       .on_duplicate = keel::on_duplicate::retry_later,
+                       .remember_failures = {.permanent = false},
+                       .policy_revision = options_.policy_revision},
+                   env()),
         jobs_(std::move(jobs)),
         queue_(*jobs_, report_queue_options(options_),
                env()),
@@ -1084,24 +1417,8 @@ class gateway_core {
                hedge_pool_, clock_),
         stream_metrics_(registry_) {
     if (options_.fleet.enabled()) fleet_ = std::make_unique<fleet_sharing>(options_.fleet, breakers_, primary_->name());
-    const keel::time_point now = clock_.now();
-    // Every configured tenant and model is an override in the quota tables,
-    // never reclaimed, so resolving its key cannot be refused.
-    for (const tenant_config& t : options_.tenants) tenants_.push_back({&t, quotas_.tenant_key(t.name, now).value()});
-    for (const model_config& m : options_.models) {
-      auto state = std::make_unique<model_state>(m, options_);
-      state->quota_key = quotas_.model_key(m.name, now).value();
-      if (m.upstream) {
-        state->own_primary = std::make_unique<http_upstream>(*m.upstream);
-        if (m.upstream_backup) state->own_second = std::make_unique<http_upstream>(*m.upstream_backup);
-      }
-      state->primary = state->own_primary ? state->own_primary.get() : primary_;
-      state->second = state->own_second ? state->own_second.get() : state->own_primary ? state->primary : second_;
-      state->interactive = interactive_pipeline(*state);
-      state->chat = chat_pipeline(*state);
-      state->embed = embeddings_pipeline(*state);
-      models_.emplace(m.name, std::move(state));
-    }
+    routing_ = build_routing(options_, 1);
+    start_routing_ = routing_;
     full_answers_ = slos_.find("interactive-full-answers");
     chat_slo_ = slos_.find("streaming");
     chat_ttft_ = slos_.find("streaming-ttft");
@@ -1119,6 +1436,9 @@ class gateway_core {
     latency_ = &registry_.histogram({.name = "gateway_request_seconds",
                                      .help = "Server-side latency of answered and refused requests, by class.",
                                      .labels = {"class"}});
+    reloads_ = &registry_.counter({.name = "gateway_config_reloads_total",
+                                   .help = "Configuration reloads (SIGHUP), by result: applied or refused.",
+                                   .labels = {"result"}});
     http_refusals_ = &registry_.counter({.name = "gateway_http_refusals_total",
                                          .help = "Requests the HTTP front door refused itself, by reason.",
                                          .labels = {"reason"}});
@@ -1136,7 +1456,7 @@ class gateway_core {
         .queue = queue_,
         .provider = *primary_,
         .breakers = breakers_,
-        .timeout = models_.begin()->second->batch_timeout,
+        .timeout = start_routing_->routes.begin()->second->batch_timeout,
         .budget = budget_,
         .effects = *effects_,
         .pools = pools_,
@@ -1150,7 +1470,7 @@ class gateway_core {
   // The interactive path of model `m`, every stage in one pipeline, outer
   // to inner (docs/gateway.md says why in this order). Built once; run()
   // is const, so requests on every thread share it.
-  std::function<absl::StatusOr<detail::answer>(keel::call&, keel::time_point)> interactive_pipeline(model_state& m) {
+  std::function<absl::StatusOr<detail::answer>(keel::call&, keel::time_point)> interactive_pipeline(routing& rt, model_state& m) {
     const deadline_plan& plan = options_.interactive;
     std::vector<keel::gate> gates;
     gates.emplace_back("residency", [](const keel::labels& c, const keel::path& alt) {
@@ -1181,7 +1501,7 @@ class gateway_core {
                                             .at_most = plan.fallback,
                                             .provider_call = false})),
             shed_switch{&shed_[idx(work_class::interactive)], work_class_names[idx(work_class::interactive)]},
-            quotas_.for_model(m.quota_key)
+            rt.quotas.for_model(m.quota_key)
                 .with_estimate(keel::from_request<interactive_request>(
                     [](const interactive_request& r) { return r.model.token_estimate; }, std::int64_t{0}))
                 .with_tenant_key(keel::from_request<interactive_request>(
@@ -1211,11 +1531,11 @@ class gateway_core {
   // and, when it fails before its first token or is cut after it, the
   // second model behind its own breaker. Built once; shared by every request.
   std::function<absl::StatusOr<keel::stream_result>(keel::call&, keel::time_point, chat_stream&, chat_route&)>
-  chat_pipeline(model_state& m) {
+  chat_pipeline(routing& rt, model_state& m) {
     auto outer =
         keel::pipeline(
             shed_switch{&shed_[idx(work_class::interactive)], work_class_names[idx(work_class::interactive)]},
-            quotas_.for_model(m.quota_key)
+            rt.quotas.for_model(m.quota_key)
                 .with_estimate(keel::from_request<chat_call>([](const chat_call& c) { return c.reserved; },
                                                              std::int64_t{0}))
                 .with_tenant_key(keel::from_request<chat_call>(
@@ -1255,10 +1575,10 @@ class gateway_core {
   // admission (the input's tokens), an interactive slot, retry under the
   // service's budget, the deployment's breaker. Built once.
   std::function<absl::StatusOr<std::string>(keel::call&, keel::time_point, const detail::json&)>
-  embeddings_pipeline(model_state& m) {
+  embeddings_pipeline(routing& rt, model_state& m) {
     auto pipe = keel::pipeline(
                     shed_switch{&shed_[idx(work_class::interactive)], work_class_names[idx(work_class::interactive)]},
-                    quotas_.for_model(m.quota_key)
+                    rt.quotas.for_model(m.quota_key)
                         .with_estimate(keel::from_request<embeddings_call>(
                             [](const embeddings_call& c) { return c.reserved; }, std::int64_t{0}))
                         .with_tenant_key(keel::from_request<embeddings_call>(
@@ -1343,13 +1663,6 @@ class gateway_core {
     return keel::failure_domain{.endpoint = primary_->name()};
   }
 
-  [[nodiscard]] const tenant_state& tenant_of(std::string_view name) const {
-    for (const tenant_state& t : tenants_) {
-      if (t.config->name == name) return t;
-    }
-    return default_tenant_state_;
-  }
-
   // The request's tenant: the authenticated key's (a body naming another is
   // refused), else the body's "tenant".
   [[nodiscard]] static absl::StatusOr<std::string> request_tenant(const detail::json& j,
@@ -1362,7 +1675,7 @@ class gateway_core {
     return std::string(*caller);
   }
 
-  [[nodiscard]] absl::StatusOr<feedback_request> parse_feedback(std::string_view body,
+  [[nodiscard]] absl::StatusOr<feedback_request> parse_feedback(const routing& rt, std::string_view body,
                                                                 const std::optional<std::string_view>& key,
                                                                 std::optional<std::string_view> caller) const {
     absl::StatusOr<detail::json> j = detail::parse_object(body);
@@ -1381,16 +1694,16 @@ class gateway_core {
       if (!v.ok()) return v.status();
       *out = std::move(*v);
     }
-    absl::StatusOr<std::string> m = detail::string_field(*j, "model", 64, options_.models.front().name);
+    absl::StatusOr<std::string> m = detail::string_field(*j, "model", 64, rt.default_model());
     if (!m.ok()) return m.status();
     r.model = std::move(*m);
     if (absl::Status s = detail::check_name("tenant", r.tenant); !s.ok()) return s;
     if (absl::Status s = detail::check_name("question_id", r.question_id); !s.ok()) return s;
-    if (!models_.contains(r.model)) return detail::bad_input(cat("unknown model '", r.model, "'"));
+    if (rt.find(r.model) == nullptr) return detail::bad_input(cat("unknown model '", r.model, "'"));
     return r;
   }
 
-  [[nodiscard]] absl::StatusOr<batch_request> parse_batch(std::string_view body,
+  [[nodiscard]] absl::StatusOr<batch_request> parse_batch(const routing& rt, std::string_view body,
                                                           const std::optional<std::string_view>& key,
                                                           std::optional<std::string_view> caller) const {
     absl::StatusOr<detail::json> j = detail::parse_object(body);
@@ -1402,11 +1715,11 @@ class gateway_core {
     if (!tenant.ok()) return tenant.status();
     absl::StatusOr<std::string> learner = detail::string_field(*j, "learner", 64);
     if (!learner.ok()) return learner.status();
-    absl::StatusOr<std::string> model = detail::string_field(*j, "model", 64, options_.models.front().name);
+    absl::StatusOr<std::string> model = detail::string_field(*j, "model", 64, rt.default_model());
     if (!model.ok()) return model.status();
     if (absl::Status s = detail::check_name("tenant", *tenant); !s.ok()) return s;
     if (absl::Status s = detail::check_name("learner", *learner); !s.ok()) return s;
-    if (!models_.contains(*model)) return detail::bad_input(cat("unknown model '", *model, "'"));
+    if (rt.find(*model) == nullptr) return detail::bad_input(cat("unknown model '", *model, "'"));
     const auto sessions = j->find("sessions");
     if (sessions == j->end() || !sessions->is_array() || sessions->empty() || sessions->size() > 50) {
       return detail::bad_input("'sessions' must be an array of 1-50 strings");
@@ -1423,17 +1736,17 @@ class gateway_core {
                          .payload = detail::dump(payload)};
   }
 
-  [[nodiscard]] absl::StatusOr<chat_request> parse_chat(std::string_view body,
+  [[nodiscard]] absl::StatusOr<chat_request> parse_chat(const routing& rt, std::string_view body,
                                                         std::optional<std::string_view> caller) const {
     absl::StatusOr<detail::json> j = detail::parse_object(body);
     if (!j.ok()) return j.status();
     chat_request r;
     absl::StatusOr<std::string> tenant = request_tenant(*j, caller);
     if (!tenant.ok()) return tenant.status();
-    absl::StatusOr<std::string> model = detail::string_field(*j, "model", 64, options_.models.front().name);
+    absl::StatusOr<std::string> model = detail::string_field(*j, "model", 64, rt.default_model());
     if (!model.ok()) return model.status();
     if (absl::Status s = detail::check_name("tenant", *tenant); !s.ok()) return s;
-    if (!models_.contains(*model)) return detail::bad_input(cat("unknown model '", *model, "'"));
+    if (rt.find(*model) == nullptr) return detail::bad_input(cat("unknown model '", *model, "'"));
     r.tenant = std::move(*tenant);
     r.model = std::move(*model);
     const auto messages = j->find("messages");
@@ -1464,6 +1777,12 @@ class gateway_core {
       r.stream = st->get<bool>();
     }
     r.input_tokens = static_cast<std::int64_t>(r.prompt.size() / 4 + 1);
+    detail::json held = *j;
+    held.erase("stream");
+    held.erase("stream_options");
+    held["tenant"] = r.tenant;  // the key's, when the body left it out
+    held["model"] = r.model;
+    r.digest = keel::digest_builder().field("chat.completions", detail::dump(held)).finish();
     return r;
   }
 
@@ -1650,13 +1969,17 @@ class gateway_core {
     keel::metric_family_snapshot upstream_calls =
         counter("gateway_upstream_calls_total", "Completions and streams sent to the HTTP model upstreams, by result.",
                 {"upstream", "result"});
-    for (const http_upstream* u : http_upstreams()) {
+    const std::shared_ptr<routing> rt = routing_now();
+    for (const http_upstream* u : upstreams_in(*rt)) {
       const upstream_figures f = u->figures();
       upstream_calls.series.push_back({.labels = {u->name(), "answered"}, .value = static_cast<double>(f.answered)});
       upstream_calls.series.push_back({.labels = {u->name(), "failed"}, .value = static_cast<double>(f.failed)});
     }
+    keel::metric_family_snapshot generation =
+        gauge("gateway_config_generation", "The configuration plan serving new requests: 1 at start, +1 per applied reload.", {});
+    generation.series.push_back({.labels = {}, .value = static_cast<double>(rt->generation)});
     for (auto* f : {&active, &queued, &refused, &breaker, &calls, &abandoned, &shed, &jobs, &readable, &budget, &streams,
-                    &guard, &upstream_calls}) {
+                    &guard, &upstream_calls, &generation}) {
       s.families.push_back(std::move(*f));
     }
   }
@@ -1673,14 +1996,27 @@ class gateway_core {
   std::unique_ptr<fleet_sharing> fleet_;  // with a Redis only; after breakers_, which it refers to
   keel::retry_budget budget_;
   keel::bulkhead pools_;
-  keel::admission quotas_;
   keel::slo_tracker slos_;
-  std::map<std::string, std::unique_ptr<model_state>, std::less<>> models_;
-  tenant_config default_tenant_{.name = "", .region = options_.region};
-  std::vector<tenant_state> tenants_;  // options_.tenants, with their quota keys
-  tenant_state default_tenant_state_{.config = &default_tenant_};
+  // The plan serving now (reload() replaces it) and the first, which the
+  // batch workers' adaptive timeout lives in.
+  mutable std::mutex routing_mu_;
+  std::shared_ptr<routing> routing_;
+  std::shared_ptr<routing> start_routing_;
+  std::mutex reload_mu_;
+  // The attempts that failed chat requests spent, by what ties their
+  // retries (tie_of).
+  struct spent_attempts {
+    int attempts = 0;
+    keel::time_point until{};
+  };
+  static constexpr std::size_t kMaxTies = 100'000;
+  std::mutex spent_mu_;
+  std::map<std::string, spent_attempts, std::less<>> spent_;
   std::unique_ptr<keel::sqlite_store<>> ids_;
   once_type once_;
+  // Keyed chat requests: their own keel::once over keel.db, answering a
+  // duplicate in flight at once (409) instead of holding it for a stream.
+  once_type chat_once_;
   std::unique_ptr<JobStore> jobs_;
   queue_type queue_;
   std::unique_ptr<effect_log> effects_;
@@ -1706,6 +2042,7 @@ class gateway_core {
   keel::metric_family<keel::histogram_metric>* latency_ = nullptr;
   keel::counter_metric* effect_errors_ = nullptr;
   keel::metric_family<keel::counter_metric>* http_refusals_ = nullptr;
+  keel::metric_family<keel::counter_metric>* reloads_ = nullptr;
   keel::counter_metric* effects_replayed_ = nullptr;
   std::function<void(std::string_view)> effect_hook_;  // set before requests run
 };

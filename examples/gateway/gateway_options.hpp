@@ -19,6 +19,7 @@
 // Thread-safety: plain values.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -323,6 +324,11 @@ struct gateway_options {
     if (idempotency_lease <= interactive.deadline)
       return keel::detail::invalid_field(who, "idempotency_lease", "exceed the interactive deadline",
                                          idempotency_lease);
+    // A record outlives the claim that holds it: the feedback lease, and a
+    // keyed chat request's (its deadline + 10 s).
+    if (idempotency_retention <= std::max(idempotency_lease, chat.deadline + 10s))
+      return keel::detail::invalid_field(who, "idempotency_retention",
+                                         "exceed idempotency_lease and chat.deadline + 10 s", idempotency_retention);
     if (batch_workers < 0) return keel::detail::invalid_field(who, "batch_workers", "be >= 0", batch_workers);
     if (http_threads < 4) return keel::detail::invalid_field(who, "http_threads", "be >= 4", http_threads);
     if (max_body_bytes < 1024)

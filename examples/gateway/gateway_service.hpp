@@ -57,6 +57,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 
 #include "absl/status/status.h"
@@ -163,9 +164,7 @@ class service {
   // at most 128 bytes) or one made here, so a report names one request.
   http_response route(const http_request& req) {
     std::string id;
-    if (const std::optional<std::string_view> given = req.header("x-request-id");
-        given && !given->empty() && given->size() <= 128 &&
-        std::all_of(given->begin(), given->end(), [](char c) { return c > 0x20 && c < 0x7f; })) {
+    if (const std::optional<std::string_view> given = req.header("x-request-id"); given && client_request_id(*given)) {
       id = std::string(*given);
     } else {
       id = cat("req_", next_request_id_.fetch_add(1, std::memory_order_relaxed), "_", instance_);
@@ -173,6 +172,11 @@ class service {
     http_response out = serve(req);
     out.headers.emplace_back("x-request-id", std::move(id));
     return out;
+  }
+
+  // A request id the client may give: printable ASCII, 1-128 bytes.
+  [[nodiscard]] static bool client_request_id(std::string_view v) {
+    return !v.empty() && v.size() <= 128 && std::all_of(v.begin(), v.end(), [](char c) { return c > 0x20 && c < 0x7f; });
   }
 
   // The client's own timeout, from the SDKs' X-Stainless-Timeout: whole
@@ -190,13 +194,14 @@ class service {
 
   // With API keys configured, the tenant of the request's Bearer key
   // (find_by_key_digest); an error naming what is wrong otherwise.
-  [[nodiscard]] absl::StatusOr<std::string> authenticate(const http_request& req) const {
+  [[nodiscard]] static absl::StatusOr<std::string> authenticate(const http_request& req,
+                                                                const std::vector<api_key>& keys) {
     if (req.header_count("Authorization") != 1)
       return absl::UnauthenticatedError("send one Authorization: Bearer <API key> header");
     const std::string_view v = *req.header("Authorization");
     if (v.size() < 8 || !detail::iequals(v.substr(0, 7), "Bearer "))
       return absl::UnauthenticatedError("the Authorization header must be Bearer <API key>");
-    const api_key* found = find_by_key_digest(core_->options().api_keys, &api_key::sha256, v.substr(7));
+    const api_key* found = find_by_key_digest(keys, &api_key::sha256, v.substr(7));
     if (found == nullptr) return absl::UnauthenticatedError("incorrect API key provided");
     return found->tenant;
   }
@@ -205,8 +210,10 @@ class service {
     const std::string_view path = req.path, method = req.method;
     const std::string_view endpoint = endpoint_of(path);
     std::optional<std::string> caller;
-    if (path.starts_with("/v1/") && !core_->options().api_keys.empty()) {
-      absl::StatusOr<std::string> t = authenticate(req);
+    // The keys of the plan serving now (a reload may replace them).
+    const std::shared_ptr<const std::vector<api_key>> keys = core_->api_keys();
+    if (path.starts_with("/v1/") && !keys->empty()) {
+      absl::StatusOr<std::string> t = authenticate(req, *keys);
       if (!t.ok()) {
         http_response r = to_http(core_->unauthorized(endpoint, std::string(t.status().message())));
         r.headers.emplace_back("WWW-Authenticate", "Bearer");
@@ -229,7 +236,11 @@ class service {
       return to_http(
           keyed([&](std::string_view b, const std::optional<std::string_view>& k) { return core_->feedback(b, k, info); }));
     }
-    if (method == "POST" && endpoint == "chat") return chat(req, caller, info.timeout);
+    if (method == "POST" && endpoint == "chat") {
+      if (req.header_count("Idempotency-Key") > 1)
+        return to_http(core_->http_refused(endpoint, "malformed", 400, "send exactly one Idempotency-Key header"));
+      return chat(req, caller, info.timeout);
+    }
     if (method == "POST" && endpoint == "batch") {
       return to_http(keyed(
           [&](std::string_view b, const std::optional<std::string_view>& k) { return core_->batch_submit(b, k, info); }));
@@ -266,9 +277,13 @@ class service {
     return {.content_type = "text/event-stream",
             .stream = [this, &req, caller = std::move(caller), timeout](http_stream& s) -> http_response {
               stream_sink sink(s);
+              const std::optional<std::string_view> given = req.header("x-request-id");
               const reply r = core_->chat_completions(
                   req.body, &sink,
-                  {.tenant = caller ? std::optional<std::string_view>(*caller) : std::nullopt, .timeout = timeout});
+                  {.tenant = caller ? std::optional<std::string_view>(*caller) : std::nullopt,
+                   .timeout = timeout,
+                   .idempotency_key = req.header("Idempotency-Key"),
+                   .request_id = given && client_request_id(*given) ? given : std::nullopt});
               if (r.streamed) return {};
               return to_http(r);
             }};
@@ -305,6 +320,8 @@ class service {
       out.headers.emplace_back("Retry-After", std::to_string((ms + 999) / 1000));
     }
     if (r.should_retry) out.headers.emplace_back("x-should-retry", *r.should_retry ? "true" : "false");
+    // A recorded answer sent again (Stripe's name for it; the IETF draft has none).
+    if (r.replayed) out.headers.emplace_back("Idempotent-Replayed", "true");
     return out;
   }
 

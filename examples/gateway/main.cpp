@@ -12,6 +12,8 @@
 //                                config/demo.toml); faults go to the primary's /control/fault
 //   gateway                      the same demo with the model simulated in-process
 //   gateway --config FILE        serve as FILE says (listen address, upstreams, models, clients)
+//                                SIGHUP reads FILE again: new requests get its plan, requests in
+//                                flight finish on theirs, a bad file is refused (docs/gateway.md)
 //   gateway --check-config FILE  validate FILE and exit (0: ok, 2: the error, naming line and field)
 //   gateway --serve PORT [DIR]   serve on 127.0.0.1:PORT (0-65535; 0: a free one) until Ctrl-C
 //                                (data in DIR, or a temporary one), the model simulated in-process
@@ -36,6 +38,9 @@
 #include <unistd.h>
 
 #include <httplib.h>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 
 #include "config.hpp"
 #include "gateway_service.hpp"
@@ -74,6 +79,7 @@ struct event_log {
 };
 
 volatile std::sig_atomic_t interrupted = 0;
+volatile std::sig_atomic_t reload_requested = 0;
 
 void on_signals() {
   std::signal(SIGINT, [](int) { interrupted = 1; });
@@ -119,6 +125,7 @@ int serve_config(const char* path) {
     return 2;
   }
   if (!redis_flag.empty()) o->fleet.redis = redis_flag;
+  const std::string listen = cfg->listen;
   auto svc = gateway::service::open(*o);
   if (!svc.ok()) {
     std::fprintf(stderr, "gateway: %s\n", std::string(svc.status().message()).c_str());
@@ -133,7 +140,31 @@ int serve_config(const char* path) {
               o->upstream_backup ? o->upstream_backup->base_url.c_str() : "(no second)");
   std::fflush(stdout);
   on_signals();
-  while (!interrupted) std::this_thread::sleep_for(100ms);
+  // SIGHUP: read the file again; new requests get the new plan, requests
+  // in flight finish on theirs, and a bad file leaves the plan as it was.
+  std::signal(SIGHUP, [](int) { reload_requested = 1; });
+  while (!interrupted) {
+    std::this_thread::sleep_for(50ms);
+    if (!reload_requested) continue;
+    reload_requested = 0;
+    absl::StatusOr<gateway::gateway_config> next = gateway::load_config(path);
+    absl::StatusOr<gateway::gateway_options> next_options =
+        next.ok() ? gateway::with_upstreams(*next) : absl::StatusOr<gateway::gateway_options>(next.status());
+    if (next_options.ok() && !redis_flag.empty()) next_options->fleet.redis = redis_flag;
+    auto done = (*svc)->core().reload(std::move(next_options));
+    if (!done.ok()) {
+      std::fprintf(stderr, "gateway: reload refused, the plan serving stays: %s\n",
+                   std::string(done.status().message()).c_str());
+      continue;
+    }
+    if (next->listen != listen) done->kept_until_restart.push_back("gateway.listen");
+    std::string kept;
+    for (const std::string& f : done->kept_until_restart) absl::StrAppend(&kept, kept.empty() ? "" : ", ", f);
+    std::printf("gateway: reloaded %s: plan %lld serves new requests%s%s%s\n", path,
+                static_cast<long long>(done->generation), kept.empty() ? "" : " (kept until a restart: ",
+                kept.c_str(), kept.empty() ? "" : ")");
+    std::fflush(stdout);
+  }
   (*svc)->stop();
   return 0;
 }

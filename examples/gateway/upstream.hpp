@@ -69,6 +69,8 @@ struct http_upstream_options {
   std::size_t max_connections = 64;            // kept-alive connections (pooled handles)
   keel::duration connect_timeout = std::chrono::seconds(2);
 
+  bool operator==(const http_upstream_options&) const = default;
+
   [[nodiscard]] absl::Status validate() const {
     constexpr std::string_view who = "http_upstream_options";
     if (name.empty()) return keel::detail::invalid_field(who, "name", "not be empty", "\"\"");
