@@ -548,3 +548,22 @@ TEST_CASE("a write the store lost in transit is 503 unknown_outcome, not a bare 
   CHECK(gateway::detail::error_reply(absl::UnknownError("a bug")).status == 500);
   CHECK(gateway::detail::error_reply(absl::UnavailableError("down")).status == 503);
 }
+
+TEST_CASE("a batch job has one spelling: a sign, a leading zero or a non-digit is not its id", "[service][batch]") {
+  temp_dir dir;
+  gateway::gateway_options o = seed_options(dir.path());
+  o.batch_workers = 0;
+  kt::manual_clock clock;
+  clock.auto_advance(true);
+  auto core = open_core(o, clock);
+  const gateway::reply queued = core->batch_submit(
+      json{{"tenant", "acme"}, {"learner", "l-1"}, {"sessions", {"s-1"}}}.dump(), "report-1");
+  REQUIRE(queued.status == 202);
+  const std::string id = std::to_string(parse(queued)["job_id"].get<std::int64_t>());
+  REQUIRE(id == "1");
+  CHECK(core->batch_status(id, "acme").status == 200);
+  for (const std::string bad : {"+1", "01", "1 ", " 1", "0x1", "1e0", "-1", "0", "", "99999999999999999999"}) {
+    INFO("id '" << bad << "'");
+    CHECK(core->batch_status(bad, "acme").status == 400);
+  }
+}

@@ -961,3 +961,41 @@ TEST_CASE("a client's retries tied by an Idempotency-Key share one attempt cap: 
   CHECK(own_id_calls <= cap);
   CHECK(own_id.should_retry == "false");
 }
+
+TEST_CASE("each model's stream budgets are its own: the file's first-token budget cuts that model's slow first "
+          "token and no other's",
+          "[service][upstreams][chat][config]") {
+  temp_dir dir;
+  mock_upstream a(dir, "mock-a", {"--latency-ms", "5", "--tokens", "6"}), b(dir, "mock-b", {"--latency-ms", "5", "--tokens", "6"});
+  const std::string text = "[gateway]\nlisten = \"127.0.0.1:0\"\ndata_dir = \"" + dir.path() +
+                           "\"\ndefault_model = \"patient\"\n"
+                           "[upstreams.mock-a]\nbase_url = \"" + a.url() + "\"\n"
+                           "[upstreams.mock-b]\nbase_url = \"" + b.url() + "\"\n"
+                           "[models.patient]\n"
+                           "deployments = [{ upstream = \"mock-a\", model = \"p-1\" }, { upstream = \"mock-b\", model = \"p-2\" }]\n"
+                           "deadline = \"10s\"\nfirst_token = \"3s\"\nattempts = 1\n"
+                           "[models.eager]\n"
+                           "deployments = [{ upstream = \"mock-a\", model = \"e-1\" }, { upstream = \"mock-b\", model = \"e-2\" }]\n"
+                           "deadline = \"10s\"\nfirst_token = \"250ms\"\nattempts = 1\n";
+  absl::StatusOr<gateway::gateway_options> o = options_of(text);
+  REQUIRE(o.ok());
+  auto svc = start(*o);
+  a.fault({{"kind", "slow_first_token"}, {"first_token_ms", 800}});
+  auto ask = [&](const std::string& model) {
+    json body = chat_for(model, 6, false);
+    body["tenant"] = "acme";
+    return call(svc->port(), "POST", "/v1/chat/completions", body, {});
+  };
+  const http_answer eager = ask("eager");
+  INFO(eager.body.dump());
+  REQUIRE(eager.status == 200);
+  CHECK(eager.body["keel"]["failed_over"] == true);  // 250 ms passed without a token: mock-b answered
+  CHECK(eager.body["keel"]["served_by"] == "backup:mock-b/e-2");
+  const http_answer patient = ask("patient");
+  INFO(patient.body.dump());
+  REQUIRE(patient.status == 200);
+  CHECK(patient.body["keel"]["failed_over"] == false);  // 800 ms is within its 3 s
+  CHECK(patient.body["keel"]["complete"] == true);
+  CHECK(stat(b.stats(), "requests", "chat") == 1);
+  CHECK(healthz(svc->port())["streams"]["first_token_timeouts"] == 1);
+}

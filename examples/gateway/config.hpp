@@ -499,7 +499,7 @@ inline void read_gateway(const source& src, const toml::table& root, gateway_con
   if (std::optional<keel::duration> d = g.duration("idempotency_retention")) {
     if (*d < cfg.options.idempotency_lease)
       g.fail("idempotency_retention", cat("must be at least the idempotency lease (",
-                                          keel::detail::describe(cfg.options.idempotency_lease), ")"));
+                                          keel::describe_duration(cfg.options.idempotency_lease), ")"));
     cfg.options.idempotency_retention = *d;
   }
   if (std::optional<std::string> r = g.string("redis")) {
@@ -825,7 +825,7 @@ inline gateway_config build(const source& src, const toml::table& root) {
   o.retry_budget = def->retry_budget;
   o.models.clear();
   for (const model_route& r : cfg.models)
-    o.models.push_back({.name = r.name, .digest = r.digest, .token_estimate = r.token_estimate});
+    o.models.push_back({.name = r.name, .digest = r.digest, .token_estimate = r.token_estimate, .chat = r.chat(o.chat)});
   o.tenants.clear();
   for (const client_key& c : cfg.clients) {
     bool seen = false;

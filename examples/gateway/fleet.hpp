@@ -53,7 +53,7 @@ struct fleet_config {
     const char* end = redis.data() + redis.size();
     if (colon == std::string::npos || colon == 0 ||
         std::from_chars(redis.data() + colon + 1, end, port).ptr != end)
-      return keel::detail::invalid_field("gateway_options.fleet", "redis", "be host:port", redis);
+      return keel::invalid_option("gateway_options.fleet", "redis", "be host:port", redis);
     keel::redis_options r{.host = redis.substr(0, colon),
                           .port = port,
                           .key_prefix = key_prefix,

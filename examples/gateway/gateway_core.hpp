@@ -61,6 +61,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <charconv>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -72,6 +73,7 @@
 #include <stop_token>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -79,7 +81,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "text.hpp"
 #include "keel/compose/executor.hpp"
@@ -517,12 +518,16 @@ class gateway_core {
     absl::StatusOr<std::string> key = detail::check_idempotency_key(caller.idempotency_key);
     if (!key.ok()) return answered("chat", detail::error_reply(key.status()));
     const keel::request_identity id{.tenant = rq.tenant, .endpoint = "chat", .key = *key};
-    keel::call claim(t0, {.timeout = options_.chat.deadline, .stop = stop_.get_token()});
+    keel::call claim(t0, {.timeout = rt->find(rq.model)->budgets.deadline, .stop = stop_.get_token()});
     std::optional<reply> fresh;
     absl::StatusOr<keel::once_result> r =
-        chat_once_.run(claim, id, rq.digest, [&](const keel::claim_context&) -> absl::StatusOr<keel::decision> {
+        chat_once_.run(claim, id, rq.digest, [&](const keel::claim_context& c) -> absl::StatusOr<keel::decision> {
           std::string completion;
-          fresh = serve_chat(*rt, rq, sink, caller, t0, &completion);
+          // Never past the claim's lease: a duplicate may take the key over after it.
+          caller_info within = caller;
+          const keel::duration lease_left = c.deadline.remaining(clock_.now());
+          within.timeout = caller.timeout ? std::min(*caller.timeout, lease_left) : lease_left;
+          fresh = serve_chat(*rt, rq, sink, within, t0, &completion);
           // Only a complete answer is the key's; anything else leaves it free.
           if (completion.empty()) return absl::AbortedError("not a complete answer: not recorded");
           return keel::decision{.model_digest = rq.model, .result = std::move(completion)};
@@ -591,9 +596,14 @@ class gateway_core {
 
   // GET /v1/batch/<id>?tenant=<tenant>
   reply batch_status(std::string_view id_text, const std::optional<std::string_view>& tenant) {
+    // One spelling per job: digits only, no sign, no leading zero ("+1" and
+    // "01" are not job 1; a lenient parse would let two paths name one job).
     std::int64_t id = 0;
-    if (!absl::SimpleAtoi(keel::detail::to_absl(id_text), &id) || id <= 0) {
-      return answered("batch_status", detail::error_reply(detail::bad_input("the job id must be a positive integer")));
+    const bool canonical = !id_text.empty() && id_text.size() <= 18 && id_text.front() != '0' &&
+                           std::all_of(id_text.begin(), id_text.end(), [](char c) { return c >= '0' && c <= '9'; });
+    if (!canonical || std::from_chars(id_text.data(), id_text.data() + id_text.size(), id).ec != std::errc()) {
+      return answered("batch_status", detail::error_reply(detail::bad_input("the job id must be a positive integer, "
+                                                                            "in digits without a sign or leading zero")));
     }
     if (!tenant) return answered("batch_status", detail::error_reply(detail::bad_input("'tenant' is required")));
     if (absl::Status s = detail::check_name("tenant", *tenant); !s.ok()) {
@@ -776,7 +786,7 @@ class gateway_core {
                               {"requests", s.in_window.requests()}};
       }
       out["slo"] = slos;
-      const keel::stream_figures g = guard_.figures();
+      const keel::stream_figures g = stream_totals();
       out["streams"] = {{"attempts", g.attempts},
                         {"committed", g.committed},
                         {"first_token_timeouts", g.first_token_timeouts},
@@ -785,7 +795,7 @@ class gateway_core {
                         {"hedges_started", g.hedges_started},
                         {"hedge_wins", g.hedge_wins},
                         {"continuations", g.continuations},
-                        {"hedge_delay_ms", std::chrono::duration<double, std::milli>(guard_.current_hedge_delay()).count()},
+                        {"hedge_delay_ms", std::chrono::duration<double, std::milli>(stream_guard().current_hedge_delay()).count()},
                         {"backup", {{"provider", second_->name()},
                                     {"fault", http_backup_ ? "upstream" : std::string(to_string(backup_.current_fault().kind))}}}};
       if (const std::shared_ptr<routing> rt = routing_now(); http_primary_ != nullptr) {
@@ -938,7 +948,27 @@ class gateway_core {
   [[nodiscard]] std::shared_ptr<const std::vector<api_key>> api_keys() const { return routing_now()->api_keys; }
   [[nodiscard]] std::int64_t plan_generation() const { return routing_now()->generation; }
 
-  guard_type& stream_guard() noexcept { return guard_; }
+  // The default model's stream guard in the plan serving now.
+  guard_type& stream_guard() { const auto rt = routing_now(); return *rt->find(rt->default_model())->guard; }
+  // What every model's stream guard did, summed (each model has its own budgets).
+  [[nodiscard]] keel::stream_figures stream_totals() const {
+    keel::stream_figures t;
+    std::lock_guard lock(guards_mu_);
+    for (const auto& [name, g] : guards_) {
+      const keel::stream_figures f = g->figures();
+      t.attempts += f.attempts;
+      t.committed += f.committed;
+      t.first_token_timeouts += f.first_token_timeouts;
+      t.stalls += f.stalls;
+      t.whole_timeouts += f.whole_timeouts;
+      t.mid_stream_failures += f.mid_stream_failures;
+      t.hedges_started += f.hedges_started;
+      t.hedge_wins += f.hedge_wins;
+      t.hedges_skipped += f.hedges_skipped;
+      t.continuations += f.continuations;
+    }
+    return t;
+  }
   keel::breaker_registry& breakers() noexcept { return breakers_; }
   keel::circuit_breaker& provider_breaker() { return breakers_.breaker_for(provider_domain()); }
   // What the replicas share through Redis; null without one.
@@ -987,8 +1017,13 @@ class gateway_core {
 
   struct model_state {
     explicit model_state(model_config c, const gateway_options& o)
-        : config(std::move(c)), interactive_timeout(o.model_timeout), batch_timeout(o.batch_timeout) {}
+        : config(std::move(c)),
+          budgets(config.chat.value_or(o.chat)),
+          interactive_timeout(o.model_timeout),
+          batch_timeout(o.batch_timeout) {}
     model_config config;
+    chat_config budgets;  // its stream budgets, hedge and attempts (model_config::chat, else the gateway's)
+    guard_type* guard = nullptr;  // the stream guard with those budgets (guard_for())
     keel::adaptive_timeout interactive_timeout;
     keel::adaptive_timeout batch_timeout;
     keel::admission_key quota_key;  // the model's quota, resolved once
@@ -1083,12 +1118,12 @@ class gateway_core {
         std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
     const std::string id = cat("chatcmpl-", chat_ids_.fetch_add(1, std::memory_order_relaxed) + 1);
     chat_relay relay(streaming ? sink : nullptr, id, created, rq.model, stop);
-    chat_stream stream(guard_, relay_token{&relay});
+    chat_stream stream(*model.guard, relay_token{&relay});
     stream.reserve(static_cast<std::size_t>(rq.max_tokens) * 8);
     // A client's retry of a request that failed here continues its attempt
     // count (the cap is the request's, not each retry's) and spends the
     // retry budget instead of depositing a new request.
-    const int cap = 2 * options_.chat.attempts + 4;
+    const int cap = 2 * model.budgets.attempts + 4;
     const std::string tie = tie_of(rq, caller);
     const int spent = tie.empty() ? 0 : attempts_spent(tie, t0);
     if (spent >= cap) {
@@ -1100,8 +1135,8 @@ class gateway_core {
       return answered("chat", std::move(e));
     }
     keel::call call(t0,
-                    {.timeout = caller.timeout ? std::min(options_.chat.deadline, *caller.timeout)
-                                               : options_.chat.deadline,
+                    {.timeout = caller.timeout ? std::min(model.budgets.deadline, *caller.timeout)
+                                               : model.budgets.deadline,
                      .stop = stop.get_token(),
                      .labels = {.tenant = rq.tenant,
                                 .model = rq.model,
@@ -1127,7 +1162,7 @@ class gateway_core {
     const keel::time_point done = clock_.now();
     stream_metrics_.record(rq.model, r);
     keel::record_time_to_first_token(*chat_ttft_, r, done);
-    if (!tie.empty()) note_attempts(tie, r.ok() ? 0 : call.record().attempts, done);
+    if (!tie.empty()) note_attempts(tie, r.ok() ? 0 : call.record().attempts, done + model.budgets.deadline);
 
     if (!r.ok()) {
       const absl::Status& s = r.status();
@@ -1221,7 +1256,7 @@ class gateway_core {
     return {};
   }
 
-  // Attempts the failed requests tied by `tie` spent, within chat.deadline of the last.
+  // Attempts the failed requests tied by `tie` spent, within the model's chat deadline of the last.
   [[nodiscard]] int attempts_spent(const std::string& tie, keel::time_point now) {
     std::lock_guard lock(spent_mu_);
     const auto it = spent_.find(tie);
@@ -1233,8 +1268,9 @@ class gateway_core {
     return it->second.attempts;
   }
 
-  // Adds a failed request's attempts to its tie (0: it was answered; the tie is forgotten).
-  void note_attempts(const std::string& tie, int attempts, keel::time_point now) {
+  // Adds a failed request's attempts to its tie, remembered until `until`
+  // (0 attempts: it was answered; the tie is forgotten).
+  void note_attempts(const std::string& tie, int attempts, keel::time_point until) {
     std::lock_guard lock(spent_mu_);
     if (attempts <= 0) {
       spent_.erase(tie);
@@ -1243,12 +1279,13 @@ class gateway_core {
     if (spent_.size() >= kMaxTies) {
       // Full: drop what has lapsed; if still full, this tie goes unremembered
       // (its retries get a whole cap again, as without a key).
+      const keel::time_point now = clock_.now();
       for (auto it = spent_.begin(); it != spent_.end();) it = it->second.until <= now ? spent_.erase(it) : std::next(it);
       if (spent_.size() >= kMaxTies) return;
     }
     spent_attempts& e = spent_[tie];
     e.attempts += attempts;
-    e.until = now + options_.chat.deadline;
+    e.until = until;
   }
 
   // A plan from `o`. Every configured tenant and model is an override in the
@@ -1276,12 +1313,37 @@ class gateway_core {
       }
       state->primary = state->own_primary ? state->own_primary.get() : primary_;
       state->second = state->own_second ? state->own_second.get() : state->own_primary ? state->primary : second_;
+      state->guard = &guard_for(m.name, state->budgets);
       state->interactive = interactive_pipeline(*rt, *state);
       state->chat = chat_pipeline(*rt, *state);
       state->embed = embeddings_pipeline(*rt, *state);
       rt->routes.emplace(m.name, std::move(state));
     }
     return rt;
+  }
+
+  // Model `model`'s stream guard for budgets `c`: the one it had when they
+  // are unchanged (its learned hedge delay carries over a reload), else a
+  // new one. Guards are kept for the gateway's life: requests on an old
+  // plan may still use theirs, and their figures stay in the totals.
+  guard_type& guard_for(const std::string& model, const chat_config& c) {
+    const keel::stream_options o{.first_token = c.first_token,
+                                 .stall = c.stall,
+                                 .whole = c.whole,
+                                 .hedge_delay = c.hedge_delay,
+                                 .hedge_percentile = c.hedge_percentile,
+                                 .hedge_min_delay = c.hedge_min_delay,
+                                 .budget = &budget_};
+    std::lock_guard lock(guards_mu_);
+    for (const auto& [name, g] : guards_) {
+      const keel::stream_options& h = g->options();
+      if (name == model && h.first_token == o.first_token && h.stall == o.stall && h.whole == o.whole &&
+          h.hedge_delay == o.hedge_delay && h.hedge_percentile == o.hedge_percentile &&
+          h.hedge_min_delay == o.hedge_min_delay)
+        return *g;
+    }
+    guards_.emplace_back(model, std::make_unique<guard_type>(o, hedge_pool_, clock_));
+    return *guards_.back().second;
   }
 
   // The serving plan's upstream with these very options, else a new one.
@@ -1304,13 +1366,9 @@ class gateway_core {
         {"fleet.redis", o.fleet.redis != was.fleet.redis},
         {"idempotency_retention", o.idempotency_retention != was.idempotency_retention},
         {"interactive.deadline", o.interactive.deadline != was.interactive.deadline},
-        {"chat.deadline", o.chat.deadline != was.chat.deadline},
-        {"chat.first_token", o.chat.first_token != was.chat.first_token},
-        {"chat.stall", o.chat.stall != was.chat.stall},
-        {"chat.attempts", o.chat.attempts != was.chat.attempts},
-        {"chat.hedge", o.chat.hedge_delay != was.chat.hedge_delay ||
-                           o.chat.hedge_percentile != was.chat.hedge_percentile ||
-                           o.chat.hedge_min_delay != was.chat.hedge_min_delay},
+        {"chat (slots, hedge threads, token limits)", o.chat.slots != was.chat.slots ||
+                                                           o.chat.hedge_threads != was.chat.hedge_threads ||
+                                                           o.chat.max_tokens_limit != was.chat.max_tokens_limit},
         {"breaker", o.breaker.window_calls != was.breaker.window_calls ||
                         o.breaker.failure_rate_threshold != was.breaker.failure_rate_threshold ||
                         o.breaker.open_duration != was.breaker.open_duration ||
@@ -1407,14 +1465,6 @@ class gateway_core {
                 : http_primary_ != nullptr ? primary_
                                            : &backup_),
         hedge_pool_({.threads = options_.chat.hedge_threads, .queue_capacity = options_.chat.hedge_threads}),
-        guard_(keel::stream_options{.first_token = options_.chat.first_token,
-                                    .stall = options_.chat.stall,
-                                    .whole = options_.chat.whole,
-                                    .hedge_delay = options_.chat.hedge_delay,
-                                    .hedge_percentile = options_.chat.hedge_percentile,
-                                    .hedge_min_delay = options_.chat.hedge_min_delay,
-                                    .budget = &budget_},
-               hedge_pool_, clock_),
         stream_metrics_(registry_) {
     if (options_.fleet.enabled()) fleet_ = std::make_unique<fleet_sharing>(options_.fleet, breakers_, primary_->name());
     routing_ = build_routing(options_, 1);
@@ -1542,7 +1592,7 @@ class gateway_core {
                     [](const chat_call& c) { return c.tenant_key; }, static_cast<const keel::admission_key*>(nullptr))),
             pools_.for_class("streaming"))
             .in(env());
-    auto first = keel::pipeline(keel::retry({.max_attempts = options_.chat.attempts, .budget = &budget_},
+    auto first = keel::pipeline(keel::retry({.max_attempts = m.budgets.attempts, .budget = &budget_},
                                             options_.backoff),
                                 fleet_gate{fleet_.get()}, breakers_)
                      .in(env());
@@ -1959,7 +2009,7 @@ class gateway_core {
     keel::metric_family_snapshot guard =
         counter("gateway_stream_guard_total", "What the stream guard did: attempts, commits, budgets, hedges.",
                 {"event"});
-    const keel::stream_figures g = guard_.figures();
+    const keel::stream_figures g = stream_totals();
     const std::pair<const char*, std::int64_t> guard_events[] = {
         {"attempt", g.attempts}, {"committed", g.committed}, {"first_token_timeout", g.first_token_timeouts},
         {"stall", g.stalls}, {"whole_timeout", g.whole_timeouts}, {"mid_stream_failure", g.mid_stream_failures},
@@ -2027,7 +2077,9 @@ class gateway_core {
   std::unique_ptr<http_upstream> http_backup_;  // options_.upstream_backup
   model_upstream* second_;                      // whichever of the two serves
   keel::bounded_pool hedge_pool_;
-  guard_type guard_;
+  // Every stream guard made (guard_for()): per model and budgets, kept for life.
+  mutable std::mutex guards_mu_;
+  std::vector<std::pair<std::string, std::unique_ptr<guard_type>>> guards_;
   keel::stream_metrics stream_metrics_;
   std::atomic<std::int64_t> chat_ids_{0};
   keel::work_class_slo* chat_slo_ = nullptr;

@@ -74,16 +74,16 @@ struct deadline_plan {
         {"deadline", deadline}, {"admit", admit},       {"retrieve", retrieve},
         {"model", model},       {"fallback", fallback}, {"respond", respond}};
     for (const auto& [field, d] : positive) {
-      if (d <= keel::duration::zero()) return keel::detail::invalid_field(who, field, "be > 0", d);
+      if (d <= keel::duration::zero()) return keel::invalid_option(who, field, "be > 0", d);
     }
-    if (cancel < keel::duration::zero()) return keel::detail::invalid_field(who, "cancel", "be >= 0", cancel);
+    if (cancel < keel::duration::zero()) return keel::invalid_option(who, "cancel", "be >= 0", cancel);
     if (response_reserve < keel::duration::zero() || response_reserve >= deadline)
-      return keel::detail::invalid_field(who, "response_reserve", "be in [0, deadline)", response_reserve);
+      return keel::invalid_option(who, "response_reserve", "be in [0, deadline)", response_reserve);
     if (respond_by() > deadline - response_reserve)
-      return keel::detail::invalid_field(
+      return keel::invalid_option(
           who, "respond", "leave the stages within deadline - response_reserve",
-          cat(keel::detail::describe(respond_by()), " > ",
-                       keel::detail::describe(deadline - response_reserve)));
+          cat(keel::describe_duration(respond_by()), " > ",
+                       keel::describe_duration(deadline - response_reserve)));
     return absl::OkStatus();
   }
 };
@@ -116,17 +116,6 @@ template <class Entry>
   }
   return found;
 }
-
-struct model_config {
-  std::string name;
-  std::string digest;                  // which model (and version) decided: stored with each decision
-  keel::quota_limits limits{};
-  std::int64_t token_estimate = 600;   // reserved from the tenant's compute budget per request
-  // Where this model is served over HTTP (a config file's deployments,
-  // primary first); unset: gateway_options::upstream / upstream_backup.
-  std::optional<http_upstream_options> upstream{};
-  std::optional<http_upstream_options> upstream_backup{};
-};
 
 // The streaming endpoint (POST /v1/chat/completions with "stream": true,
 // gateway/chat.hpp): one deadline per stream, the stream's three budgets
@@ -164,28 +153,43 @@ struct chat_config {
         {"deadline", deadline}, {"first_token", first_token}, {"stall", stall}, {"whole", whole},
         {"ttft_threshold", ttft_threshold}, {"queue_age", queue_age}};
     for (const auto& [field, d] : positive) {
-      if (d <= keel::duration::zero()) return keel::detail::invalid_field(who, field, "be > 0", d);
+      if (d <= keel::duration::zero()) return keel::invalid_option(who, field, "be > 0", d);
     }
     if (first_token >= deadline)
-      return keel::detail::invalid_field(who, "first_token", "be shorter than the deadline", first_token);
+      return keel::invalid_option(who, "first_token", "be shorter than the deadline", first_token);
     if (hedge_delay < keel::duration::zero())
-      return keel::detail::invalid_field(who, "hedge_delay", "be >= 0 (0: no hedge)", hedge_delay);
+      return keel::invalid_option(who, "hedge_delay", "be >= 0 (0: no hedge)", hedge_delay);
     if (!(hedge_percentile == 0.0 || (hedge_percentile > 0.0 && hedge_percentile < 1.0)))
-      return keel::detail::invalid_field(who, "hedge_percentile", "be 0 (fixed delay) or in (0, 1)", hedge_percentile);
-    if (hedge_threads < 1) return keel::detail::invalid_field(who, "hedge_threads", "be >= 1", hedge_threads);
-    if (attempts < 1) return keel::detail::invalid_field(who, "attempts", "be >= 1", attempts);
-    if (slots < 1 || slots > 32767) return keel::detail::invalid_field(who, "slots", "be in [1, 32767]", slots);
-    if (queue < 0) return keel::detail::invalid_field(who, "queue", "be >= 0", queue);
-    if (max_tokens_limit < 1) return keel::detail::invalid_field(who, "max_tokens_limit", "be >= 1", max_tokens_limit);
+      return keel::invalid_option(who, "hedge_percentile", "be 0 (fixed delay) or in (0, 1)", hedge_percentile);
+    if (hedge_threads < 1) return keel::invalid_option(who, "hedge_threads", "be >= 1", hedge_threads);
+    if (attempts < 1) return keel::invalid_option(who, "attempts", "be >= 1", attempts);
+    if (slots < 1 || slots > 32767) return keel::invalid_option(who, "slots", "be in [1, 32767]", slots);
+    if (queue < 0) return keel::invalid_option(who, "queue", "be >= 0", queue);
+    if (max_tokens_limit < 1) return keel::invalid_option(who, "max_tokens_limit", "be >= 1", max_tokens_limit);
     if (default_max_tokens < 1 || default_max_tokens > max_tokens_limit)
-      return keel::detail::invalid_field(who, "default_max_tokens", "be in [1, max_tokens_limit]", default_max_tokens);
+      return keel::invalid_option(who, "default_max_tokens", "be in [1, max_tokens_limit]", default_max_tokens);
     if (!(ttft_target > 0 && ttft_target < 1))
-      return keel::detail::invalid_field(who, "ttft_target", "be in (0, 1)", ttft_target);
+      return keel::invalid_option(who, "ttft_target", "be in (0, 1)", ttft_target);
     if (!(availability_target > 0 && availability_target < 1))
-      return keel::detail::invalid_field(who, "availability_target", "be in (0, 1)", availability_target);
+      return keel::invalid_option(who, "availability_target", "be in (0, 1)", availability_target);
     if (absl::Status s = backup.validate(); !s.ok()) return keel::annotate(s, "gateway_options.chat.backup");
     return absl::OkStatus();
   }
+};
+
+struct model_config {
+  std::string name;
+  std::string digest;                  // which model (and version) decided: stored with each decision
+  keel::quota_limits limits{};
+  std::int64_t token_estimate = 600;   // reserved from the tenant's compute budget per request
+  // Where this model is served over HTTP (a config file's deployments,
+  // primary first); unset: gateway_options::upstream / upstream_backup.
+  std::optional<http_upstream_options> upstream{};
+  std::optional<http_upstream_options> upstream_backup{};
+  // This model's stream budgets, hedge and attempts (a config file's
+  // [models.NAME]); unset: gateway_options::chat. Its slots, hedge
+  // threads and token limits are the gateway's whatever this says.
+  std::optional<chat_config> chat{};
 };
 
 struct gateway_options {
@@ -301,67 +305,70 @@ struct gateway_options {
   [[nodiscard]] absl::Status validate() const {
     constexpr std::string_view who = "gateway_options";
     if (absl::Status s = interactive.validate(); !s.ok()) return keel::annotate(s, "gateway_options.interactive");
-    if (data_dir.empty()) return keel::detail::invalid_field(who, "data_dir", "name a directory", "\"\"");
+    if (data_dir.empty()) return keel::invalid_option(who, "data_dir", "name a directory", "\"\"");
     const std::pair<std::string_view, int> slots[] = {{"interactive_slots", interactive_slots},
                                                       {"batch_slots", batch_slots},
                                                       {"recovery_slots", recovery_slots}};
     for (const auto& [field, n] : slots) {
-      if (n < 1 || n > 32767) return keel::detail::invalid_field(who, field, "be in [1, 32767]", n);
+      if (n < 1 || n > 32767) return keel::invalid_option(who, field, "be in [1, 32767]", n);
     }
-    if (models.empty()) return keel::detail::invalid_field(who, "models", "name at least one model", 0);
+    if (models.empty()) return keel::invalid_option(who, "models", "name at least one model", 0);
     for (const model_config& m : models) {
       if (m.name.empty() || m.digest.empty())
-        return keel::detail::invalid_field(who, "models", "give every model a name and a digest", m.name);
+        return keel::invalid_option(who, "models", "give every model a name and a digest", m.name);
       if (m.upstream_backup && !m.upstream)
-        return keel::detail::invalid_field(who, "models.upstream_backup", "be set only with the model's upstream", m.name);
+        return keel::invalid_option(who, "models.upstream_backup", "be set only with the model's upstream", m.name);
       for (const std::optional<http_upstream_options>* u : {&m.upstream, &m.upstream_backup}) {
         if (!*u) continue;
         if (absl::Status s = (*u)->validate(); !s.ok()) return keel::annotate(s, cat("gateway_options.models.", m.name));
       }
+      if (m.chat) {
+        if (absl::Status s = m.chat->validate(); !s.ok()) return keel::annotate(s, cat("gateway_options.models.", m.name));
+      }
     }
-    if (model_attempts < 1) return keel::detail::invalid_field(who, "model_attempts", "be >= 1", model_attempts);
-    if (batch_attempts < 1) return keel::detail::invalid_field(who, "batch_attempts", "be >= 1", batch_attempts);
+    if (model_attempts < 1) return keel::invalid_option(who, "model_attempts", "be >= 1", model_attempts);
+    if (batch_attempts < 1) return keel::invalid_option(who, "batch_attempts", "be >= 1", batch_attempts);
     if (idempotency_lease <= interactive.deadline)
-      return keel::detail::invalid_field(who, "idempotency_lease", "exceed the interactive deadline",
+      return keel::invalid_option(who, "idempotency_lease", "exceed the interactive deadline",
                                          idempotency_lease);
     // A record outlives the claim that holds it: the feedback lease, and a
     // keyed chat request's (its deadline + 10 s).
     if (idempotency_retention <= std::max(idempotency_lease, chat.deadline + 10s))
-      return keel::detail::invalid_field(who, "idempotency_retention",
+      return keel::invalid_option(who, "idempotency_retention",
                                          "exceed idempotency_lease and chat.deadline + 10 s", idempotency_retention);
-    if (batch_workers < 0) return keel::detail::invalid_field(who, "batch_workers", "be >= 0", batch_workers);
-    if (http_threads < 4) return keel::detail::invalid_field(who, "http_threads", "be >= 4", http_threads);
+    if (batch_workers < 0) return keel::invalid_option(who, "batch_workers", "be >= 0", batch_workers);
+    if (http_threads < 4) return keel::invalid_option(who, "http_threads", "be >= 4", http_threads);
     if (max_body_bytes < 1024)
-      return keel::detail::invalid_field(who, "max_body_bytes", "be >= 1024", max_body_bytes);
+      return keel::invalid_option(who, "max_body_bytes", "be >= 1024", max_body_bytes);
     const std::pair<std::string_view, int> http_counts[] = {{"http_reserved_threads", http_reserved_threads},
                                                             {"http_queue", http_queue},
                                                             {"http_max_connections", http_max_connections},
                                                             {"http_listen_backlog", http_listen_backlog}};
     for (const auto& [field, n] : http_counts) {
-      if (n < 1) return keel::detail::invalid_field(who, field, "be >= 1", n);
+      if (n < 1) return keel::invalid_option(who, field, "be >= 1", n);
     }
     if (max_header_bytes < 1024)
-      return keel::detail::invalid_field(who, "max_header_bytes", "be >= 1024", max_header_bytes);
+      return keel::invalid_option(who, "max_header_bytes", "be >= 1024", max_header_bytes);
     const std::pair<std::string_view, keel::duration> http_times[] = {{"http_header_timeout", http_header_timeout},
                                                                       {"http_body_timeout", http_body_timeout},
                                                                       {"http_idle_timeout", http_idle_timeout},
                                                                       {"http_write_timeout", http_write_timeout}};
     for (const auto& [field, d] : http_times) {
-      if (d < 1ms) return keel::detail::invalid_field(who, field, "be >= 1 ms", d);
+      if (d < 1ms) return keel::invalid_option(who, field, "be >= 1 ms", d);
     }
     if (!(interactive_target > 0 && interactive_target < 1))
-      return keel::detail::invalid_field(who, "interactive_target", "be in (0, 1)", interactive_target);
+      return keel::invalid_option(who, "interactive_target", "be in (0, 1)", interactive_target);
     if (!(full_answer_target > 0 && full_answer_target < 1))
-      return keel::detail::invalid_field(who, "full_answer_target", "be in (0, 1)", full_answer_target);
+      return keel::invalid_option(who, "full_answer_target", "be in (0, 1)", full_answer_target);
     if (!(batch_target > 0 && batch_target < 1))
-      return keel::detail::invalid_field(who, "batch_target", "be in (0, 1)", batch_target);
+      return keel::invalid_option(who, "batch_target", "be in (0, 1)", batch_target);
     if (absl::Status s = provider.validate(); !s.ok()) return s;
     if (absl::Status s = chat.validate(); !s.ok()) return s;
     for (const api_key& k : api_keys) {
-      if (k.tenant.empty()) return keel::detail::invalid_field(who, "api_keys", "give every key a tenant", "\"\"");
+      if (k.tenant.empty()) return keel::invalid_option(who, "api_keys", "give every key a tenant", "\"\"");
     }
     if (upstream_backup && !upstream)
-      return keel::detail::invalid_field(who, "upstream_backup", "be set only with upstream", upstream_backup->name);
+      return keel::invalid_option(who, "upstream_backup", "be set only with upstream", upstream_backup->name);
     if (upstream) {
       if (absl::Status s = upstream->validate(); !s.ok()) return keel::annotate(s, "gateway_options.upstream");
     }
@@ -369,11 +376,11 @@ struct gateway_options {
       if (absl::Status s = upstream_backup->validate(); !s.ok())
         return keel::annotate(s, "gateway_options.upstream_backup");
       if (upstream->name == upstream_backup->name)
-        return keel::detail::invalid_field(who, "upstream_backup.name", "differ from upstream.name",
+        return keel::invalid_option(who, "upstream_backup.name", "differ from upstream.name",
                                            upstream_backup->name);
     }
     if (chat.backup.name == provider.name)
-      return keel::detail::invalid_field(who, "chat.backup.name", "differ from provider.name", chat.backup.name);
+      return keel::invalid_option(who, "chat.backup.name", "differ from provider.name", chat.backup.name);
     if (absl::Status s = fleet.validate(); !s.ok()) return s;
     if (absl::Status s = model_timeout.validate(); !s.ok()) return keel::annotate(s, "gateway_options.model_timeout");
     if (absl::Status s = batch_timeout.validate(); !s.ok()) return keel::annotate(s, "gateway_options.batch_timeout");

@@ -195,19 +195,19 @@ struct http_server_options {
                                                        {"listen_backlog", listen_backlog},
                                                        {"max_requests_per_connection", max_requests_per_connection}};
     for (const auto& [field, n] : counts) {
-      if (n < 1 || n > 1'000'000) return keel::detail::invalid_field(who, field, "be in [1, 1000000]", n);
+      if (n < 1 || n > 1'000'000) return keel::invalid_option(who, field, "be in [1, 1000000]", n);
     }
     if (max_body_bytes < 1 || max_body_bytes > (std::size_t{1} << 30))
-      return keel::detail::invalid_field(who, "max_body_bytes", "be in [1, 1 GiB]", max_body_bytes);
+      return keel::invalid_option(who, "max_body_bytes", "be in [1, 1 GiB]", max_body_bytes);
     if (max_header_bytes < 256 || max_header_bytes > (std::size_t{1} << 20))
-      return keel::detail::invalid_field(who, "max_header_bytes", "be in [256, 1 MiB]", max_header_bytes);
+      return keel::invalid_option(who, "max_header_bytes", "be in [256, 1 MiB]", max_header_bytes);
     const std::pair<std::string_view, std::chrono::milliseconds> times[] = {{"header_timeout", header_timeout},
                                                                            {"body_timeout", body_timeout},
                                                                            {"idle_timeout", idle_timeout},
                                                                            {"write_timeout", write_timeout}};
     for (const auto& [field, t] : times) {
       if (t <= std::chrono::milliseconds::zero())
-        return keel::detail::invalid_field(who, field, "be > 0", cat(t.count(), " ms"));
+        return keel::invalid_option(who, field, "be > 0", cat(t.count(), " ms"));
     }
     return absl::OkStatus();
   }

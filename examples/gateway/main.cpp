@@ -295,7 +295,7 @@ int demo(gateway::gateway_options o, const std::function<void(const char*)>& swi
   const gateway::provider_figures pf = core.provider().figures();
   std::vector<std::pair<std::string, gateway::upstream_figures>> upstreams;
   for (const gateway::http_upstream* u : core.http_upstreams()) upstreams.emplace_back(u->name(), u->figures());
-  const keel::stream_figures sg = core.stream_guard().figures();
+  const keel::stream_figures sg = core.stream_totals();
   service.stop();
 
   std::printf("\n%-9s %-11s %5s %5s %5s %5s %5s %7s %7s %8s  %s\n", "phase", "class", "reqs", "ok", "degr", "rej",

@@ -117,10 +117,10 @@ struct fault {
 
   [[nodiscard]] absl::Status validate() const {
     if (!(factor >= 1.0 && factor <= 1000.0))
-      return keel::detail::invalid_field("fault", "factor", "be in [1, 1000]", factor);
+      return keel::invalid_option("fault", "factor", "be in [1, 1000]", factor);
     if (retry_after < keel::duration::zero() || retry_after > std::chrono::hours(1))
-      return keel::detail::invalid_field("fault", "retry_after", "be in [0, 1h]", retry_after);
-    if (!(ratio >= 0.0 && ratio <= 1.0)) return keel::detail::invalid_field("fault", "ratio", "be in [0, 1]", ratio);
+      return keel::invalid_option("fault", "retry_after", "be in [0, 1h]", retry_after);
+    if (!(ratio >= 0.0 && ratio <= 1.0)) return keel::invalid_option("fault", "ratio", "be in [0, 1]", ratio);
     return absl::OkStatus();
   }
 };
@@ -145,30 +145,30 @@ struct provider_options {
   int stream_tokens = 40;                      // >= 1; at most the request's max_tokens
 
   [[nodiscard]] absl::Status validate() const {
-    if (name.empty()) return keel::detail::invalid_field("provider_options", "name", "not be empty", "\"\"");
+    if (name.empty()) return keel::invalid_option("provider_options", "name", "not be empty", "\"\"");
     if (median_latency <= keel::duration::zero())
-      return keel::detail::invalid_field("provider_options", "median_latency", "be > 0", median_latency);
+      return keel::invalid_option("provider_options", "median_latency", "be > 0", median_latency);
     if (!(spread >= 0.0 && spread <= 2.0))
-      return keel::detail::invalid_field("provider_options", "spread", "be in [0, 2]", spread);
+      return keel::invalid_option("provider_options", "spread", "be in [0, 2]", spread);
     if (close_latency < keel::duration::zero())
-      return keel::detail::invalid_field("provider_options", "close_latency", "be >= 0", close_latency);
+      return keel::invalid_option("provider_options", "close_latency", "be >= 0", close_latency);
     if (refuse_latency < keel::duration::zero())
-      return keel::detail::invalid_field("provider_options", "refuse_latency", "be >= 0", refuse_latency);
+      return keel::invalid_option("provider_options", "refuse_latency", "be >= 0", refuse_latency);
     if (tokens_per_answer < 0)
-      return keel::detail::invalid_field("provider_options", "tokens_per_answer", "be >= 0", tokens_per_answer);
-    if (capacity < 0) return keel::detail::invalid_field("provider_options", "capacity", "be >= 0", capacity);
+      return keel::invalid_option("provider_options", "tokens_per_answer", "be >= 0", tokens_per_answer);
+    if (capacity < 0) return keel::invalid_option("provider_options", "capacity", "be >= 0", capacity);
     if (overload_retry_after < keel::duration::zero())
-      return keel::detail::invalid_field("provider_options", "overload_retry_after", "be >= 0", overload_retry_after);
+      return keel::invalid_option("provider_options", "overload_retry_after", "be >= 0", overload_retry_after);
     if (first_token_latency <= keel::duration::zero())
-      return keel::detail::invalid_field("provider_options", "first_token_latency", "be > 0", first_token_latency);
+      return keel::invalid_option("provider_options", "first_token_latency", "be > 0", first_token_latency);
     if (!(tail_ratio >= 0.0 && tail_ratio <= 1.0))
-      return keel::detail::invalid_field("provider_options", "tail_ratio", "be in [0, 1]", tail_ratio);
+      return keel::invalid_option("provider_options", "tail_ratio", "be in [0, 1]", tail_ratio);
     if (!(tail_factor >= 1.0 && tail_factor <= 1000.0))
-      return keel::detail::invalid_field("provider_options", "tail_factor", "be in [1, 1000]", tail_factor);
+      return keel::invalid_option("provider_options", "tail_factor", "be in [1, 1000]", tail_factor);
     if (token_gap < keel::duration::zero())
-      return keel::detail::invalid_field("provider_options", "token_gap", "be >= 0", token_gap);
+      return keel::invalid_option("provider_options", "token_gap", "be >= 0", token_gap);
     if (stream_tokens < 1)
-      return keel::detail::invalid_field("provider_options", "stream_tokens", "be >= 1", stream_tokens);
+      return keel::invalid_option("provider_options", "stream_tokens", "be >= 1", stream_tokens);
     return absl::OkStatus();
   }
 };
@@ -208,7 +208,7 @@ class simulated_provider final : public model_upstream {
  public:
   // Throws keel::invalid_options if `o` is invalid.
   explicit simulated_provider(provider_options o = {}, Clock clock = {})
-      : options_((keel::detail::require_valid(o.validate()), std::move(o))), clock_(std::move(clock)) {}
+      : options_((keel::require_valid_options(o.validate()), std::move(o))), clock_(std::move(clock)) {}
   simulated_provider(const simulated_provider&) = delete;
   simulated_provider& operator=(const simulated_provider&) = delete;
 
@@ -272,7 +272,7 @@ class simulated_provider final : public model_upstream {
       abandoned_.fetch_add(1, std::memory_order_relaxed);
       return absl::DeadlineExceededError(
           cat(options_.name, ": no answer within the attempt's ",
-                       keel::detail::describe(std::chrono::duration_cast<std::chrono::milliseconds>(a.timeout)),
+                       keel::describe_duration(std::chrono::duration_cast<std::chrono::milliseconds>(a.timeout)),
                        stalled ? " (the stream stalled)" : ""));
     }
     if (!wait(answer_at, a)) return cancelled();
@@ -480,7 +480,7 @@ class rubric_store {
     std::lock_guard lock(mu_);
     const auto it = rubrics_.find(question_id);
     if (it == rubrics_.end())
-      return absl::NotFoundError(cat("no rubric for question '", keel::detail::to_absl(question_id), "'"));
+      return absl::NotFoundError(cat("no rubric for question '", question_id, "'"));
     return it->second;
   }
 

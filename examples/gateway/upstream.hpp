@@ -73,15 +73,15 @@ struct http_upstream_options {
 
   [[nodiscard]] absl::Status validate() const {
     constexpr std::string_view who = "http_upstream_options";
-    if (name.empty()) return keel::detail::invalid_field(who, "name", "not be empty", "\"\"");
+    if (name.empty()) return keel::invalid_option(who, "name", "not be empty", "\"\"");
     if (!base_url.starts_with("http://") && !base_url.starts_with("https://"))
-      return keel::detail::invalid_field(who, "base_url", "start with http:// or https://", base_url);
-    if (model.empty()) return keel::detail::invalid_field(who, "model", "not be empty", "\"\"");
+      return keel::invalid_option(who, "base_url", "start with http:// or https://", base_url);
+    if (model.empty()) return keel::invalid_option(who, "model", "not be empty", "\"\"");
     if (api_key.find_first_of("\r\n") != std::string::npos)
-      return keel::detail::invalid_field(who, "api_key", "have no CR or LF", "(hidden)");
-    if (max_connections == 0) return keel::detail::invalid_field(who, "max_connections", "be > 0", 0);
+      return keel::invalid_option(who, "api_key", "have no CR or LF", "(hidden)");
+    if (max_connections == 0) return keel::invalid_option(who, "max_connections", "be > 0", 0);
     if (connect_timeout <= keel::duration::zero())
-      return keel::detail::invalid_field(who, "connect_timeout", "be > 0", connect_timeout);
+      return keel::invalid_option(who, "connect_timeout", "be > 0", connect_timeout);
     return absl::OkStatus();
   }
 };
@@ -97,7 +97,7 @@ class http_upstream final : public model_upstream {
  public:
   // Throws keel::invalid_options if `o` is invalid.
   explicit http_upstream(http_upstream_options o)
-      : options_((keel::detail::require_valid(o.validate()), std::move(o))), client_(client_options(options_)) {}
+      : options_((keel::require_valid_options(o.validate()), std::move(o))), client_(client_options(options_)) {}
 
   [[nodiscard]] const std::string& name() const noexcept override { return options_.name; }
   [[nodiscard]] const http_upstream_options& options() const noexcept { return options_; }

@@ -99,26 +99,26 @@ struct options {
   int listen_backlog = 1024;
 
   [[nodiscard]] absl::Status validate() const {
-    using keel::detail::invalid_field;
+    using keel::invalid_option;
     if (name.empty() || name.find_first_of(" \t\r\n") != std::string::npos)
-      return invalid_field("mock_upstream::options", "name", "be a non-empty word (no spaces)", "'" + name + "'");
-    if (port < 0 || port > 65535) return invalid_field("mock_upstream::options", "port", "be in [0, 65535]", port);
+      return invalid_option("mock_upstream::options", "name", "be a non-empty word (no spaces)", "'" + name + "'");
+    if (port < 0 || port > 65535) return invalid_option("mock_upstream::options", "port", "be in [0, 65535]", port);
     for (auto [field, v] : {std::pair{"latency", latency}, {"first_token", first_token}, {"token_gap", token_gap}}) {
       if (v < millis::zero() || v > std::chrono::minutes(10))
-        return invalid_field("mock_upstream::options", field, "be in [0, 10min]", v);
+        return invalid_option("mock_upstream::options", field, "be in [0, 10min]", v);
     }
     if (tokens < 1 || tokens > 100000)
-      return invalid_field("mock_upstream::options", "tokens", "be in [1, 100000]", tokens);
-    if (models.empty()) return invalid_field("mock_upstream::options", "models", "name at least one model", 0);
+      return invalid_option("mock_upstream::options", "tokens", "be in [1, 100000]", tokens);
+    if (models.empty()) return invalid_option("mock_upstream::options", "models", "name at least one model", 0);
     for (const std::string& m : models) {
       if (m.empty() || m.find_first_of(" ,\t\r\n\"") != std::string::npos)
-        return invalid_field("mock_upstream::options", "models", "be ids without spaces, commas or quotes",
+        return invalid_option("mock_upstream::options", "models", "be ids without spaces, commas or quotes",
                              "'" + m + "'");
     }
     if (threads < 1 || threads > 4096)
-      return invalid_field("mock_upstream::options", "threads", "be in [1, 4096]", threads);
+      return invalid_option("mock_upstream::options", "threads", "be in [1, 4096]", threads);
     if (listen_backlog < 1 || listen_backlog > 65535)
-      return invalid_field("mock_upstream::options", "listen_backlog", "be in [1, 65535]", listen_backlog);
+      return invalid_option("mock_upstream::options", "listen_backlog", "be in [1, 65535]", listen_backlog);
     return absl::OkStatus();
   }
 };
@@ -171,20 +171,20 @@ struct fault {
   std::string x_should_retry{}; // "true" or "false": sent with error answers; empty: not sent
 
   [[nodiscard]] absl::Status validate() const {
-    using keel::detail::invalid_field;
-    if (!(factor >= 1.0 && factor <= 1000.0)) return invalid_field("fault", "factor", "be in [1, 1000]", factor);
+    using keel::invalid_option;
+    if (!(factor >= 1.0 && factor <= 1000.0)) return invalid_option("fault", "factor", "be in [1, 1000]", factor);
     if (retry_after_ms < 0 || retry_after_ms > 3600000)
-      return invalid_field("fault", "retry_after_ms", "be in [0, 3600000]", retry_after_ms);
+      return invalid_option("fault", "retry_after_ms", "be in [0, 3600000]", retry_after_ms);
     if (status != 500 && status != 502 && status != 503)
-      return invalid_field("fault", "status", "be 500, 502 or 503", status);
-    if (count < 0 || count > 1000000) return invalid_field("fault", "count", "be in [0, 1000000]", count);
+      return invalid_option("fault", "status", "be 500, 502 or 503", status);
+    if (count < 0 || count > 1000000) return invalid_option("fault", "count", "be in [0, 1000000]", count);
     if (first_token_ms < 0 || first_token_ms > 600000)
-      return invalid_field("fault", "first_token_ms", "be in [0, 600000]", first_token_ms);
+      return invalid_option("fault", "first_token_ms", "be in [0, 600000]", first_token_ms);
     if (after_tokens < 0 || after_tokens > 100000)
-      return invalid_field("fault", "after_tokens", "be in [0, 100000]", after_tokens);
-    if (!(ratio >= 0.0 && ratio <= 1.0)) return invalid_field("fault", "ratio", "be in [0, 1]", ratio);
+      return invalid_option("fault", "after_tokens", "be in [0, 100000]", after_tokens);
+    if (!(ratio >= 0.0 && ratio <= 1.0)) return invalid_option("fault", "ratio", "be in [0, 1]", ratio);
     if (!x_should_retry.empty() && x_should_retry != "true" && x_should_retry != "false")
-      return invalid_field("fault", "x_should_retry", "be \"true\" or \"false\"", "'" + x_should_retry + "'");
+      return invalid_option("fault", "x_should_retry", "be \"true\" or \"false\"", "'" + x_should_retry + "'");
     return absl::OkStatus();
   }
 
@@ -210,27 +210,27 @@ struct fault {
   // The control endpoint's body: {"kind": K, ...fields}. Unknown fields and
   // wrong types are errors naming the field (a typo must not pass silently).
   [[nodiscard]] static absl::StatusOr<fault> from_json(const json& j) {
-    using keel::detail::invalid_field;
-    if (!j.is_object()) return invalid_field("fault", "body", "be a JSON object", j.type_name());
+    using keel::invalid_option;
+    if (!j.is_object()) return invalid_option("fault", "body", "be a JSON object", j.type_name());
     fault f;
     if (!j.contains("kind") || !j["kind"].is_string())
-      return invalid_field("fault", "kind", "be a string: none, slowdown, outage, rate_limit, server_error, "
+      return invalid_option("fault", "kind", "be a string: none, slowdown, outage, rate_limit, server_error, "
                                             "slow_first_token, stall, cut, error_event or hang", "missing or not a string");
     const std::string kind = j["kind"].get<std::string>();
     const auto* k = std::find_if(all_fault_kinds.begin(), all_fault_kinds.end(),
                                  [&](fault_kind c) { return to_string(c) == kind; });
     if (k == all_fault_kinds.end())
-      return invalid_field("fault", "kind", "be one of none, slowdown, outage, rate_limit, server_error, "
+      return invalid_option("fault", "kind", "be one of none, slowdown, outage, rate_limit, server_error, "
                                             "slow_first_token, stall, cut, error_event, hang", "'" + kind + "'");
     f.kind = *k;
     for (const auto& [key, v] : j.items()) {
       if (key == "kind") continue;
       if (key == "factor" || key == "ratio") {
-        if (!v.is_number()) return invalid_field("fault", key, "be a number", v.dump());
+        if (!v.is_number()) return invalid_option("fault", key, "be a number", v.dump());
         (key == "factor" ? f.factor : f.ratio) = v.get<double>();
       } else if (key == "retry_after_ms" || key == "status" || key == "count" || key == "first_token_ms" ||
                  key == "after_tokens") {
-        if (!v.is_number_integer()) return invalid_field("fault", key, "be an integer", v.dump());
+        if (!v.is_number_integer()) return invalid_option("fault", key, "be an integer", v.dump());
         // Clamped into an int: validate() below names the field's range.
         const int i = static_cast<int>(std::clamp<std::int64_t>(v.get<std::int64_t>(), -1, 2000000000));
         if (key == "retry_after_ms") f.retry_after_ms = i;
@@ -239,10 +239,10 @@ struct fault {
         else if (key == "first_token_ms") f.first_token_ms = i;
         else f.after_tokens = i;
       } else if (key == "x_should_retry") {
-        if (!v.is_string()) return invalid_field("fault", key, "be \"true\" or \"false\"", v.dump());
+        if (!v.is_string()) return invalid_option("fault", key, "be \"true\" or \"false\"", v.dump());
         f.x_should_retry = v.get<std::string>();
       } else {
-        return invalid_field("fault", key, "be a known field (kind, factor, retry_after_ms, status, count, "
+        return invalid_option("fault", key, "be a known field (kind, factor, retry_after_ms, status, count, "
                                            "first_token_ms, after_tokens, ratio, x_should_retry)", "unknown");
       }
     }

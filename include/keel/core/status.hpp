@@ -174,4 +174,24 @@ template <class Rep, class Period>
 }
 
 }  // namespace detail
+
+// For a service's own options, checked the way keel's components check
+// theirs: InvalidArgumentError "<component>.<field> must <rule> (got <value>)",
+// a duration given as people read it ("1.5s", "250ms").
+template <class V>
+[[nodiscard]] absl::Status invalid_option(std::string_view component, std::string_view field, std::string_view rule,
+                                          const V& got) {
+  return detail::invalid_field(component, field, rule, got);
+}
+
+// Throws keel::invalid_options when `s` is not OK: a constructor's check of
+// its options, as keel's components make it.
+inline void require_valid_options(absl::Status s) { detail::require_valid(std::move(s)); }
+
+// A duration as people read it: "299.996ms", "1.5s", "750us", "0s".
+template <class Rep, class Period>
+[[nodiscard]] std::string describe_duration(std::chrono::duration<Rep, Period> d) {
+  return detail::describe(d);
+}
+
 }  // namespace keel
