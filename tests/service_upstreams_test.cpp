@@ -999,3 +999,40 @@ TEST_CASE("each model's stream budgets are its own: the file's first-token budge
   CHECK(stat(b.stats(), "requests", "chat") == 1);
   CHECK(healthz(svc->port())["streams"]["first_token_timeouts"] == 1);
 }
+
+TEST_CASE("a model's third deployment serves when the first two fail before the first token, behind its own breaker",
+          "[service][upstreams][chat][config]") {
+  temp_dir dir;
+  const std::vector<std::string> fast = {"--latency-ms", "5", "--tokens", "6"};
+  mock_upstream a(dir, "mock-a", fast), b(dir, "mock-b", fast), c(dir, "mock-c", fast);
+  const std::string text = "[gateway]\nlisten = \"127.0.0.1:0\"\ndata_dir = \"" + dir.path() + "\"\n"
+                           "[upstreams.mock-a]\nbase_url = \"" + a.url() + "\"\n"
+                           "[upstreams.mock-b]\nbase_url = \"" + b.url() + "\"\n"
+                           "[upstreams.mock-c]\nbase_url = \"" + c.url() + "\"\n"
+                           "[models.three]\n"
+                           "deployments = [{ upstream = \"mock-a\", model = \"t-1\" }, { upstream = \"mock-b\", model = \"t-2\" },"
+                           " { upstream = \"mock-c\", model = \"t-3\" }]\n"
+                           "deadline = \"10s\"\nattempts = 1\n";
+  absl::StatusOr<gateway::gateway_options> o = options_of(text);
+  REQUIRE(o.ok());
+  REQUIRE(o->models.front().upstream_fallbacks.size() == 1);
+  auto svc = start(*o);
+  json body = chat_for("three", 6, false);
+  body["tenant"] = "acme";
+  const http_answer healthy = call(svc->port(), "POST", "/v1/chat/completions", body, {});
+  CHECK(healthy.status == 200);
+  CHECK(healthy.body["keel"]["served_by"] == "model:three");
+  a.fault({{"kind", "outage"}});
+  b.fault({{"kind", "outage"}});
+  const http_answer third = call(svc->port(), "POST", "/v1/chat/completions", body, {});
+  INFO(third.body.dump());
+  CHECK(third.status == 200);
+  CHECK(third.body["keel"]["served_by"] == "backup:mock-c/t-3");
+  CHECK(third.body["keel"]["failed_over"] == true);
+  CHECK(stat(c.stats(), "requests", "chat") == 1);
+  bool has_breaker = false;
+  const json breakers = healthz(svc->port())["breakers"];
+  INFO(breakers.dump());
+  for (const json& e : breakers) has_breaker |= e.value("domain", "").find("mock-c/t-3") != std::string::npos;
+  CHECK(has_breaker);
+}

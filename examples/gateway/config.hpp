@@ -914,25 +914,36 @@ inline gateway_config build(const source& src, const toml::table& root) {
     for (const auto& [name, value] : up->headers) o.headers.push_back(cat(name, ": ", value));
     return o;
   };
-  // A route's first deployment serves; its second, when it has one, backs it.
+  // A route's first deployment serves; its second, when it has one, backs
+  // it; the rest are tried in order when both fail before a first token.
   auto serve = [&](const model_route& r, std::optional<http_upstream_options>& first,
-                   std::optional<http_upstream_options>& second) -> absl::Status {
-    for (std::size_t i = 0; i < 2 && i < r.deployments.size(); ++i) {
+                   std::optional<http_upstream_options>& second,
+                   std::vector<http_upstream_options>& further) -> absl::Status {
+    for (std::size_t i = 0; i < r.deployments.size(); ++i) {
       absl::StatusOr<http_upstream_options> d = deployment_options(r.deployments[i]);
       if (!d.ok()) return d.status();
-      (i == 0 ? first : second) = std::move(*d);
+      if (i < 2) {
+        (i == 0 ? first : second) = std::move(*d);
+      } else {
+        further.push_back(std::move(*d));
+      }
     }
     return absl::OkStatus();
   };
   gateway_options o = cfg.options;
   for (const client_key& c : cfg.clients) o.api_keys.push_back({.sha256 = c.key_sha256, .tenant = c.tenant});
-  if (absl::Status s = serve(*route, o.upstream, o.upstream_backup); !s.ok()) return s;
+  std::vector<http_upstream_options> default_further;
+  if (absl::Status s = serve(*route, o.upstream, o.upstream_backup, default_further); !s.ok()) return s;
   // Every other model is served by its own deployments (its breakers are
   // its own); the default model by the pair above.
   for (model_config& m : o.models) {
     const model_route* r = cfg.find_model(m.name);
-    if (m.name == cfg.default_model || r == nullptr) continue;
-    if (absl::Status s = serve(*r, m.upstream, m.upstream_backup); !s.ok()) return s;
+    if (r == nullptr) continue;
+    if (m.name == cfg.default_model) {
+      m.upstream_fallbacks = default_further;
+      continue;
+    }
+    if (absl::Status s = serve(*r, m.upstream, m.upstream_backup, m.upstream_fallbacks); !s.ok()) return s;
   }
   if (absl::Status s = o.validate(); !s.ok()) return keel::annotate(s, cfg.path);
   return o;

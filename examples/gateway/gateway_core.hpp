@@ -1012,7 +1012,8 @@ class gateway_core {
 
   // How a chat request was served, beyond its stream_result.
   struct chat_route {
-    bool failed_over = false;  // the second model served: the first failed before its first token
+    bool failed_over = false;  // another deployment served: the first failed before its first token
+    const model_upstream* served = nullptr;  // which one, when failed_over
   };
 
   struct model_state {
@@ -1032,6 +1033,7 @@ class gateway_core {
     // Shared with the next plan when a reload keeps the deployment as it
     // was: its connections and figures carry over.
     std::shared_ptr<http_upstream> own_primary, own_second;
+    std::vector<std::shared_ptr<http_upstream>> further;  // model_config::upstream_fallbacks, in order
     model_upstream* primary = nullptr;
     model_upstream* second = nullptr;
     // The interactive path for this model: one pipeline, built in the
@@ -1186,7 +1188,7 @@ class gateway_core {
                       : a.reason == keel::stream_stop::cancelled ? keel::request_outcome::abandoned
                                                                  : keel::request_outcome::partial,
                       done - t0, done);
-    const std::string served_by = route.failed_over ? cat("backup:", model.second->name())
+    const std::string served_by = route.failed_over ? cat("backup:", route.served->name())
                                   : a.continuations > 0 ? cat("model:", rq.model, "+backup:", model.second->name())
                                                         : cat("model:", rq.model);
     answers_->with({"streaming", served_by}).inc();
@@ -1313,6 +1315,7 @@ class gateway_core {
       }
       state->primary = state->own_primary ? state->own_primary.get() : primary_;
       state->second = state->own_second ? state->own_second.get() : state->own_primary ? state->primary : second_;
+      for (const http_upstream_options& u : m.upstream_fallbacks) state->further.push_back(deployment_for(u));
       state->guard = &guard_for(m.name, state->budgets);
       state->interactive = interactive_pipeline(*rt, *state);
       state->chat = chat_pipeline(*rt, *state);
@@ -1352,6 +1355,8 @@ class gateway_core {
       for (const auto& [name, m] : now->routes) {
         for (const std::shared_ptr<http_upstream>& u : {m->own_primary, m->own_second})
           if (u != nullptr && u->options() == o) return u;
+        for (const std::shared_ptr<http_upstream>& u : m->further)
+          if (u->options() == o) return u;
       }
     }
     return std::make_shared<http_upstream>(o);
@@ -1399,6 +1404,7 @@ class gateway_core {
     for (const auto& [name, m] : rt.routes) {
       add(m->own_primary.get());
       add(m->own_second.get());
+      for (const std::shared_ptr<http_upstream>& u : m->further) add(u.get());
     }
     return out;
   }
@@ -1579,7 +1585,9 @@ class gateway_core {
   // (retry under the service's budget, the fleet's gate, the provider's
   // breaker; the guard's budgets and first-token hedge around each attempt)
   // and, when it fails before its first token or is cut after it, the
-  // second model behind its own breaker. Built once; shared by every request.
+  // second deployment behind its own breaker; when that fails before a first
+  // token too, each further deployment in order, each behind its own.
+  // Built once per plan; shared by every request on it.
   std::function<absl::StatusOr<keel::stream_result>(keel::call&, keel::time_point, chat_stream&, chat_route&)>
   chat_pipeline(routing& rt, model_state& m) {
     auto outer =
@@ -1596,10 +1604,15 @@ class gateway_core {
                                             options_.backoff),
                                 fleet_gate{fleet_.get()}, breakers_)
                      .in(env());
-    auto second =
-        keel::pipeline(breakers_.breaker_for(keel::failure_domain{.endpoint = m.second->name()})).in(env());
-    return [this, &m, outer = std::move(outer), first = std::move(first), second = std::move(second)](
-               keel::call& call, keel::time_point now, chat_stream& stream, chat_route& route) {
+    auto behind_breaker = [this](const model_upstream& u) {
+      return keel::pipeline(breakers_.breaker_for(keel::failure_domain{.endpoint = u.name()})).in(env());
+    };
+    auto second = behind_breaker(*m.second);
+    std::vector<decltype(second)> further;
+    for (const std::shared_ptr<http_upstream>& u : m.further) further.push_back(behind_breaker(*u));
+    return [this, &m, outer = std::move(outer), first = std::move(first), second = std::move(second),
+            further = std::move(further)](keel::call& call, keel::time_point now, chat_stream& stream,
+                                          chat_route& route) {
       chat_model_call primary{m.primary}, backup{m.second};
       return outer.run(call, now, [&](const keel::attempt& a) -> absl::StatusOr<keel::stream_result> {
         absl::StatusOr<keel::stream_result> r = first.run(call, a.start, stream.attempts(primary));
@@ -1609,7 +1622,13 @@ class gateway_core {
           // request the first refused as invalid would be refused there too.
           if (absl::IsInvalidArgument(r.status()) || absl::IsCancelled(r.status())) return r;
           absl::StatusOr<keel::stream_result> b = second.run(call, clock_.now(), stream.attempts(backup));
-          if (!b.ok()) return r;  // the first model's failure is the answer's
+          route.served = m.second;
+          for (std::size_t i = 0; !b.ok() && i < further.size() && !call.stop_token().stop_requested(); ++i) {
+            chat_model_call next{m.further[i].get()};
+            b = further[i].run(call, clock_.now(), stream.attempts(next));
+            route.served = m.further[i].get();
+          }
+          if (!b.ok()) return r;  // the first deployment's failure is the answer's
           route.failed_over = true;
           b->degraded = true;
           call.mark_degraded();

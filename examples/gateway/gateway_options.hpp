@@ -186,6 +186,9 @@ struct model_config {
   // primary first); unset: gateway_options::upstream / upstream_backup.
   std::optional<http_upstream_options> upstream{};
   std::optional<http_upstream_options> upstream_backup{};
+  // Deployments after the second, tried in order (each behind its own
+  // breaker) when the first two fail before a stream's first token.
+  std::vector<http_upstream_options> upstream_fallbacks{};
   // This model's stream budgets, hedge and attempts (a config file's
   // [models.NAME]); unset: gateway_options::chat. Its slots, hedge
   // threads and token limits are the gateway's whatever this says.
@@ -325,6 +328,11 @@ struct gateway_options {
       if (m.chat) {
         if (absl::Status s = m.chat->validate(); !s.ok()) return keel::annotate(s, cat("gateway_options.models.", m.name));
       }
+      for (const http_upstream_options& u : m.upstream_fallbacks) {
+        if (absl::Status s = u.validate(); !s.ok()) return keel::annotate(s, cat("gateway_options.models.", m.name));
+      }
+      if (!m.upstream_fallbacks.empty() && !m.upstream_backup && !(m.name == models.front().name && upstream_backup))
+        return keel::invalid_option(who, "models.upstream_fallbacks", "follow a second deployment", m.name);
     }
     if (model_attempts < 1) return keel::invalid_option(who, "model_attempts", "be >= 1", model_attempts);
     if (batch_attempts < 1) return keel::invalid_option(who, "batch_attempts", "be >= 1", batch_attempts);
