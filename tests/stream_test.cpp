@@ -823,6 +823,9 @@ TEST_CASE("stream: a first-token hedge races a second stream; the first to produ
   CHECK(r->text == (hedge_wins ? "hedge" : "primary"));
   CHECK(run.shown == r->text);
   CHECK(r->hedge == (hedge_wins ? 1 : 0));
+  // The client waited from the call's start; the serving stream's own time is apart.
+  CHECK(r->time_to_first_token == (hedge_wins ? 2200ms : 1500ms));
+  CHECK(r->attempt_time_to_first_token == (hedge_wins ? 1200ms : 1500ms));
   CHECK(provider.invocations() == 2);
   CHECK(provider.stopped() == 1);
   CHECK(run.call.record().attempts == 2);  // the hedge counts against the call's cap
@@ -906,7 +909,8 @@ TEST_CASE("stream: a learned first-token hedge delay follows the recent times to
   REQUIRE(r.ok());
   CHECK(r->text == "fast");
   CHECK(r->hedge == 1);
-  CHECK(r->time_to_first_token == 100ms);  // the winner's, from its own start
+  CHECK(r->time_to_first_token == 300ms);          // the client's wait: the hedge delay and the winner's time
+  CHECK(r->attempt_time_to_first_token == 100ms);  // the winner's, from its own start
   CHECK(guard.figures().hedges_started == 1);
 }
 
@@ -1042,6 +1046,44 @@ TEST_CASE("stream SLO: the latency objective of a class is its time to first tok
   REQUIRE(r.latency.has_value());
   CHECK(r.latency->good == 2);  // fast and partial within 800 ms
   CHECK(r.latency->bad == 1);   // slow
+}
+
+TEST_CASE("stream: time to first token is what the client waited, from the call's start, after a retry too",
+          "[stream][policy][metrics]") {
+  manual_clock clock;
+  keel::stream_guard guard(budgets, clock);
+  // Attempt 1 never shows a token within the 2 s budget; attempt 2 does after 500 ms.
+  keel::testing::scripted_stream provider(clock, {{tok("late", 5s), end()}, {tok("x", 500ms), end()}});
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 0s})).on(clock);
+  stream_run run(guard, pipe, provider, {.timeout = 60s});
+  clock.await_sleepers(2);
+  clock.advance(2s);
+  wait_for([&] { return provider.invocations() == 2; });
+  clock.await_sleepers(2);
+  clock.advance(500ms);
+  auto& r = run.get();
+  REQUIRE(r.ok());
+  CHECK(r->time_to_first_token == 2500ms);         // the client's wait
+  CHECK(r->attempt_time_to_first_token == 500ms);  // the serving attempt's own
+  // An 800 ms objective counts this stream as slow, as its client saw it.
+  keel::work_class_slo slo("chat_ttft", {.target = 0.9,
+                                         .window = 1h,
+                                         .window_buckets = 60,
+                                         .rejected = keel::counts_as::not_eligible,
+                                         .partial = keel::counts_as::good,
+                                         .abandoned = keel::counts_as::not_eligible,
+                                         .latency_threshold = 800ms,
+                                         .latency_target = 0.5});
+  keel::record_time_to_first_token(slo, r, clock.now());
+  REQUIRE(slo.report(clock.now()).latency.has_value());
+  CHECK(slo.report(clock.now()).latency->bad == 1);
+  // And the histogram records the same figure.
+  keel::metrics_registry registry;
+  keel::stream_metrics streams(registry);
+  streams.record("m", r);
+  const keel::metric_series* ttft = series(registry.snapshot(), "keel_stream_time_to_first_token_seconds", {"m"});
+  REQUIRE(ttft != nullptr);
+  CHECK(ttft->sum == Approx(2.5));
 }
 
 // --- tokens as the unit of cost -------------------------------------------------

@@ -8,6 +8,11 @@
 // (one background thread for all of them) and keel::token_stream runs one
 // call's stream through a keel pipeline:
 //
+//   - Time to first token (stream_result::time_to_first_token) is what the
+//     client waited: from the call's start, whatever retries or hedges came
+//     before. The serving attempt's own first-output time is a separate
+//     figure (attempt_time_to_first_token), the one the learned hedge
+//     delay follows.
 //   - Three budgets per stream attempt, all inside the attempt's deadline
 //     (the call's, as the pipeline narrowed it): time to first token
 //     (`first_token`), the longest gap between two tokens (`stall`), and the
@@ -260,7 +265,14 @@ struct stream_result {
   std::int64_t tokens = 0;     // model output counted: content tokens, tool-call and refusal deltas
   std::int64_t charged = 0;    // tokens charged to the call (stream_options::charge_tokens), all streams
   token_usage usage{};         // the provider's usage chunk, when it sent one (the last stream's)
-  duration time_to_first_token{};  // of the stream that served, from its attempt's start
+  // What the client waited for the first model output: from the call's
+  // start (keel::call::start()), retries, backoffs and first-token hedges
+  // before it included. The figure for objectives and dashboards.
+  duration time_to_first_token{};
+  // The serving stream attempt's own first-output time, from that attempt's
+  // start: what the provider took, the figure the learned hedge delay uses.
+  // Never the client's wait: after a retry it leaves out the attempts before.
+  duration attempt_time_to_first_token{};
   duration longest_gap{};      // between two tokens of the streams that served
   duration generation_time{};  // first to last token of the streams that served
                                // (generation_time / (tokens - 1): the mean gap)
@@ -804,6 +816,7 @@ class token_stream {
     r.tokens += previous.tokens;
     r.charged += previous.charged;
     r.time_to_first_token = previous.time_to_first_token;
+    r.attempt_time_to_first_token = previous.attempt_time_to_first_token;
     r.longest_gap = std::max(r.longest_gap, previous.longest_gap);
     r.generation_time += previous.generation_time;
     call.mark_degraded();
@@ -983,7 +996,8 @@ class token_stream {
     r.upstream = w.upstream_;
     r.tokens = w.tokens_;
     r.usage = w.usage_;
-    r.time_to_first_token = w.first_ - w.watch_.start;
+    r.attempt_time_to_first_token = w.first_ - w.watch_.start;
+    r.time_to_first_token = a.owner != nullptr ? w.first_ - a.owner->start() : r.attempt_time_to_first_token;
     r.longest_gap = w.longest_gap_;
     r.generation_time = w.last_ - w.first_;
     r.hedge = hedge;

@@ -29,7 +29,11 @@
 // success, a partial one as partial, a failure before the first token as
 // failure (a cancelled one as abandoned), each with its time to first token,
 // so the class's latency objective (latency_threshold, latency_target) is
-// "this share of streams show a token within the threshold".
+// "this share of streams show a token within the threshold". Both the
+// histogram and the objective use stream_result::time_to_first_token, the
+// client's wait from the call's start: a stream that served after a retry
+// or a first-token hedge is recorded with the time its client waited, not
+// the serving attempt's own (attempt_time_to_first_token).
 //
 // Example:
 //
