@@ -16,13 +16,24 @@
 //   - Three budgets per stream attempt, all inside the attempt's deadline
 //     (the call's, as the pipeline narrowed it): time to first token
 //     (`first_token`), the longest gap between two tokens (`stall`), and the
-//     whole stream (`whole`). Only content tokens count: keep-alive
-//     comments, role-only deltas and empty chunks are never handed to
-//     stream_writer::token (keel/provider/sse.hpp sorts them out), so they
-//     neither commit a stream nor reset its stall clock. A budget that runs
+//     whole stream (`whole`). Only model output counts: content tokens
+//     (stream_writer::token), tool-call fragments and refusal text
+//     (stream_writer::event). Keep-alive comments, role-only deltas and
+//     empty chunks are not output (keel/provider/sse.hpp sorts them out),
+//     so they neither commit a stream nor reset its stall clock. A budget that runs
 //     out requests stop on the attempt's stop token (the provider's
 //     transfer is aborted: keel::http aborts within a millisecond).
-//   - The commit point is the first content token, not the HTTP 200. Before
+//   - Model output beyond text: tool-call fragments are handed over as
+//     views and put together in stream_result::tool_calls
+//     (keel/compose/tool_calls.hpp); a refusal is stream_result::refusal.
+//     A stream broken inside a tool call's arguments is partial and never
+//     continuable (stream_result::in_tool_call).
+//   - A relay: a token_stream whose callback takes `const
+//     keel::stream_event&` gets every event of the serving attempt with its
+//     data as the provider sent it and the upstream's status and relay
+//     headers; events before the commit are held until it, so an attempt
+//     that never commits shows the client nothing.
+//   - The commit point is the first model output, not the HTTP 200. Before
 //     it, a failed attempt returns its failure (a first-token timeout is a
 //     transient DeadlineExceeded) and the pipeline around may retry it,
 //     fall back or fail over like any attempt. From it on, the tokens have

@@ -23,6 +23,11 @@
 //     retryDelay), which keel::retry waits out, or, when it is longer than
 //     the time left or than retry_options::max_retry_after, stops on and
 //     hands to the caller;
+//   - keeps the upstream's HTTP status and the headers a relay passes on
+//     (keel/core/upstream.hpp: rate-limit headers, retry-after, request id)
+//     beside that classification: in response::upstream on a 2xx, in a
+//     stream's result and events, as a payload of a failure's status
+//     (keel::upstream_of);
 //   - on a 2xx calls parse(response) while the body is still in the pooled
 //     buffer, and returns what parse returns. A parse failure (a 200 with an
 //     invalid body) is returned as parse gave it: absl::InternalError is
@@ -402,7 +407,9 @@ class client {
   // A streaming provider for keel::token_stream::attempts: each attempt
   // sends `r` (a chat completion request with "stream": true) and hands
   // every content token of the 2xx event stream (keel/provider/sse.hpp) to
-  // the writer as it arrives. A non-2xx answer (a 429 before the stream) is
+  // the writer as it arrives (tool-call fragments and refusals too, and
+  // to a writer whose caller takes events, every event with its data:
+  // stream_writer::event). A non-2xx answer (a 429 before the stream) is
   // classified as exchange() does; an error event mid-stream is its
   // error_status(); a body that ends without [DONE] or a finish_reason is
   // Unavailable (the connection was cut). The writer's stop (a budget, a
