@@ -102,6 +102,12 @@ TEST_CASE("sse: tool-call deltas are model output: OpenAI's stream of one call, 
   CHECK(call.name == "get_weather");
   CHECK(call.type == "function");
   CHECK(call.arguments == R"({"location":"Paris, France","unit":"celsius"})");
+
+  // The shape cache reads argument fragments as it reads content: the first
+  // plain fragment in full, the four after it from the cached bytes.
+  http::sse_parser p;
+  REQUIRE(p.feed(body, [](const http::chat_chunk&) { return true; }).ok());
+  CHECK(p.shape_cache_hits() == 4);
 }
 
 TEST_CASE("sse: two tool calls interleaving by index are put back together apart", "[stream][sse][tools]") {

@@ -222,6 +222,7 @@ struct seen_chunk {
   std::string text, finish, error_type, data;
   bool has_usage;
   std::int64_t prompt, completion, total, error_code;
+  std::string tools;  // each tool-call fragment: index|id|type|name|arguments
   bool operator==(const seen_chunk&) const = default;
 };
 
@@ -238,9 +239,15 @@ seen_stream read_cut(std::string_view body, const std::vector<std::size_t>& cuts
   http::sse_parser p({.max_event_bytes = max_event, .shape_cache = cache});
   seen_stream out;
   auto on = [&](const http::chat_chunk& c) {
+    std::string tools;
+    for (const keel::tool_call_delta& d : c.tool_calls) {
+      tools += std::to_string(d.index);
+      for (std::string_view f : {d.id, d.type, d.name, d.arguments}) tools.append("|").append(f);
+      tools += "\n";
+    }
     out.chunks.push_back({c.kind, std::string(c.text), std::string(c.finish_reason), std::string(c.error_type),
                           std::string(c.data), c.has_usage, c.usage.prompt_tokens, c.usage.completion_tokens,
-                          c.usage.total_tokens, c.error_code});
+                          c.usage.total_tokens, c.error_code, std::move(tools)});
     return true;
   };
   std::size_t at = 0;
@@ -372,6 +379,29 @@ std::vector<std::string> shape_streams() {
   }
   // 11. The body ends in CR LF CR: the CR alone dispatches the last event.
   out.push_back(content_event("a") + content_event("b") + "data: " + kHead + "c" + kTail + "\r\n\r");
+  // 12. Tool calls (the cache also learns a plain argument fragment): one
+  //     call's fragments after content, escaped; two calls interleaving by
+  //     index (the index is in the cached bytes: the other call is read in
+  //     full); a fragment with a name beside its arguments, one with an
+  //     empty string, a bad escape, a raw quote; content again after.
+  {
+    const std::string head =
+        "{\"id\":\"chatcmpl-AbC\",\"object\":\"chat.completion.chunk\",\"created\":1733200000,\"model\":\"gpt-4o-mini\","
+        "\"system_fingerprint\":\"fp_0\",\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":";
+    auto frag = [&](int index, std::string_view args) {
+      return content_event(args, head + std::to_string(index) + ",\"function\":{\"arguments\":\"",
+                           "\"}}]},\"logprobs\":null,\"finish_reason\":null}]}");
+    };
+    const std::string first = content_event(
+        "", head + "0,\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"arguments\":\"",
+        "\"}}]},\"logprobs\":null,\"finish_reason\":null}]}");
+    out.push_back(content_event("a") + first + frag(0, "{\\\"") + frag(0, "city") + frag(0, "\\\":\\\"") +
+                  frag(0, "Paris") + frag(0, "\\\"}") + frag(1, "{}") + frag(0, "x") + frag(1, "y") + frag(1, "z") +
+                  content_event("", head + "1,\"function\":{\"name\":\"f\",\"arguments\":\"",
+                                "\"}}]},\"logprobs\":null,\"finish_reason\":null}]}") +
+                  frag(1, "") + frag(1, "\\q") + frag(1, "a\"b") + frag(1, "w") + content_event("b") +
+                  content_event("c"));
+  }
   return out;
 }
 

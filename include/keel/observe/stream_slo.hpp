@@ -15,7 +15,8 @@
 //   keel_stream_mid_stream_failures_total{model,reason}   committed streams that ended early:
 //                                                    stall, whole, deadline, cancelled, failed
 //   keel_stream_continuations_total{model}           answers continued on another provider
-//   keel_stream_tokens_total{model}                  content tokens relayed
+//   keel_stream_tokens_total{model}                  model output relayed: content tokens, tool-call
+//                                                    and refusal fragments
 //   keel_stream_tokens_reserved_total{model}         tokens admission reserved (record_tokens)
 //   keel_stream_tokens_settled_total{model}          tokens they settled to (usage, or the count)
 //

@@ -48,7 +48,9 @@
 // reader's path through the bytes before the string cannot depend on what
 // follows them, a valid string body ends where the cached one did, and the
 // same bytes after it read the same way, so the full read would give the
-// same chunk; anything else (another id, a finish_reason, a raw quote or
+// same chunk (a tool call's argument fragments are cached the same way:
+// the bytes around a plain fragment's arguments string, its index among
+// them); anything else (another id, a finish_reason, a raw quote or
 // control character in the middle, a bad escape) is read in full, and a
 // full read of a plain content chunk refreshes the cache. A whole event in
 // the piece skips the line split too; a piece that ends inside an event
@@ -851,13 +853,24 @@ class sse_parser {
   // The content chunk of a matched event: its text is the body, unescaped if need be.
   bool hand_over(const char* body, const char* q, bool escaped, std::string_view data, chat_chunk& c) {
     const std::string_view raw(body, static_cast<std::size_t>(q - body));
+    std::string_view text;
     if (escaped) {
-      if (!detail::json_reader::unescape(raw, text_scratch_, c.text)) return false;  // read in full: invalid
-      if (c.text.empty()) return false;
+      if (!detail::json_reader::unescape(raw, text_scratch_, text)) return false;  // read in full: invalid
+      if (text.empty()) return false;
     } else {
-      c.text = raw;
+      text = raw;
     }
-    c.kind = chunk_kind::content;
+    if (shape_tool_) {  // a tool call's argument fragment: the string is its arguments
+      tool_calls_.resize(1);
+      tool_calls_[0] = keel::tool_call_delta{.index = shape_index_, .arguments = text};
+      c.kind = chunk_kind::tool_call;
+      c.text = {};
+      c.tool_calls = std::span<const keel::tool_call_delta>(tool_calls_.data(), 1);
+    } else {
+      c.kind = chunk_kind::content;
+      c.text = text;
+      c.tool_calls = {};
+    }
     c.data = data;
     return true;
   }
@@ -937,17 +950,26 @@ class sse_parser {
 
   // After a full read: a plain content chunk (one choice, a delta with its
   // content alone, no finish_reason, usage or error) becomes the cached shape.
+  // Likewise a plain tool-call fragment (one choice, a delta with tool_calls
+  // alone, one element with its index and function.arguments alone): its
+  // arguments string is the body, its index part of the cached bytes.
   void learn_shape(std::string_view data, const chat_chunk& c) {
-    const bool plain = c.kind == chunk_kind::content && plain_.open != nullptr && plain_.choices_keys == 1 &&
-                       plain_.choices == 1 && plain_.deltas == 1 && plain_.delta_keys == 1 &&
-                       c.finish_reason.empty() && !c.has_usage && c.error_type.empty() && c.error_code == 0 &&
-                       c.data.data() == data.data();
-    if (!plain) return;
+    const bool one_delta = plain_.choices_keys == 1 && plain_.choices == 1 && plain_.deltas == 1 &&
+                           plain_.delta_keys == 1 && c.finish_reason.empty() && !c.has_usage &&
+                           c.error_type.empty() && c.error_code == 0 && c.data.data() == data.data();
+    const bool content = c.kind == chunk_kind::content && plain_.open != nullptr;
+    const bool tool = c.kind == chunk_kind::tool_call && plain_.tool_open != nullptr && plain_.tools == 1 &&
+                      plain_.tool_keys == 2 && plain_.function_keys == 1 && c.tool_calls.size() == 1;
+    if (!one_delta || !(content || tool)) return;
     const char* d = data.data();
-    shape_prefix_ = static_cast<std::size_t>(plain_.open + 1 - d);
+    const char* open = tool ? plain_.tool_open : plain_.open;
+    const char* close = tool ? plain_.tool_close : plain_.close;
+    shape_tool_ = tool;
+    shape_index_ = tool ? c.tool_calls[0].index : 0;
+    shape_prefix_ = static_cast<std::size_t>(open + 1 - d);
     shape_.assign("data: ");
     shape_.append(d, shape_prefix_);
-    shape_.append(plain_.close, static_cast<std::size_t>(d + data.size() - plain_.close));
+    shape_.append(close, static_cast<std::size_t>(d + data.size() - close));
     shape_valid_ = true;
     shape_line_ = std::memchr(shape_.data(), '\n', shape_.size()) == nullptr &&
                   std::memchr(shape_.data(), '\r', shape_.size()) == nullptr;
@@ -1000,15 +1022,24 @@ class sse_parser {
   // One element of delta.tool_calls[].
   bool tool_call(detail::json_reader& j) {
     keel::tool_call_delta d;
+    ++plain_.tools;
     const bool ok = j.members(5, [&](std::string_view k) -> bool {
+      ++plain_.tool_keys;
       if (k == "index") return j.integer(d.index);
       if (k == "id") return j.at('"') ? tool_text(j, d.id) : j.skip(6);
       if (k == "type") return j.at('"') ? tool_text(j, d.type) : j.skip(6);
       if (k == "function") {
         if (!j.at('{')) return j.skip(6);
         return j.members(6, [&](std::string_view f) -> bool {
+          ++plain_.function_keys;
           if (f == "name") return j.at('"') ? tool_text(j, d.name) : j.skip(7);
-          if (f == "arguments") return j.at('"') ? tool_text(j, d.arguments) : j.skip(7);
+          if (f == "arguments") {
+            if (!j.at('"')) return j.skip(7);
+            plain_.tool_open = j.pos();
+            if (!tool_text(j, d.arguments)) return false;
+            plain_.tool_close = j.pos() - 1;
+            return true;
+          }
           return j.skip(7);
         });
       }
@@ -1052,11 +1083,16 @@ class sse_parser {
     const char* open = nullptr;   // choice 0's content string: its opening quote
     const char* close = nullptr;  // and its closing quote
     int choices_keys = 0, choices = 0, deltas = 0, delta_keys = 0;
+    const char* tool_open = nullptr;   // a tool call's function.arguments string: its opening quote
+    const char* tool_close = nullptr;  // and its closing quote
+    int tools = 0, tool_keys = 0, function_keys = 0;
   };
   plain_shape plain_;
   std::string shape_;             // `data: `, the cached prefix, the cached suffix, LF LF
   std::size_t shape_prefix_ = 0;  // the prefix's length (through the opening quote)
   bool shape_valid_ = false;
+  bool shape_tool_ = false;       // the cached shape is a tool call's argument fragment (else content)
+  std::int64_t shape_index_ = 0;  // its index
   bool shape_line_ = false;       // valid, and no line end in it: same_shape_event applies
   std::size_t shape_hits_ = 0;
   bool has_data_ = false;
