@@ -396,8 +396,8 @@ class stream_writer {
     if (!output_at(now)) return false;
     for (const tool_call_delta& d : e.tool_calls) sink_->tools.add(d);
     in_tool_call_ = !e.tool_calls.empty() && e.finish_reason.empty();
-    sink_->text.append(e.content.data(), e.content.size());
-    sink_->refusal.append(e.refusal.data(), e.refusal.size());
+    if (!e.content.empty()) sink_->text.append(e.content.data(), e.content.size());
+    if (!e.refusal.empty()) sink_->refusal.append(e.refusal.data(), e.refusal.size());
     if (sink_->on_event != nullptr) {
       hand_over(e);
     } else if (sink_->on_token != nullptr && !e.content.empty()) {
@@ -452,7 +452,7 @@ class stream_writer {
 
   // What every piece of model output does first: the stop check, the
   // commit or the gap, the stall clock, the count.
-  bool output_at(time_point now) noexcept {
+  [[gnu::always_inline]] bool output_at(time_point now) noexcept {
     if (stop_.stop_requested()) return false;
     if (!committed_) [[unlikely]] {
       if (!commit(now)) return false;

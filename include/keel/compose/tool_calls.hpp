@@ -64,6 +64,12 @@ class tool_call_assembler {
  public:
   // Adds one fragment to its call (started if this index is new).
   void add(const tool_call_delta& d) {
+    // Most fragments: more arguments for the call being streamed.
+    if (!calls_.empty() && calls_.back().index == d.index && d.id.empty() && d.type.empty() && d.name.empty())
+        [[likely]] {
+      calls_.back().arguments.append(d.arguments.data(), d.arguments.size());
+      return;
+    }
     tool_call& c = find(d.index);
     // Set once: some servers repeat the id and name on every fragment.
     if (c.id.empty() && !d.id.empty()) c.id.assign(d.id.data(), d.id.size());
