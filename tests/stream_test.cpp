@@ -1111,7 +1111,8 @@ TEST_CASE("stream: time to first token is what the client waited, from the call'
   keel::metrics_registry registry;
   keel::stream_metrics streams(registry);
   streams.record("m", r);
-  const keel::metric_series* ttft = series(registry.snapshot(), "keel_stream_time_to_first_token_seconds", {"m"});
+  const keel::metrics_snapshot snapshot = registry.snapshot();  // the series points into it
+  const keel::metric_series* ttft = series(snapshot, "keel_stream_time_to_first_token_seconds", {"m"});
   REQUIRE(ttft != nullptr);
   CHECK(ttft->sum == Approx(2.5));
 }
