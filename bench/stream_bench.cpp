@@ -5,7 +5,12 @@
 // stall bookkeeping, the copy into the call's text and the relay callback)
 // beside the parser alone handing the same tokens to a plain callback
 // (BM_Stream_ParserOnly) and the parser feeding the policy
-// (BM_Stream_ParsedIntoPolicy). Allocations per iteration are counted.
+// (BM_Stream_ParsedIntoPolicy). The recorded stream ends with a tool call
+// streamed as OpenAI does (its first chunk, then 64 argument fragments), so
+// the parser and the policy read tool-call deltas as model output too; the
+// policy's own cost per tool-call fragment is BM_Stream_PerToolDelta, and
+// per event handed to a relay (its data with it) BM_Stream_PerEvent_Relay.
+// Allocations per iteration are counted.
 //
 //   build/h/bench/keel_bench_stream --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 #include <benchmark/benchmark.h>
@@ -32,9 +37,13 @@ using namespace std::chrono_literals;
 namespace {
 
 constexpr int kTokens = 512;
+constexpr int kToolDeltas = 65;  // the tool call's first chunk and 64 argument fragments
+constexpr int kOutputs = kTokens + kToolDeltas;
 
 // A recorded OpenAI-style stream: role chunk, 512 content chunks of one to
-// eight characters (some escaped), a finish chunk, the usage chunk, [DONE].
+// eight characters (some escaped), a tool call (its first chunk with id and
+// name, 64 argument fragments, escaped as arguments always are), a finish
+// chunk, the usage chunk, [DONE].
 std::string recorded_stream() {
   static const char* words[] = {"The", " quick", " brown", " fox", " jumps", " over", "\\n", " caf\\u00e9", ",", " a"};
   std::string s =
@@ -47,6 +56,18 @@ std::string recorded_stream() {
     s += words[i % 10];
     s += "\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n";
     if (i % 64 == 0) s += ": keep-alive\n\n";
+  }
+  const std::string head =
+      "data: {\"id\":\"chatcmpl-AbC\",\"object\":\"chat.completion.chunk\",\"created\":1733200000,\"model\":\"gpt-4o-"
+      "mini\",\"system_fingerprint\":\"fp_0\",\"choices\":[{\"index\":0,\"delta\":";
+  s += head +
+       "{\"tool_calls\":[{\"index\":0,\"id\":\"call_DdmO9pD3xa9XTPNJ32zg2hcA\",\"type\":\"function\",\"function\":{"
+       "\"name\":\"get_weather\",\"arguments\":\"\"}}]},\"logprobs\":null,\"finish_reason\":null}]}\n\n";
+  static const char* pieces[] = {"{\\\"", "location", "\\\":\\\"", "Paris", ", France", "\\\",\\\"", "unit", "\\\":\\\"c\\\"}"};
+  for (int i = 0; i < kToolDeltas - 1; ++i) {
+    s += head + "{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"";
+    s += pieces[i % 8];
+    s += "\"}}]},\"logprobs\":null,\"finish_reason\":null}]}\n\n";
   }
   s += "data: {\"id\":\"chatcmpl-AbC\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n";
   s += "data: {\"id\":\"chatcmpl-AbC\",\"choices\":[],\"usage\":{\"prompt_tokens\":20,\"completion_tokens\":512,"
@@ -111,7 +132,7 @@ void BM_Sse_Parse(benchmark::State& state) {
     }
   }
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * b.size()));
-  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(state.iterations() * kTokens),
+  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(state.iterations() * kOutputs),
                                                   benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_Sse_Parse);
@@ -205,6 +226,65 @@ void BM_Stream_PerToken(benchmark::State& state) {
 }
 BENCHMARK(BM_Stream_PerToken);
 
+// The policy's own cost per tool-call fragment: stream_writer::event with one
+// fragment (4 bytes of arguments), the commit, gap and stall bookkeeping,
+// the fragment into the call's assembler, the hand-over to the callback.
+void BM_Stream_PerToolDelta(benchmark::State& state) {
+  constexpr std::int64_t kStream = 4096;
+  keel::testing::manual_clock clock;
+  keel::stream_guard guard({.first_token = 10s, .stall = 10s}, clock);
+  std::size_t relayed = 0;
+  keel::token_stream stream(guard, [&](std::string_view t) { relayed += t.size(); });
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  const keel::tool_call_delta first{.index = 0, .id = "call_1", .type = "function", .name = "get_weather"};
+  const keel::tool_call_delta piece{.index = 0, .arguments = "\"ab\""};
+  auto provider = [&](const keel::attempt&, keel::stream_writer& w) -> absl::Status {
+    const keel::time_point now = clock.now();
+    benchmark::DoNotOptimize(w.event({.kind = keel::stream_event_kind::tool_call, .tool_calls = {&first, 1}}, now));
+    for (std::int64_t i = 1; i < kStream; ++i)
+      benchmark::DoNotOptimize(w.event({.kind = keel::stream_event_kind::tool_call, .tool_calls = {&piece, 1}}, now));
+    return absl::OkStatus();
+  };
+  const std::int64_t before = keel_bench::thread_allocations();
+  for (auto _ : state) {
+    keel::call call(clock.now(), {.timeout = 1h});
+    auto r = pipe.run(call, stream.attempts(provider));
+    benchmark::DoNotOptimize(r);
+  }
+  per_token(state, kStream, before);
+  benchmark::DoNotOptimize(relayed);
+}
+BENCHMARK(BM_Stream_PerToolDelta);
+
+// A relay's view: the same 4096 content tokens handed over as events with
+// their data (what a provider with the wire bytes passes), to a callback
+// on const keel::stream_event&.
+void BM_Stream_PerEvent_Relay(benchmark::State& state) {
+  constexpr std::int64_t kStream = 4096;
+  keel::testing::manual_clock clock;
+  keel::stream_guard guard({.first_token = 10s, .stall = 10s}, clock);
+  std::size_t relayed = 0;
+  keel::token_stream stream(guard, [&](const keel::stream_event& e) { relayed += e.data.size(); });
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  constexpr std::string_view data = R"({"choices":[{"index":0,"delta":{"content":" fox"},"finish_reason":null}]})";
+  auto provider = [&](const keel::attempt&, keel::stream_writer& w) -> absl::Status {
+    const keel::time_point now = clock.now();
+    for (std::int64_t i = 0; i < kStream; ++i)
+      benchmark::DoNotOptimize(w.event({.kind = keel::stream_event_kind::content, .content = " fox", .data = data}, now));
+    return absl::OkStatus();
+  };
+  const std::int64_t before = keel_bench::thread_allocations();
+  for (auto _ : state) {
+    keel::call call(clock.now(), {.timeout = 1h});
+    stream.reserve(static_cast<std::size_t>(kStream) * 4);
+    auto r = pipe.run(call, stream.attempts(provider));
+    benchmark::DoNotOptimize(r);
+  }
+  per_token(state, kStream, before);
+  benchmark::DoNotOptimize(relayed);
+}
+BENCHMARK(BM_Stream_PerEvent_Relay);
+
 // The same 4096 tokens to a plain callback that appends them to a reused
 // string: the per-token work without the policy, for the difference.
 void BM_Stream_PerToken_Bare(benchmark::State& state) {
@@ -239,6 +319,7 @@ void BM_Stream_ParserOnly(benchmark::State& state) {
   text.reserve(8192);
   auto on = [&](const keel::http::chat_chunk& c) {
     if (c.kind == keel::http::chunk_kind::content) text.append(c.text.data(), c.text.size());
+    for (const keel::tool_call_delta& d : c.tool_calls) text.append(d.arguments.data(), d.arguments.size());
     return true;
   };
   const std::int64_t before = keel_bench::thread_allocations();
@@ -248,7 +329,7 @@ void BM_Stream_ParserOnly(benchmark::State& state) {
     for (std::size_t off = 0; off < b.size(); off += kRead) (void)parser.feed(std::string_view(b).substr(off, kRead), on);
     benchmark::DoNotOptimize(text.data());
   }
-  per_token(state, kTokens, before);
+  per_token(state, kOutputs, before);
 }
 BENCHMARK(BM_Stream_ParserOnly);
 
@@ -266,6 +347,8 @@ void BM_Stream_ParsedIntoPolicy(benchmark::State& state) {
       const keel::time_point now = w.now();  // once per read, as keel::http does
       (void)parser.feed(std::string_view(b).substr(off, kRead), [&](const keel::http::chat_chunk& c) {
         if (c.kind == keel::http::chunk_kind::content) return w.token(c.text, now);
+        if (c.kind == keel::http::chunk_kind::tool_call)
+          return w.event({.kind = keel::stream_event_kind::tool_call, .content = c.text, .tool_calls = c.tool_calls}, now);
         if (c.has_usage) w.usage(c.usage);
         return true;
       });
@@ -279,7 +362,7 @@ void BM_Stream_ParsedIntoPolicy(benchmark::State& state) {
     auto r = pipe.run(call, stream.attempts(provider));
     benchmark::DoNotOptimize(r);
   }
-  per_token(state, kTokens, before);
+  per_token(state, kOutputs, before);
   benchmark::DoNotOptimize(relayed);
 }
 BENCHMARK(BM_Stream_ParsedIntoPolicy);

@@ -290,8 +290,8 @@ TEST_CASE("a probe permit dropped without a result gives its slot back", "[break
   CHECK(b.state() == breaker_state::closed);
 }
 
-TEST_CASE("ignored probe outcomes keep their slots: one half-open period never passes more than the bound",
-          "[breaker]") {
+TEST_CASE("half-open probes answered with a permanent error close the breaker: the dependency answered (Polly #1979)",
+          "[breaker][half-open]") {
   manual_clock clock;
   std::vector<std::string> log;
   keel::circuit_breaker b({.window_calls = 2,
@@ -301,14 +301,128 @@ TEST_CASE("ignored probe outcomes keep their slots: one half-open period never p
                            .on_state_change = transition_log{&log}});
   feed(b, clock.now(), outcome_kind::transient, 2);
   clock.advance(5s);
-  // Every probe comes back throttled (ignored by default): none may be
-  // replaced by another probe in the same period.
+  keel::breaker_permit p1 = b.try_acquire(clock.now());
+  keel::breaker_permit p2 = b.try_acquire(clock.now());
+  REQUIRE((p1 && p2));
+  CHECK(!b.try_acquire(clock.now()));
+  // One client's bad request during recovery: the dependency answered it.
+  p1.record(outcome_kind::permanent, clock.now());
+  CHECK(b.state() == breaker_state::half_open);
+  CHECK(b.figures(clock.now()).probes_succeeded == 1);
+  CHECK(!b.try_acquire(clock.now()));  // its slot stays used: the bound holds
+  p2.record(outcome_kind::permanent, clock.now());
+  CHECK(b.state() == breaker_state::closed);  // not another 5 s open for everyone
+  CHECK(b.figures(clock.now()).trips == 0);
+  CHECK(log == std::vector<std::string>{"closed->open", "open->half-open", "half-open->closed"});
+}
+
+TEST_CASE("through a pipeline, a probe answered with a bad key closes the breaker and traffic flows",
+          "[breaker][pipeline][half-open]") {
+  manual_clock clock;
+  keel::circuit_breaker b({.window_calls = 2, .minimum_calls = 2, .open_duration = 5s, .half_open_probes = 2});
+  auto pipe = keel::pipeline(b).on(clock);
+  kt::scripted_provider<int> provider(clock, {kt::bad_credential()});
+  feed(b, clock.now(), outcome_kind::transient, 2);
+  clock.advance(5s);
+  for (int i = 0; i < 6; ++i) {
+    keel::call call(clock.now(), {.timeout = 1s});
+    (void)pipe.run(call, provider);
+  }
+  CHECK(provider.calls() == 6);  // two probes closed it; the rest went through
+  CHECK(b.state() == breaker_state::closed);
+}
+
+TEST_CASE("a throttled probe opens the breaker again at once, for its retry-after hint, not as a trip",
+          "[breaker][half-open]") {
+  manual_clock clock;
+  std::vector<std::string> log;
+  keel::circuit_breaker b({.window_calls = 2,
+                           .minimum_calls = 2,
+                           .open_duration = 5s,
+                           .half_open_probes = 3,
+                           .on_state_change = transition_log{&log}});
+  auto pipe = keel::pipeline(b).on(clock);
+  feed(b, clock.now(), outcome_kind::transient, 2);
+  clock.advance(5s);
+  keel::breaker_permit other = b.try_acquire(clock.now());  // a probe still out
+  REQUIRE(other);
+  kt::scripted_provider<int> provider(clock, {kt::rate_limited(12s)});
+  keel::call call(clock.now(), {.timeout = 1s});
+  CHECK(absl::IsResourceExhausted(pipe.run(call, provider).status()));
+  CHECK(b.state() == breaker_state::open);
+  CHECK(b.figures(clock.now()).open_remaining == 12s);  // the hint, not the 5 s open duration
+  CHECK(b.figures(clock.now()).trips == 1);
+  other.record(outcome_kind::success, clock.now());  // late: the period is over
+  CHECK(b.state() == breaker_state::open);
+  clock.advance(11s);
+  CHECK(!b.try_acquire(clock.now()));
+  clock.advance(1s);
+  keel::breaker_permit next = b.try_acquire(clock.now());
+  REQUIRE(next);
+  // Without a hint (a standalone permit, no status): the open duration.
+  next.record(outcome_kind::throttled, clock.now());
+  CHECK(b.state() == breaker_state::open);
+  CHECK(b.figures(clock.now()).open_remaining == 5s);
+  CHECK(log == std::vector<std::string>{"closed->open", "open->half-open", "half-open->open", "open->half-open",
+                                        "half-open->open"});
+  // With its status, a standalone permit passes the hint too.
+  clock.advance(5s);
+  keel::breaker_permit third = b.try_acquire(clock.now());
+  REQUIRE(third);
+  third.record(keel::with_retry_after(absl::ResourceExhaustedError("429"), 30s), outcome_kind::throttled,
+               clock.now());
+  CHECK(b.figures(clock.now()).open_remaining == 30s);
+
+  // Throttled configured as a failure: a trip, open at least for the hint.
+  keel::circuit_breaker counted({.window_calls = 2, .minimum_calls = 2, .open_duration = 5s, .half_open_probes = 1,
+                                 .throttled = keel::breaker_verdict::failure});
+  feed(counted, clock.now(), outcome_kind::transient, 2);
+  clock.advance(5s);
+  keel::breaker_permit p = counted.try_acquire(clock.now());
+  REQUIRE(p);
+  p.record(keel::with_retry_after(absl::ResourceExhaustedError("429"), 2s), outcome_kind::throttled, clock.now());
+  CHECK(counted.figures(clock.now()).trips == 2);
+  CHECK(counted.figures(clock.now()).open_remaining == 5s);
+}
+
+TEST_CASE("a cancelled probe hands its slot back: the caller left, the dependency told nothing",
+          "[breaker][half-open]") {
+  manual_clock clock;
+  keel::circuit_breaker b({.window_calls = 2, .minimum_calls = 2, .open_duration = 5s, .half_open_probes = 1});
+  auto pipe = keel::pipeline(b).on(clock);
+  feed(b, clock.now(), outcome_kind::transient, 2);
+  clock.advance(5s);
+  for (int i = 0; i < 3; ++i) {
+    keel::call call(clock.now(), {.timeout = 1s});
+    (void)pipe.run(call, [] { return absl::CancelledError("client went away"); });
+    CHECK(b.state() == breaker_state::half_open);
+    CHECK(b.figures(clock.now()).probes_admitted == 0);
+  }
+  keel::breaker_permit next = b.try_acquire(clock.now());
+  REQUIRE(next);
+  next.record(outcome_kind::success, clock.now());
+  CHECK(b.state() == breaker_state::closed);
+}
+
+TEST_CASE("ignored probe outcomes other than answers keep their slots and judge nothing", "[breaker][half-open]") {
+  manual_clock clock;
+  std::vector<std::string> log;
+  keel::circuit_breaker b({.window_calls = 2,
+                           .minimum_calls = 2,
+                           .open_duration = 5s,
+                           .half_open_probes = 2,
+                           .ambiguous = keel::breaker_verdict::ignore,
+                           .on_state_change = transition_log{&log}});
+  feed(b, clock.now(), outcome_kind::transient, 2);
+  clock.advance(5s);
+  // Every probe times out after sending (ambiguous, ignored here): none may
+  // be replaced by another probe in the same period.
   int reached = 0;
   for (int i = 0; i < 10; ++i) {
     keel::breaker_permit p = b.try_acquire(clock.now());
     if (!p) continue;
     ++reached;
-    p.record(outcome_kind::throttled, clock.now());
+    p.record(outcome_kind::ambiguous, clock.now());
   }
   CHECK(reached == 2);
   // Nothing was proved either way: open again for the same time, no new trip.
@@ -321,8 +435,7 @@ TEST_CASE("ignored probe outcomes keep their slots: one half-open period never p
   keel::breaker_permit p1 = b.try_acquire(clock.now());
   keel::breaker_permit p2 = b.try_acquire(clock.now());
   REQUIRE((p1 && p2));
-  CHECK(!b.try_acquire(clock.now()));
-  p1.record(outcome_kind::permanent, clock.now());
+  p1.record(outcome_kind::ambiguous, clock.now());
   CHECK(b.figures(clock.now()).probes_ignored == 1);
   CHECK(!b.try_acquire(clock.now()));  // the ignored probe's slot is not handed out again
   p2.record(outcome_kind::success, clock.now());
@@ -331,31 +444,20 @@ TEST_CASE("ignored probe outcomes keep their slots: one half-open period never p
                                         "half-open->closed"});
 }
 
-TEST_CASE("through a pipeline, probes answered with a bad key count toward the period's bound", "[breaker][pipeline]") {
-  manual_clock clock;
-  keel::circuit_breaker b({.window_calls = 2, .minimum_calls = 2, .open_duration = 5s, .half_open_probes = 2});
-  auto pipe = keel::pipeline(b).on(clock);
-  kt::scripted_provider<int> provider(clock, {kt::bad_credential()});
-  feed(b, clock.now(), outcome_kind::transient, 2);
-  clock.advance(5s);
-  for (int i = 0; i < 6; ++i) {
-    keel::call call(clock.now(), {.timeout = 1s});
-    (void)pipe.run(call, provider);
-  }
-  CHECK(provider.calls() == 2);
-  CHECK(b.state() == breaker_state::open);
-}
-
 TEST_CASE("with a failure rate, ignored probes leave the decision to the counted ones", "[breaker]") {
   manual_clock clock;
-  keel::circuit_breaker b(
-      {.window_calls = 2, .minimum_calls = 2, .open_duration = 1s, .half_open_probes = 4, .half_open_failure_rate = 0.5});
+  keel::circuit_breaker b({.window_calls = 2,
+                           .minimum_calls = 2,
+                           .open_duration = 1s,
+                           .half_open_probes = 4,
+                           .half_open_failure_rate = 0.5,
+                           .ambiguous = keel::breaker_verdict::ignore});
   feed(b, clock.now(), outcome_kind::transient, 2);
   clock.advance(1s);
   std::vector<keel::breaker_permit> probes;
   for (int i = 0; i < 4; ++i) probes.push_back(b.try_acquire(clock.now()));
   CHECK(!b.try_acquire(clock.now()));
-  probes[0].record(outcome_kind::throttled, clock.now());
+  probes[0].record(outcome_kind::ambiguous, clock.now());
   CHECK(!b.try_acquire(clock.now()));  // its slot stays used
   probes[1].record(outcome_kind::transient, clock.now());
   probes[2].record(outcome_kind::success, clock.now());

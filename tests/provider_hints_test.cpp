@@ -176,3 +176,22 @@ TEST_CASE("HTTP status table", "[provider][hints]") {
     }
   }
 }
+
+TEST_CASE("an RFC 850 date's two-digit year is read relative to now (RFC 9110 §5.6.7), not by a fixed cutoff",
+          "[provider][hints]") {
+  using namespace std::chrono;
+  auto at = [](int y, unsigned m, unsigned d) { return keel::http::wall_time(sys_days{year{y} / m / d}); };
+  const keel::http::wall_time now = at(2026, 12, 7);
+  // This century unless that is more than 50 years ahead.
+  CHECK(http::parse_http_date("Sunday, 06-Nov-94 08:49:37 GMT", now) == at(1994, 11, 6) + 8h + 49min + 37s);
+  CHECK(http::parse_http_date("Thursday, 01-Jan-70 00:00:00 GMT", now) == at(2070, 1, 1));  // a fixed 70 cutoff: 1970
+  CHECK(http::parse_http_date("Monday, 07-Dec-76 00:00:00 GMT", now) == at(2076, 12, 7));  // exactly 50 years: not more
+  CHECK(http::parse_http_date("Tuesday, 08-Dec-76 00:00:00 GMT", now) == at(1976, 12, 8));  // a day more than 50
+  CHECK(http::parse_http_date("Monday, 07-Dec-26 00:00:00 GMT", now) == at(2026, 12, 7));
+  // Relative to now: in 2069, "-70" is next year, so a Retry-After in it is a wait, not "already passed".
+  const keel::http::wall_time late = at(2069, 12, 31) + 23h + 59min;
+  CHECK(http::parse_retry_after("Tuesday, 01-Jan-70 00:00:30 GMT", late) == 90s);
+  // And in 2130, "-94" is 2094, "-99" 2099 (a fixed cutoff would say 1994 and 1999).
+  CHECK(http::parse_http_date("Sunday, 06-Nov-94 08:49:37 GMT", at(2130, 1, 1)) == at(2094, 11, 6) + 8h + 49min + 37s);
+  CHECK_FALSE(http::parse_http_date("Monday, 30-Feb-26 00:00:00 GMT", now).has_value());
+}

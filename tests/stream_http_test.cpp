@@ -187,3 +187,141 @@ TEST_CASE("http stream: cancelling the call aborts the transfer at once", "[stre
   const double to_return = ms(after_stop).count(), to_server = ms(upstream).count();
   UNSCOPED_INFO("cancel to return: " << to_return << " ms; to the server seeing it: " << to_server << " ms");
 }
+
+// --- model output beyond content, and what a relay needs ----------------------
+
+TEST_CASE("http stream: a tool-call stream commits at its first fragment and its call is put back together",
+          "[stream][http][tools]") {
+  keel_test::sse_server server;
+  http::client client({.base_url = server.url()});
+  // No content token ever comes: with tool-call deltas not counted as
+  // output, the 250 ms first-token budget would cut this healthy stream.
+  const outcome o = stream_once(client, "/tool_calls", {.first_token = 250ms, .stall = 5s}, 1);
+  REQUIRE(o.result.ok());
+  CHECK(o.result->complete);
+  CHECK(o.result->text.empty());
+  CHECK(o.shown.empty());  // a text callback is handed content only
+  CHECK(o.result->tokens == 6);
+  REQUIRE(o.result->tool_calls.size() == 1);
+  CHECK(o.result->tool_calls[0].id == "call_DdmO9pD3xa9XTPNJ32zg2hcA");
+  CHECK(o.result->tool_calls[0].name == "get_weather");
+  CHECK(o.result->tool_calls[0].arguments == R"({"location":"Paris, France","unit":"celsius"})");
+}
+
+TEST_CASE("http stream: a stream cut inside tool-call arguments is partial, in a tool call, not continuable",
+          "[stream][http][tools]") {
+  keel_test::sse_server server;
+  http::client client({.base_url = server.url()});
+  const outcome o = stream_once(client, "/tool_calls_cut", {.first_token = 5s, .stall = 5s});
+  REQUIRE(o.result.ok());
+  CHECK(o.result->partial);
+  CHECK(o.result->reason == keel::stream_stop::failed);
+  CHECK(o.result->in_tool_call);
+  CHECK_FALSE(o.result->continuable);
+  REQUIRE(o.result->tool_calls.size() == 1);
+  CHECK(o.result->tool_calls[0].arguments == R"({"location":"Paris, France)");
+  CHECK(o.attempts == 1);
+}
+
+TEST_CASE("http stream: a refusal-only stream commits with the refusal's text", "[stream][http][refusal]") {
+  keel_test::sse_server server;
+  http::client client({.base_url = server.url()});
+  const outcome o = stream_once(client, "/refusal", {.first_token = 5s, .stall = 5s}, 1);
+  REQUIRE(o.result.ok());
+  CHECK(o.result->complete);
+  CHECK(o.result->refusal == "I'm sorry, I can't help with that.");
+  CHECK(o.result->tokens == 2);
+}
+
+namespace {
+
+struct relayed {
+  absl::StatusOr<keel::stream_result> result{absl::UnknownError("not run")};
+  std::string wire;  // what a relay would write, event by event
+  int events = 0;
+  int statuses = 0;  // events that came with the upstream's status
+  std::string request_id;
+};
+
+relayed relay_once(http::client& client, const std::string& path, const keel::stream_options& o, int max_attempts) {
+  keel::stream_guard guard(o);
+  relayed out;
+  keel::call call(keel::real_clock{}.now(), {.timeout = 20s, .max_attempts = max_attempts});
+  keel::token_stream stream(guard, [&](const keel::stream_event& e) {
+    ++out.events;
+    http::write_sse_event(out.wire, e.data, e.name);
+    if (e.upstream != nullptr && e.upstream->status == 200) {
+      ++out.statuses;
+      out.request_id = std::string(e.upstream->header("x-request-id"));
+    }
+  });
+  auto provider = client.stream({.path = path, .body = body});
+  const auto pipe =
+      keel::pipeline(keel::retry({.max_attempts = max_attempts}, keel::constant_backoff{.delay_each = 1ms}));
+  out.result = pipe.run(call, stream.attempts(provider));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("http stream: a relay is handed every event as the provider sent it, with the upstream's status and headers",
+          "[stream][http][relay]") {
+  keel_test::sse_server server;
+  http::client client({.base_url = server.url()});
+  const relayed r = relay_once(client, "/tool_calls", {.first_token = 5s, .stall = 5s}, 1);
+  REQUIRE(r.result.ok());
+  CHECK(r.result->complete);
+  std::string sent;
+  for (const std::string& e : keel_test::sse_server::tool_call_events()) sent += e;
+  CHECK(r.wire == sent);  // byte for byte: id, model, role, tool deltas, finish_reason, [DONE]
+  CHECK(r.events == 8);
+  CHECK(r.statuses == 8);
+  CHECK(r.request_id == "req-tool_calls-1");
+  CHECK(r.result->upstream.status == 200);
+  CHECK(r.result->upstream.header("x-ratelimit-remaining-requests") == "9999");
+  CHECK(r.result->upstream.header("X-Request-Id") == "req-tool_calls-1");
+  CHECK(r.result->upstream.header("content-type").empty());  // not a relay header
+}
+
+TEST_CASE("http stream: a relay sees nothing of an attempt that failed before its commit", "[stream][http][relay]") {
+  keel_test::sse_server server(2, 10s);
+  http::client client({.base_url = server.url()});
+  const relayed r = relay_once(client, "/slow_then_ok", {.first_token = 300ms, .stall = 5s}, 2);
+  REQUIRE(r.result.ok());
+  CHECK(r.result->complete);
+  // The first attempt's role chunk was held until a commit that never came:
+  // the client sees the serving attempt's events only, its role chunk once.
+  std::size_t roles = 0;
+  for (std::size_t at = 0; (at = r.wire.find("\"role\"", at)) != std::string::npos; ++at) ++roles;
+  CHECK(roles == 1);
+  CHECK(r.wire.rfind("data: {\"choices\":[{\"index\":0,\"delta\":{\"role\"", 0) == 0);
+  CHECK(r.wire.find(keel_test::sse_server::token_event(0)) != std::string::npos);
+  CHECK(r.wire.size() >= 14);
+  CHECK(r.wire.substr(r.wire.size() - 14) == "data: [DONE]\n\n");
+  CHECK(r.request_id == "req-slow_then_ok-2");
+}
+
+TEST_CASE("http: a failure keeps the upstream's HTTP status and relay headers beside keel's classification",
+          "[stream][http][relay]") {
+  keel_test::sse_server server(2);
+  http::client client({.base_url = server.url()});
+  const outcome o = stream_once(client, "/429_then_ok", {.first_token = 5s, .stall = 5s}, 1);
+  REQUIRE_FALSE(o.result.ok());
+  CHECK(absl::IsResourceExhausted(o.result.status()));
+  const std::optional<keel::upstream_reply> up = keel::upstream_of(o.result.status());
+  REQUIRE(up.has_value());
+  CHECK(up->status == 429);
+  CHECK(up->header("retry-after-ms") == "20");
+  CHECK(up->header("x-request-id") == "req-429_then_ok-1");
+  CHECK(up->header("x-ratelimit-reset-requests") == "6ms");
+
+  // A 2xx: the parse sees them too.
+  keel::call call(keel::real_clock{}.now(), {.timeout = 10s});
+  auto ex = client.exchange({.path = "/normal", .body = body}, [](const http::response& r) -> absl::StatusOr<std::string> {
+    if (r.upstream == nullptr) return absl::InternalError("no upstream");
+    return absl::StrCat(r.upstream->status, " ", keel::detail::to_absl(r.upstream->header("x-request-id")));
+  });
+  const absl::StatusOr<std::string> got = keel::pipeline(keel::retry({.max_attempts = 1})).run(call, ex);
+  REQUIRE(got.ok());
+  CHECK(*got == "200 req-normal-1");
+}

@@ -222,6 +222,7 @@ struct seen_chunk {
   std::string text, finish, error_type, data;
   bool has_usage;
   std::int64_t prompt, completion, total, error_code;
+  std::string tools;  // each tool-call fragment: index|id|type|name|arguments
   bool operator==(const seen_chunk&) const = default;
 };
 
@@ -238,9 +239,15 @@ seen_stream read_cut(std::string_view body, const std::vector<std::size_t>& cuts
   http::sse_parser p({.max_event_bytes = max_event, .shape_cache = cache});
   seen_stream out;
   auto on = [&](const http::chat_chunk& c) {
+    std::string tools;
+    for (const keel::tool_call_delta& d : c.tool_calls) {
+      tools += std::to_string(d.index);
+      for (std::string_view f : {d.id, d.type, d.name, d.arguments}) tools.append("|").append(f);
+      tools += "\n";
+    }
     out.chunks.push_back({c.kind, std::string(c.text), std::string(c.finish_reason), std::string(c.error_type),
                           std::string(c.data), c.has_usage, c.usage.prompt_tokens, c.usage.completion_tokens,
-                          c.usage.total_tokens, c.error_code});
+                          c.usage.total_tokens, c.error_code, std::move(tools)});
     return true;
   };
   std::size_t at = 0;
@@ -372,6 +379,29 @@ std::vector<std::string> shape_streams() {
   }
   // 11. The body ends in CR LF CR: the CR alone dispatches the last event.
   out.push_back(content_event("a") + content_event("b") + "data: " + kHead + "c" + kTail + "\r\n\r");
+  // 12. Tool calls (the cache also learns a plain argument fragment): one
+  //     call's fragments after content, escaped; two calls interleaving by
+  //     index (the index is in the cached bytes: the other call is read in
+  //     full); a fragment with a name beside its arguments, one with an
+  //     empty string, a bad escape, a raw quote; content again after.
+  {
+    const std::string head =
+        "{\"id\":\"chatcmpl-AbC\",\"object\":\"chat.completion.chunk\",\"created\":1733200000,\"model\":\"gpt-4o-mini\","
+        "\"system_fingerprint\":\"fp_0\",\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":";
+    auto frag = [&](int index, std::string_view args) {
+      return content_event(args, head + std::to_string(index) + ",\"function\":{\"arguments\":\"",
+                           "\"}}]},\"logprobs\":null,\"finish_reason\":null}]}");
+    };
+    const std::string first = content_event(
+        "", head + "0,\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"arguments\":\"",
+        "\"}}]},\"logprobs\":null,\"finish_reason\":null}]}");
+    out.push_back(content_event("a") + first + frag(0, "{\\\"") + frag(0, "city") + frag(0, "\\\":\\\"") +
+                  frag(0, "Paris") + frag(0, "\\\"}") + frag(1, "{}") + frag(0, "x") + frag(1, "y") + frag(1, "z") +
+                  content_event("", head + "1,\"function\":{\"name\":\"f\",\"arguments\":\"",
+                                "\"}}]},\"logprobs\":null,\"finish_reason\":null}]}") +
+                  frag(1, "") + frag(1, "\\q") + frag(1, "a\"b") + frag(1, "w") + content_event("b") +
+                  content_event("c"));
+  }
   return out;
 }
 
@@ -823,6 +853,9 @@ TEST_CASE("stream: a first-token hedge races a second stream; the first to produ
   CHECK(r->text == (hedge_wins ? "hedge" : "primary"));
   CHECK(run.shown == r->text);
   CHECK(r->hedge == (hedge_wins ? 1 : 0));
+  // The client waited from the call's start; the serving stream's own time is apart.
+  CHECK(r->time_to_first_token == (hedge_wins ? 2200ms : 1500ms));
+  CHECK(r->attempt_time_to_first_token == (hedge_wins ? 1200ms : 1500ms));
   CHECK(provider.invocations() == 2);
   CHECK(provider.stopped() == 1);
   CHECK(run.call.record().attempts == 2);  // the hedge counts against the call's cap
@@ -906,7 +939,8 @@ TEST_CASE("stream: a learned first-token hedge delay follows the recent times to
   REQUIRE(r.ok());
   CHECK(r->text == "fast");
   CHECK(r->hedge == 1);
-  CHECK(r->time_to_first_token == 100ms);  // the winner's, from its own start
+  CHECK(r->time_to_first_token == 300ms);          // the client's wait: the hedge delay and the winner's time
+  CHECK(r->attempt_time_to_first_token == 100ms);  // the winner's, from its own start
   CHECK(guard.figures().hedges_started == 1);
 }
 
@@ -1042,6 +1076,45 @@ TEST_CASE("stream SLO: the latency objective of a class is its time to first tok
   REQUIRE(r.latency.has_value());
   CHECK(r.latency->good == 2);  // fast and partial within 800 ms
   CHECK(r.latency->bad == 1);   // slow
+}
+
+TEST_CASE("stream: time to first token is what the client waited, from the call's start, after a retry too",
+          "[stream][policy][metrics]") {
+  manual_clock clock;
+  keel::stream_guard guard(budgets, clock);
+  // Attempt 1 never shows a token within the 2 s budget; attempt 2 does after 500 ms.
+  keel::testing::scripted_stream provider(clock, {{tok("late", 5s), end()}, {tok("x", 500ms), end()}});
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 0s})).on(clock);
+  stream_run run(guard, pipe, provider, {.timeout = 60s});
+  clock.await_sleepers(2);
+  clock.advance(2s);
+  wait_for([&] { return provider.invocations() == 2; });
+  clock.await_sleepers(2);
+  clock.advance(500ms);
+  auto& r = run.get();
+  REQUIRE(r.ok());
+  CHECK(r->time_to_first_token == 2500ms);         // the client's wait
+  CHECK(r->attempt_time_to_first_token == 500ms);  // the serving attempt's own
+  // An 800 ms objective counts this stream as slow, as its client saw it.
+  keel::work_class_slo slo("chat_ttft", {.target = 0.9,
+                                         .window = 1h,
+                                         .window_buckets = 60,
+                                         .rejected = keel::counts_as::not_eligible,
+                                         .partial = keel::counts_as::good,
+                                         .abandoned = keel::counts_as::not_eligible,
+                                         .latency_threshold = 800ms,
+                                         .latency_target = 0.5});
+  keel::record_time_to_first_token(slo, r, clock.now());
+  REQUIRE(slo.report(clock.now()).latency.has_value());
+  CHECK(slo.report(clock.now()).latency->bad == 1);
+  // And the histogram records the same figure.
+  keel::metrics_registry registry;
+  keel::stream_metrics streams(registry);
+  streams.record("m", r);
+  const keel::metrics_snapshot snapshot = registry.snapshot();  // the series points into it
+  const keel::metric_series* ttft = series(snapshot, "keel_stream_time_to_first_token_seconds", {"m"});
+  REQUIRE(ttft != nullptr);
+  CHECK(ttft->sum == Approx(2.5));
 }
 
 // --- tokens as the unit of cost -------------------------------------------------

@@ -1199,7 +1199,10 @@ class gateway_core {
                               {"failed_over", route.failed_over},
                               {"hedged", a.hedge == 1},
                               {"served_by", served_by},
+                              // What the client waited, from the call's start; and the serving attempt's own.
                               {"ttft_ms", std::chrono::duration<double, std::milli>(a.time_to_first_token).count()},
+                              {"attempt_ttft_ms",
+                               std::chrono::duration<double, std::milli>(a.attempt_time_to_first_token).count()},
                               {"elapsed_ms", detail::to_ms(done - t0)},
                               {"tokens", a.tokens},
                               {"reserved_tokens", carried.reserved},

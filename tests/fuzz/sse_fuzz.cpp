@@ -4,7 +4,9 @@
 // pieces (sizes drawn from the input's first byte) gives the same chunks,
 // kinds, texts and usage, in the same order; and that the shape cache
 // (sse_options::shape_cache) is exact: with it off, both ways, every
-// field of every chunk (the event's data included) is the same.
+// field of every chunk (the event's data included) is the same. Tool-call
+// fragments and refusals are compared too, and a tool-call fragment's
+// unescaped strings never overlap one another (each has its own bytes).
 //
 // Build and run (clang only): scripts/fuzz, or
 //   cmake -S . -B build/fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DKEEL_BUILD_FUZZERS=ON
@@ -32,6 +34,10 @@ struct seen {
   std::string error_type;
   std::int64_t error_code;
   std::string data;
+  std::string refusal;
+  std::string tools;  // each fragment's index, id, type, name and arguments
+  std::string error_code_name;
+  std::string event;
   bool operator==(const seen&) const = default;
 };
 
@@ -41,9 +47,18 @@ std::vector<seen> parse(std::string_view body, std::size_t piece, bool& failed, 
   auto on = [&](const keel::http::chat_chunk& c) {
     if (c.kind == keel::http::chunk_kind::error) (void)keel::http::error_status(c);
     if (c.kind == keel::http::chunk_kind::content && c.text.empty()) std::abort();  // empty content is not a token
+    if (c.kind == keel::http::chunk_kind::tool_call && c.tool_calls.empty()) std::abort();
+    if (c.kind == keel::http::chunk_kind::error && c.error_code < 0) std::abort();  // 0 is "no numeric code"
+    std::string tools;
+    for (const keel::tool_call_delta& d : c.tool_calls) {
+      tools += std::to_string(d.index);
+      for (std::string_view f : {d.id, d.type, d.name, d.arguments}) tools.append("|").append(f);
+      tools += "\n";
+    }
     out.push_back({c.kind, std::string(c.text), std::string(c.finish_reason), c.usage.completion_tokens, c.has_usage,
                    c.usage.prompt_tokens, c.usage.total_tokens, std::string(c.error_type), c.error_code,
-                   std::string(c.data)});
+                   std::string(c.data), std::string(c.refusal), std::move(tools), std::string(c.error_code_name),
+                   std::string(c.event)});
     return true;
   };
   failed = false;

@@ -11,6 +11,14 @@
 //   /slow_then_ok    the first request: /slow_first; then /normal
 //   /usage_mismatch  N tokens and a usage chunk that says 50 completion tokens
 //   /keepalive_only  keep-alives and a role chunk only, for `slow`, then [DONE]
+//   /tool_calls      OpenAI's tool-call stream, byte for byte (tool_call_events()):
+//                    one call whose arguments come in five fragments, 60 ms
+//                    apart, no content at all, finish_reason "tool_calls", [DONE]
+//   /tool_calls_cut  the same, cut after the third fragment (mid-arguments)
+//   /refusal         a refusal-only message (delta.refusal fragments), then [DONE]
+//
+// Every 2xx and 4xx answer carries an x-request-id ("req-<path>-<n>") and
+// rate-limit headers, as OpenAI sends them.
 //
 // Tokens are "t0 ", "t1 ", ...; N is `tokens`. Every handler that waits
 // watches the server's stop and its client (a closed connection ends it at
@@ -28,6 +36,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace keel_test {
 
@@ -39,7 +48,7 @@ class sse_server {
     server_.set_tcp_nodelay(true);
     auto handler = [this](const httplib::Request& req, httplib::Response& res) { serve(req, res); };
     for (const char* p : {"/normal", "/slow_first", "/stall", "/cut", "/error", "/429_then_ok", "/slow_then_ok",
-                          "/usage_mismatch", "/keepalive_only"})
+                          "/usage_mismatch", "/keepalive_only", "/tool_calls", "/tool_calls_cut", "/refusal"})
       server_.Post(p, handler);
     port_ = server_.bind_to_any_port("127.0.0.1");
     thread_ = std::thread([this] { server_.listen_after_bind(); });
@@ -67,6 +76,38 @@ class sse_server {
   // Streams the server played to their end.
   [[nodiscard]] int finished() const noexcept { return finished_.load(); }
 
+  // The tool-call stream's events, as OpenAI's chat completions stream a
+  // function call (role chunk with the call's id and name, then argument
+  // fragments, then finish_reason "tool_calls").
+  static std::vector<std::string> tool_call_events() {
+    const std::string head =
+        R"(data: {"id":"chatcmpl-9tc","object":"chat.completion.chunk","created":1733550000,"model":"gpt-4o-2024-08-06","system_fingerprint":"fp_7f6be3efb0","choices":[{"index":0,"delta":)";
+    const std::string tail = R"(,"logprobs":null,"finish_reason":null}]})" "\n\n";
+    std::vector<std::string> out;
+    out.push_back(head +
+                  R"({"role":"assistant","content":null,"tool_calls":[{"index":0,"id":"call_DdmO9pD3xa9XTPNJ32zg2hcA","type":"function","function":{"name":"get_weather","arguments":""}}],"refusal":null})" +
+                  tail);
+    for (const char* piece : {R"({\")", R"(location\":\")", R"(Paris, France)", R"(\",\"unit\":\"celsius)", R"(\"})"})
+      out.push_back(head + R"({"tool_calls":[{"index":0,"function":{"arguments":")" + piece + R"("}}]})" + tail);
+    out.push_back(
+        R"(data: {"id":"chatcmpl-9tc","object":"chat.completion.chunk","created":1733550000,"model":"gpt-4o-2024-08-06","system_fingerprint":"fp_7f6be3efb0","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"tool_calls"}]})"
+        "\n\n");
+    out.push_back("data: [DONE]\n\n");
+    return out;
+  }
+
+  static std::vector<std::string> refusal_events() {
+    const std::string head =
+        R"(data: {"id":"chatcmpl-9rf","object":"chat.completion.chunk","created":1733550000,"model":"gpt-4o-2024-08-06","system_fingerprint":"fp_7f6be3efb0","choices":[{"index":0,"delta":)";
+    const std::string tail = R"(,"logprobs":null,"finish_reason":null}]})" "\n\n";
+    return {head + R"({"role":"assistant","content":null,"refusal":""})" + tail,
+            head + R"({"refusal":"I'm sorry"})" + tail,
+            head + R"({"refusal":", I can't help with that."})" + tail,
+            R"(data: {"id":"chatcmpl-9rf","object":"chat.completion.chunk","created":1733550000,"model":"gpt-4o-2024-08-06","system_fingerprint":"fp_7f6be3efb0","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"stop"}]})"
+            "\n\n",
+            "data: [DONE]\n\n"};
+  }
+
   static std::string token_event(int i) {
     return "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t" +
            std::to_string(i) + " \"},\"finish_reason\":null}]}\n\n";
@@ -80,6 +121,10 @@ class sse_server {
       n = ++count_[req.path];
     }
     std::string path = req.path;
+    res.set_header("x-request-id", "req-" + path.substr(1) + "-" + std::to_string(n));
+    res.set_header("x-ratelimit-limit-requests", "10000");
+    res.set_header("x-ratelimit-remaining-requests", "9999");
+    res.set_header("x-ratelimit-reset-requests", "6ms");
     if (path == "/429_then_ok") {
       if (n == 1) {
         res.status = 429;
@@ -122,6 +167,20 @@ class sse_server {
   }
 
   bool play(const std::string& path, httplib::DataSink& sink) {
+    if (path == "/tool_calls" || path == "/tool_calls_cut") {
+      const std::vector<std::string> events = tool_call_events();
+      for (std::size_t i = 0; i < events.size(); ++i) {
+        if (path == "/tool_calls_cut" && i == 4) return false;  // after the third argument fragment
+        if (i >= 2 && i <= 5 && !wait(sink, std::chrono::milliseconds(60))) return false;
+        if (!write(sink, events[i])) return false;
+      }
+      return true;
+    }
+    if (path == "/refusal") {
+      for (const std::string& e : refusal_events())
+        if (!write(sink, e)) return false;
+      return true;
+    }
     if (!write(sink, "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n"))
       return false;
     if (!write(sink, ": ping\n\n")) return false;

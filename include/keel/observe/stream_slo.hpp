@@ -15,7 +15,8 @@
 //   keel_stream_mid_stream_failures_total{model,reason}   committed streams that ended early:
 //                                                    stall, whole, deadline, cancelled, failed
 //   keel_stream_continuations_total{model}           answers continued on another provider
-//   keel_stream_tokens_total{model}                  content tokens relayed
+//   keel_stream_tokens_total{model}                  model output relayed: content tokens, tool-call
+//                                                    and refusal fragments
 //   keel_stream_tokens_reserved_total{model}         tokens admission reserved (record_tokens)
 //   keel_stream_tokens_settled_total{model}          tokens they settled to (usage, or the count)
 //
@@ -29,7 +30,11 @@
 // success, a partial one as partial, a failure before the first token as
 // failure (a cancelled one as abandoned), each with its time to first token,
 // so the class's latency objective (latency_threshold, latency_target) is
-// "this share of streams show a token within the threshold".
+// "this share of streams show a token within the threshold". Both the
+// histogram and the objective use stream_result::time_to_first_token, the
+// client's wait from the call's start: a stream that served after a retry
+// or a first-token hedge is recorded with the time its client waited, not
+// the serving attempt's own (attempt_time_to_first_token).
 //
 // Example:
 //

@@ -16,19 +16,31 @@
 //   half_open   after the open duration, `half_open_probes` calls are let
 //               through as probes, each reserved with one compare-and-swap so
 //               that concurrent callers can never exceed the number — at once
-//               or in the whole half-open period. When all succeed the breaker
-//               closes; one failure (or, if configured, a failure rate over
-//               the probes) reopens it. A probe whose outcome the breaker
-//               ignores (throttled, permanent by default) still used its slot:
-//               the others decide, and a period whose probes were all ignored
-//               proves nothing, so the breaker opens again for the same
-//               duration (not counted as a trip) instead of probing more. Only
-//               a probe that never reached the dependency (a keel refusal
-//               from further in, or a permit given back with ignore())
-//               returns its slot. A probe
-//               whose result never comes back is reclaimed `probe_timeout`
-//               after the last probe was let through and counts as failed, so
-//               the breaker can never stay stuck in half-open.
+//               or in the whole half-open period. What a probe's answer means:
+//                 - a success, or an answer the breaker does not count as a
+//                   failure because it is the caller's (a permanent error: a
+//                   bad request, a revoked key, a context too long), proves
+//                   the dependency answers: it counts toward closing (Polly
+//                   resolved its issue #1979 the same way, PR #1991). When
+//                   all probes have answered so, the breaker closes.
+//                 - a counted failure reopens it (or, if configured, a
+//                   failure rate over the probes does), a new trip.
+//                 - throttled (the dependency said "slow down"): it opens
+//                   again at once, for the probe's retry-after hint when it
+//                   has one (else the open duration), not counted as a trip
+//                   unless `throttled` is configured a failure.
+//                 - keel's own refusal from further in, the caller's
+//                   cancellation, or a permit given back with ignore(): it
+//                   never told anything about the dependency, and its slot
+//                   goes back.
+//                 - another ignored kind (transient or ambiguous configured
+//                   `ignore`) used its slot and judges nothing; a period of
+//                   those alone opens again for the same duration, not a trip.
+//               A probe whose result never comes back is reclaimed
+//               `probe_timeout` after the last probe was let through and
+//               counts as failed, so the breaker can never stay stuck in
+//               half-open. The bound on probes per period holds throughout:
+//               only a probe that told nothing gives its slot back.
 //
 // Operators can force it open (contain an outage), force it closed (disable
 // it: everything passes, nothing is counted) and hand it back to automatic
@@ -225,9 +237,9 @@ struct breaker_figures {
   double slow_call_rate = 0.0;
   duration open_remaining{};  // open: time until probes are let through
   int probes_admitted = 0;    // half-open: probes let through this period
-  int probes_succeeded = 0;
+  int probes_succeeded = 0;   // a success, or a permanent error: the dependency answered
   int probes_failed = 0;
-  int probes_ignored = 0;     // came back with an outcome the breaker does not count
+  int probes_ignored = 0;     // came back with another outcome the breaker does not count
   int trips = 0;              // consecutive trips without closing
 };
 
@@ -263,6 +275,10 @@ class breaker_permit {
 
   // Records the call's outcome, finished at `now` after `latency`. Once.
   void record(outcome_kind kind, time_point now, duration latency = duration::zero()) noexcept;
+  // The same with the call's status: a throttled probe's retry-after hint
+  // (keel::retry_after) is how long the breaker opens again.
+  void record(const absl::Status& status, outcome_kind kind, time_point now,
+              duration latency = duration::zero()) noexcept;
   // Records nothing and gives a probe slot back: the call never reached the
   // dependency.
   void ignore() noexcept { abandon(); }
@@ -624,7 +640,8 @@ class circuit_breaker {
       // before sending (not started) is the dependency failing too. keel's
       // own refusals and cancellations are never counted (finish()).
       const time_point end = ctx.attempt_end(plan.now);
-      finish(permit, ctx.classify(s), end, end - plan.now, &changes);
+      const outcome_kind kind = ctx.classify(s);
+      finish(permit, kind, end, end - plan.now, &changes, kind == outcome_kind::throttled ? retry_after(s) : std::nullopt);
     }
     report(ctx, changes);
     return r;
@@ -678,17 +695,28 @@ class circuit_breaker {
   }
 
   void finish(breaker_permit& p, outcome_kind kind, time_point now, duration latency,
-              detail::breaker_changes* changes) noexcept {
+              detail::breaker_changes* changes, std::optional<duration> hint = std::nullopt) noexcept {
     if (p.breaker_ != this) return;
     const bool probe = p.probe_;
     const std::uint32_t gen = p.gen_;
     p.breaker_ = nullptr;
-    if (kind == outcome_kind::refused) {
-      // keel declined further in, before the dependency: not a probe at all.
+    if (kind == outcome_kind::refused || kind == outcome_kind::cancelled) {
+      // keel declined further in, or the caller left: the probe told nothing
+      // about the dependency, so its slot goes back.
       if (probe) return_probe(gen);
       return;
     }
     const breaker_verdict v = verdict(kind);
+    if (probe && kind == outcome_kind::throttled) {
+      // "Slow down": open again at once, for as long as it asked.
+      throttled_probe(gen, now, v == breaker_verdict::failure, hint, changes);
+      return;
+    }
+    if (probe && kind == outcome_kind::permanent && v == breaker_verdict::ignore) {
+      // The caller's error, answered by the dependency: it is reachable.
+      probe_result(gen, kSucceededOne, now, changes);
+      return;
+    }
     if (v == breaker_verdict::ignore) {
       // The probe reached the dependency: it keeps its slot, so ignored
       // outcomes cannot let more than half_open_probes through a period.
@@ -811,6 +839,16 @@ class circuit_breaker {
     }
   }
 
+  // A half-open probe came back throttled: the period ends, the breaker
+  // opens for the hint (else as a trip would), a trip only when `counted`.
+  void throttled_probe(std::uint32_t gen, time_point now, bool counted, std::optional<duration> hint,
+                       detail::breaker_changes* changes) noexcept {
+    std::lock_guard lock(mu_);
+    const std::uint64_t cur = word_.load(std::memory_order_acquire);
+    if (state_of(cur) != breaker_state::half_open || gen_of(cur) != gen) return;  // decided already
+    open_from(cur, now, changes, counted, hint);
+  }
+
   void return_probe(std::uint32_t gen) noexcept {
     std::uint64_t w = word_.load(std::memory_order_acquire);
     for (;;) {
@@ -821,9 +859,10 @@ class circuit_breaker {
   }
 
   // After a probe result: close, reopen, or keep probing. Ignored probes
-  // used their slots but judge nothing: the counted ones decide, and once
-  // every slot is back with nothing counted against and nothing for, the
-  // period is inconclusive and the breaker opens again without a new trip.
+  // (other than permanent errors, which count as answers) used their slots
+  // but judge nothing: the counted ones decide, and once every slot is back
+  // with nothing counted against and nothing for, the period is
+  // inconclusive and the breaker opens again without a new trip.
   void decide(std::uint64_t w, time_point now, detail::breaker_changes* changes) noexcept {
     const int n = options_.half_open_probes;
     const int ok = succeeded_of(w), bad = failed_of(w), ign = ignored_of(w);
@@ -852,7 +891,10 @@ class circuit_breaker {
 
   // Under mu_: to open from `cur` (closed or half-open). `trip`: a new
   // consecutive trip (false: an inconclusive half-open period waits again).
-  void open_from(std::uint64_t cur, time_point now, detail::breaker_changes* changes, bool trip = true) noexcept {
+  // `hint`: a throttled probe's retry-after, how long to stay open (at
+  // least that long when it is also a trip).
+  void open_from(std::uint64_t cur, time_point now, detail::breaker_changes* changes, bool trip = true,
+                 std::optional<duration> hint = std::nullopt) noexcept {
     const int trips = std::max(1, trips_.load(std::memory_order_relaxed) + (trip ? 1 : 0));
     trips_.store(trips, std::memory_order_relaxed);
     duration d = options_.open_duration;
@@ -863,6 +905,7 @@ class circuit_breaker {
         d = options_.open_duration;  // a throwing policy function must not wedge the breaker
       }
     }
+    if (hint) d = trip ? std::max(d, *hint) : std::max(duration(1), *hint);
     open_until_.store(saturating(now, d).time_since_epoch().count(), std::memory_order_relaxed);
     publish(cur, pack(breaker_state::open, gen_of(cur) + 1, 0, 0, 0), now, changes);
   }
@@ -914,6 +957,14 @@ class circuit_breaker {
 
 inline void breaker_permit::record(outcome_kind kind, time_point now, duration latency) noexcept {
   if (breaker_ != nullptr) breaker_->finish(*this, kind, now, latency, nullptr);
+}
+
+inline void breaker_permit::record(const absl::Status& status, outcome_kind kind, time_point now,
+                                   duration latency) noexcept {
+  if (breaker_ == nullptr) return;
+  std::optional<duration> hint;
+  if (kind == outcome_kind::throttled) hint = retry_after(status);
+  breaker_->finish(*this, kind, now, latency, nullptr, hint);
 }
 
 inline void breaker_permit::abandon() noexcept {

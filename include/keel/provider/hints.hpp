@@ -167,7 +167,10 @@ namespace detail {
 // An HTTP-date (RFC 9110 §5.6.7): the preferred IMF-fixdate
 // "Sun, 06 Nov 1994 08:49:37 GMT", and the obsolete RFC 850
 // "Sunday, 06-Nov-94 08:49:37 GMT" and asctime "Sun Nov  6 08:49:37 1994".
-[[nodiscard]] inline std::optional<wall_time> parse_http_date(std::string_view v) noexcept {
+// RFC 850's two-digit year is read relative to `now`, as §5.6.7 says: in
+// this century, unless that is more than 50 years in the future, then in
+// the century before ("-94" read in 2026 is 1994, "-70" is 2070).
+[[nodiscard]] inline std::optional<wall_time> parse_http_date(std::string_view v, wall_time now) noexcept {
   using detail::take_char;
   using detail::take_digits;
   static constexpr std::array<std::string_view, 12> months = {"jan", "feb", "mar", "apr", "may", "jun",
@@ -213,7 +216,7 @@ namespace detail {
       if (!take_char(v, '-')) return std::nullopt;
       auto yy = take_digits(v, 2);
       if (!yy) return std::nullopt;
-      y = *yy < 70 ? 2000 + *yy : 1900 + *yy;  // RFC 9110: interpret a far-future two-digit year as past
+      y = -1 - *yy;  // settled below, once the rest is read (the rule compares whole timestamps)
     } else {
       if (!take_char(v, ' ')) return std::nullopt;
       auto yyyy = take_digits(v, 4);
@@ -241,7 +244,27 @@ namespace detail {
     if (!yyyy || !v.empty()) return std::nullopt;
     y = *yyyy;
   }
+  if (y < 0) {  // RFC 850: the two-digit year, relative to now
+    using namespace std::chrono;
+    const int yy = -1 - y;
+    const year_month_day today{floor<days>(now)};
+    const int this_year = static_cast<int>(today.year());
+    y = this_year - this_year % 100 + yy;
+    const std::optional<wall_time> t = detail::civil(y, mo, d, h, mi, sec);
+    const year_month_day limit_day{today.year() + years{50}, today.month(), today.day()};
+    const wall_time limit =
+        time_point_cast<wall_time::duration>(sys_days{limit_day.ok() ? limit_day : limit_day.year() / limit_day.month() / last}) +
+        (now - time_point_cast<wall_time::duration>(floor<days>(now)));
+    if (t && *t <= limit) return t;
+    if (!t && y <= this_year + 50) return std::nullopt;  // an impossible date, not a far-future one
+    return detail::civil(y - 100, mo, d, h, mi, sec);
+  }
   return detail::civil(y, mo, d, h, mi, sec);
+}
+
+// The same, RFC 850's two-digit year read relative to the system clock's now.
+[[nodiscard]] inline std::optional<wall_time> parse_http_date(std::string_view v) noexcept {
+  return parse_http_date(v, std::chrono::time_point_cast<wall_time::duration>(std::chrono::system_clock::now()));
 }
 
 // Retry-After: delay-seconds ("120"; a decimal is accepted too) or an
@@ -254,7 +277,7 @@ namespace detail {
     if (!ns || !rest.empty()) return std::nullopt;
     return detail::to_duration(*ns);
   }
-  std::optional<wall_time> t = parse_http_date(v);
+  std::optional<wall_time> t = parse_http_date(v, now);
   if (!t) return std::nullopt;
   return detail::until(*t, now);
 }

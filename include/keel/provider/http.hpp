@@ -23,6 +23,11 @@
 //     retryDelay), which keel::retry waits out, or, when it is longer than
 //     the time left or than retry_options::max_retry_after, stops on and
 //     hands to the caller;
+//   - keeps the upstream's HTTP status and the headers a relay passes on
+//     (keel/core/upstream.hpp: rate-limit headers, retry-after, request id)
+//     beside that classification: in response::upstream on a 2xx, in a
+//     stream's result and events, as a payload of a failure's status
+//     (keel::upstream_of);
 //   - on a 2xx calls parse(response) while the body is still in the pooled
 //     buffer, and returns what parse returns. A parse failure (a 200 with an
 //     invalid body) is returned as parse gave it: absl::InternalError is
@@ -76,6 +81,7 @@
 #include "keel/core/outcome.hpp"
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
+#include "keel/core/upstream.hpp"
 #include "keel/policy/backoff.hpp"
 #include "keel/compose/stream.hpp"
 #include "keel/provider/hints.hpp"
@@ -146,6 +152,9 @@ struct request {
 struct response {
   long status = 0;
   std::string_view body{};
+  // The status and the headers a relay passes on (keel/core/upstream.hpp),
+  // valid during the call only: copy it to keep it.
+  const upstream_reply* upstream = nullptr;
 };
 
 namespace detail {
@@ -170,34 +179,48 @@ struct sse_feed {
   // One network read: the clock is read once for all its tokens.
   bool on_bytes(std::string_view bytes) {
     const time_point now = writer->now();
+    const bool relay = writer->takes_events();
     absl::Status s = parser.feed(bytes, [&](const chat_chunk& c) {
-      switch (c.kind) {
-        case chunk_kind::content:
-          if (!c.finish_reason.empty()) ended = true;
-          if (!writer->token(c.text, now)) {
-            stopped = true;
-            return false;
-          }
-          break;
-        case chunk_kind::error:
-          failure = error_status(c);
-          return false;
-        case chunk_kind::invalid:
-          failure = absl::InternalError(absl::StrCat("keel::http: stream: an event is not a JSON object: ",
-                                                     keel::detail::to_absl(c.data.substr(0, 128))));
-          return false;
-        case chunk_kind::done:
-          ended = true;
-          break;
-        default:
-          if (!c.finish_reason.empty()) ended = true;
-          break;
-      }
+      if (c.kind == chunk_kind::keepalive) return true;
+      if (!c.finish_reason.empty() || c.kind == chunk_kind::done) ended = true;
       if (c.has_usage) writer->usage(c.usage);
-      return true;
+      bool go_on = true;
+      if (c.kind == chunk_kind::content && !relay && c.finish_reason.empty() && c.refusal.empty()) {
+        go_on = writer->token(c.text, now);  // the common chunk: a token and nothing else
+      } else if (c.kind != chunk_kind::invalid) {
+        go_on = writer->event(as_event(c), now);
+      }
+      if (c.kind == chunk_kind::error) {
+        failure = error_status(c);
+        return false;
+      }
+      if (c.kind == chunk_kind::invalid) {
+        failure = absl::InternalError(absl::StrCat("keel::http: stream: an event is not a JSON object: ",
+                                                   keel::detail::to_absl(c.data.substr(0, 128))));
+        return false;
+      }
+      if (!go_on) stopped = true;
+      return go_on;
     });
     if (!s.ok()) failure = std::move(s);
     return failure.ok() && !stopped;
+  }
+
+  static stream_event as_event(const chat_chunk& c) noexcept {
+    stream_event e;
+    switch (c.kind) {
+      case chunk_kind::content: e.kind = stream_event_kind::content; break;
+      case chunk_kind::tool_call: e.kind = stream_event_kind::tool_call; break;
+      case chunk_kind::refusal: e.kind = stream_event_kind::refusal; break;
+      default: e.kind = stream_event_kind::other; break;
+    }
+    if (e.kind == stream_event_kind::content || e.kind == stream_event_kind::tool_call) e.content = c.text;
+    if (e.kind != stream_event_kind::other) e.refusal = c.refusal;
+    e.tool_calls = c.tool_calls;
+    e.finish_reason = c.finish_reason;
+    e.data = c.data;
+    e.name = c.event;
+    return e;
   }
 };
 
@@ -223,6 +246,7 @@ struct slot {
   bool got_status_line = false;
   wall_time now{};
   response_hints hints;
+  upstream_reply reply;  // the response's status and relay headers
   std::unique_ptr<sse_feed> stream_feed;  // kept with the handle: its buffers' capacity stays
   sse_feed* feed = nullptr;  // an event stream: a 2xx body goes to it, not to `body`
   int feed_status = 0;       // 0: not known yet; 1: 2xx, fed; -1: not a 2xx, buffered
@@ -243,6 +267,8 @@ struct slot {
         long code = 0;
         curl_easy_getinfo(s->easy, CURLINFO_RESPONSE_CODE, &code);
         s->feed_status = code >= 200 && code < 300 ? 1 : -1;
+        s->reply.status = static_cast<int>(code);
+        if (s->feed_status == 1) s->feed->writer->upstream(s->reply);
       }
       if (s->feed_status == 1) return s->feed->on_bytes(std::string_view(data, bytes)) ? bytes : 0;
     }
@@ -261,11 +287,15 @@ struct slot {
     if (keel::http::detail::istarts_with(line, "HTTP/")) {
       // A new response (after a 100 Continue or a redirect): its own hints.
       s->hints.clear();
+      s->reply.headers.clear();
       s->got_status_line = true;
       return bytes;
     }
     const std::size_t colon = line.find(':');
-    if (colon != std::string_view::npos) s->hints.on_header(line.substr(0, colon), line.substr(colon + 1), s->now);
+    if (colon != std::string_view::npos) {
+      s->hints.on_header(line.substr(0, colon), line.substr(colon + 1), s->now);
+      s->reply.add_if_relayed(line.substr(0, colon), line.substr(colon + 1));
+    }
     return bytes;
   }
 };
@@ -377,7 +407,9 @@ class client {
   // A streaming provider for keel::token_stream::attempts: each attempt
   // sends `r` (a chat completion request with "stream": true) and hands
   // every content token of the 2xx event stream (keel/provider/sse.hpp) to
-  // the writer as it arrives. A non-2xx answer (a 429 before the stream) is
+  // the writer as it arrives (tool-call fragments and refusals too, and
+  // to a writer whose caller takes events, every event with its data:
+  // stream_writer::event). A non-2xx answer (a 429 before the stream) is
   // classified as exchange() does; an error event mid-stream is its
   // error_status(); a body that ends without [DONE] or a finish_reason is
   // Unavailable (the connection was cut). The writer's stop (a budget, a
@@ -567,6 +599,7 @@ absl::Status client::perform_impl(const request& r, const keel::attempt& a, stre
   s.too_large = false;
   s.got_status_line = false;
   s.hints.clear();
+  s.reply.clear();
   s.now = std::chrono::system_clock::now();
 
   // The transfer, on the slot's multi handle: a stop request wakes the
@@ -621,6 +654,7 @@ absl::Status client::perform_impl(const request& r, const keel::attempt& a, stre
 
   long status = 0;
   curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, &status);
+  s.reply.status = static_cast<int>(status);
   if (status < 200 || status >= 300) {
     absl::Status st = http_failure(status, s);
     if (a.owner != nullptr) {
@@ -632,7 +666,7 @@ absl::Status client::perform_impl(const request& r, const keel::attempt& a, stre
   }
   if (fed != nullptr && !fed->ended)
     return absl::UnavailableError("keel::http: stream: the body ended before [DONE] (connection cut)");
-  return std::forward<OnSuccess>(on_success)(response{.status = status, .body = s.body});
+  return std::forward<OnSuccess>(on_success)(response{.status = status, .body = s.body, .upstream = &s.reply});
 }
 
 inline absl::Status stream_exchange::operator()(const keel::attempt& a, stream_writer& w) const {
@@ -680,7 +714,9 @@ inline absl::Status client::http_failure(long status, const detail::slot& s) con
   std::optional<duration> hint = s.hints.hint(code);
   if (!hint) hint = find_retry_delay(s.body);
   if (hint) st = with_retry_after(std::move(st), *hint);
-  return st;
+  upstream_reply reply = s.reply;
+  reply.status = code;
+  return with_upstream(std::move(st), reply);
 }
 
 template <class Parse>

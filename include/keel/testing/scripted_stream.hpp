@@ -4,8 +4,9 @@
 //
 // Invocation k plays script k (the last script repeats). A script is a list
 // of steps, each after a gap from the previous one (the first from the
-// invocation's start): a content token, a usage report, or the end (OK or a
-// failure). A script that runs out of steps ends OK. The provider sleeps on
+// invocation's start): a content token, a tool-call fragment, a refusal
+// fragment (both model output, handed to stream_writer::event), a usage
+// report, or the end (OK or a failure). A script that runs out of steps ends OK. The provider sleeps on
 // the clock with the writer's stop token, so a stream stopped by a budget,
 // a lost race or the caller returns at once, as a real transfer aborted does.
 //
@@ -24,6 +25,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <utility>
@@ -39,6 +41,8 @@ namespace keel::testing {
 struct stream_step {
   duration after{};                    // gap since the previous step (the first: since the start)
   std::optional<std::string> token{};  // a content token
+  std::optional<tool_call> tool{};     // a tool-call fragment (its arguments: this fragment's piece)
+  std::optional<std::string> refusal{};  // a refusal fragment
   std::optional<token_usage> usage{};  // a usage report
   std::optional<absl::Status> end{};   // the stream ends with this
 };
@@ -47,6 +51,22 @@ struct stream_step {
   stream_step s;
   s.after = after;
   s.token = std::move(text);
+  return s;
+}
+// A tool-call fragment: the call's first carries id and name, the next only a piece of the arguments.
+[[nodiscard]] inline stream_step tool(std::int64_t index, std::string arguments, std::string id = {},
+                                      std::string name = {}, duration after = duration::zero()) {
+  stream_step s;
+  s.after = after;
+  std::string type = id.empty() ? std::string() : std::string("function");
+  s.tool = tool_call{
+      .index = index, .id = std::move(id), .type = std::move(type), .name = std::move(name), .arguments = std::move(arguments)};
+  return s;
+}
+[[nodiscard]] inline stream_step refusal(std::string text, duration after = duration::zero()) {
+  stream_step s;
+  s.after = after;
+  s.refusal = std::move(text);
   return s;
 }
 [[nodiscard]] inline stream_step usage(token_usage u, duration after = duration::zero()) {
@@ -79,7 +99,15 @@ class scripted_stream {
         return absl::CancelledError("scripted_stream: stopped");
       }
       if (step.usage) w.usage(*step.usage);
-      if (step.token && !w.token(*step.token, t)) {
+      bool go_on = true;
+      if (step.token) go_on = w.token(*step.token, t);
+      if (step.tool) {
+        const tool_call& c = *step.tool;
+        const tool_call_delta d{.index = c.index, .id = c.id, .type = c.type, .name = c.name, .arguments = c.arguments};
+        go_on = w.event({.kind = stream_event_kind::tool_call, .tool_calls = {&d, 1}}, t);
+      }
+      if (step.refusal) go_on = w.event({.kind = stream_event_kind::refusal, .refusal = *step.refusal}, t);
+      if (!go_on) {
         stopped_.fetch_add(1, std::memory_order_relaxed);
         return absl::CancelledError("scripted_stream: stopped");
       }
