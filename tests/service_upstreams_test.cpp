@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -1035,4 +1036,127 @@ TEST_CASE("a model's third deployment serves when the first two fail before the 
   INFO(breakers.dump());
   for (const json& e : breakers) has_breaker |= e.value("domain", "").find("mock-c/t-3") != std::string::npos;
   CHECK(has_breaker);
+}
+
+// --- tool calls and refusals, relayed as the upstream sent them ------------------
+
+namespace {
+
+json tools_body(const std::string& content, bool stream) {
+  const json weather = {{"type", "function"},
+                        {"function",
+                         {{"name", "get_weather"},
+                          {"parameters",
+                           {{"type", "object"},
+                            {"properties", {{"city", {{"type", "string"}}}, {"days", {{"type", "integer"}}}}},
+                            {"required", {"city"}}}}}}};
+  const json time_at = {{"type", "function"},
+                        {"function",
+                         {{"name", "get_time"},
+                          {"parameters", {{"type", "object"}, {"properties", {{"zone", {{"type", "string"}}}}}}}}}};
+  return {{"tenant", "acme"},
+          {"messages", {{{"role", "user"}, {"content", content}}}},
+          {"tools", {weather, time_at}},
+          {"tool_choice", "auto"},
+          {"max_tokens", 64},
+          {"stream", stream}};
+}
+
+// The data of each server-sent event in a chunked HTTP answer's text.
+std::vector<json> sse_chunks(const std::string& raw) {
+  std::vector<json> out;
+  for (std::size_t at = raw.find("data: "); at != std::string::npos; at = raw.find("data: ", at + 6)) {
+    const std::size_t end = raw.find('\n', at);
+    const std::string data = raw.substr(at + 6, end - at - 6);
+    if (data == "[DONE]") continue;
+    json j = json::parse(data, nullptr, false);
+    if (!j.is_discarded()) out.push_back(std::move(j));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("tool calls and refusals are relayed as the upstream sent them, streamed and not; the client's tools "
+          "reach the upstream",
+          "[service][upstreams][chat][relay]") {
+  temp_dir dir;
+  const std::vector<std::string> fast = {"--latency-ms", "5", "--first-token-ms", "5", "--token-gap-ms", "2"};
+  mock_upstream a(dir, "mock-a", fast), b(dir, "mock-b", fast);
+  gateway::gateway_options o = options_for(dir.path(), a, b);
+  o.chat.hedge_delay = 0ms;
+  o.chat.hedge_percentile = 0;
+  auto svc = start(o);
+
+  SECTION("non-streamed: message.tool_calls with id, type, name and JSON arguments; finish_reason tool_calls") {
+    const http_answer r = call(svc->port(), "POST", "/v1/chat/completions", tools_body("Weather in Paris?", false), {});
+    INFO(r.body.dump());
+    REQUIRE(r.status == 200);
+    const json& choice = r.body["choices"][0];
+    CHECK(choice["finish_reason"] == "tool_calls");
+    CHECK(choice["message"]["content"].is_null());
+    REQUIRE(choice["message"]["tool_calls"].size() == 1);
+    const json& call0 = choice["message"]["tool_calls"][0];
+    CHECK(call0["type"] == "function");
+    CHECK(call0["id"].get<std::string>().rfind("call_", 0) == 0);
+    CHECK(call0["function"]["name"] == "get_weather");
+    const json args = json::parse(call0["function"]["arguments"].get<std::string>(), nullptr, false);
+    REQUIRE(args.is_object());
+    CHECK(args["city"].is_string());
+    CHECK(b.stats()["requests"].value("chat", 0) == 0);
+  }
+  SECTION("streamed: two calls' fragments relayed as sent, each call's first with id, type and name") {
+    keel_service::raw_connection c(svc->port());
+    REQUIRE(c.send(chat_request(tools_body("Use two tools: weather and time", true))));
+    const std::string got = c.read_until("\r\n0\r\n\r\n");
+    INFO(got);
+    CHECK(got.find("data: [DONE]") != std::string::npos);
+    std::map<std::int64_t, std::string> arguments;
+    std::map<std::int64_t, json> heads;
+    bool role_first = false;
+    std::string finish;
+    const std::vector<json> chunks = sse_chunks(got);
+    REQUIRE(!chunks.empty());
+    role_first = chunks.front()["choices"][0]["delta"].value("role", "") == "assistant";
+    for (const json& ch : chunks) {
+      if (!ch.contains("choices") || ch["choices"].empty()) continue;
+      const json& choice = ch["choices"][0];
+      if (choice.contains("finish_reason") && choice["finish_reason"].is_string()) finish = choice["finish_reason"];
+      if (!choice["delta"].contains("tool_calls")) continue;
+      for (const json& d : choice["delta"]["tool_calls"]) {
+        const std::int64_t i = d["index"];
+        if (!heads.contains(i)) heads[i] = d;  // the first fragment of call i
+        arguments[i] += d["function"].value("arguments", "");
+      }
+    }
+    CHECK(role_first);
+    CHECK(finish == "tool_calls");
+    REQUIRE(heads.size() == 2);
+    for (const auto& [i, h] : heads) {
+      CHECK(h["id"].is_string());
+      CHECK(h["type"] == "function");
+      CHECK(h["function"]["name"].is_string());
+      CHECK(json::parse(arguments[i], nullptr, false).is_object());  // the fragments put back together
+    }
+    CHECK(got.find("\"keel\":") != std::string::npos);  // the gateway's own last chunk
+  }
+  SECTION("a refusal: message.refusal with content null; streamed, delta.refusal fragments") {
+    json body = tools_body("refuse: I will not", false);
+    body.erase("tools");
+    body.erase("tool_choice");
+    const http_answer r = call(svc->port(), "POST", "/v1/chat/completions", body, {});
+    INFO(r.body.dump());
+    REQUIRE(r.status == 200);
+    CHECK(r.body["choices"][0]["message"]["content"].is_null());
+    CHECK_FALSE(r.body["choices"][0]["message"].value("refusal", "").empty());
+    body["stream"] = true;
+    keel_service::raw_connection c(svc->port());
+    REQUIRE(c.send(chat_request(body)));
+    const std::string got = c.read_until("\r\n0\r\n\r\n");
+    INFO(got);
+    std::string refusal;
+    for (const json& ch : sse_chunks(got))
+      if (ch.contains("choices") && !ch["choices"].empty()) refusal += ch["choices"][0]["delta"].value("refusal", "");
+    CHECK(refusal == r.body["choices"][0]["message"]["refusal"].get<std::string>());
+  }
 }

@@ -63,6 +63,11 @@ struct chat_request {
   // What an Idempotency-Key is held to: the request's body as JSON with its
   // keys sorted, less "stream" (a retry may ask for the answer either way).
   keel::digest digest{};
+  // The client's request as an upstream gets it: every field it sent
+  // (messages with their tool calls and parts, tools, tool_choice,
+  // response_format, sampling), less the gateway's own ("tenant") and what
+  // each upstream call sets ("model", "stream", "stream_options", the token cap).
+  nlohmann::json upstream_request = nlohmann::json::object();
 };
 
 // What the call carries to the token estimate and the provider.
@@ -170,6 +175,38 @@ class chat_relay {
     flush();
   }
 
+  // token_stream's event hand-over: model output (content, tool-call
+  // fragments, a refusal) relayed as the provider sent it when it sent
+  // JSON (its chunk, its id and model included), else rebuilt from the
+  // parsed view (the simulated provider). The upstream's usage chunk and
+  // [DONE] are not relayed: the gateway's own finish, usage and keel chunks
+  // end the stream, with the finish_reason the upstream gave.
+  void on_event(const keel::stream_event& e) {
+    if (!e.finish_reason.empty()) finish_reason_.assign(e.finish_reason.data(), e.finish_reason.size());
+    if (!e.output() || sink_ == nullptr || failed_.load(std::memory_order_relaxed)) return;
+    if (e.data.empty()) {
+      if (!e.content.empty()) token(e.content);
+      if (!e.refusal.empty()) {
+        open();
+        buf_.assign("data: ");
+        buf_ += head_;
+        buf_ += R"({"index":0,"delta":{"refusal":")";
+        detail::append_json_string(buf_, e.refusal);
+        buf_ += "\"},\"finish_reason\":null}]}\n\n";
+        flush();
+      }
+      return;
+    }
+    open();
+    buf_.assign("data: ");
+    buf_.append(e.data.data(), e.data.size());
+    buf_ += "\n\n";
+    flush();
+  }
+  // The finish_reason the upstream's stream ended with ("stop", "length",
+  // "tool_calls", "content_filter"); empty when it gave none.
+  [[nodiscard]] const std::string& finish_reason() const noexcept { return finish_reason_; }
+
   // The role chunk, if no token sent it (an answer without content).
   void open() {
     if (sink_ == nullptr || opened_ || failed_.load(std::memory_order_relaxed)) return;
@@ -217,14 +254,16 @@ class chat_relay {
   std::stop_source* stop_;
   std::string head_;  // the chunk up to its choices: id, object, created, model
   std::string buf_;
+  std::string finish_reason_;
   bool opened_ = false;
   std::atomic<bool> failed_{false};
 };
 
-// token_stream's OnToken: a pointer, so one pipeline type serves every request.
+// token_stream's OnToken: a pointer, so one pipeline type serves every
+// request; it takes each event whole, so a relay forwards what it got.
 struct relay_token {
   chat_relay* relay;
-  void operator()(std::string_view t) const { relay->token(t); }
+  void operator()(const keel::stream_event& e) const { relay->on_event(e); }
 };
 
 // The provider of a stream attempt: the model upstream asked the request's prompt.
@@ -234,7 +273,7 @@ struct chat_model_call {
   absl::Status operator()(const keel::attempt& a, keel::stream_writer& w) const {
     const chat_call* rq = a.owner != nullptr ? a.owner->request<chat_call>() : nullptr;
     if (rq == nullptr) return absl::InvalidArgumentError("chat_model_call: the call carries no chat request");
-    return provider->stream(a, w, rq->body.prompt, rq->body.max_tokens);
+    return provider->stream(a, w, rq->body.prompt, rq->body.max_tokens, &rq->body.upstream_request);
   }
 };
 

@@ -552,11 +552,24 @@ class gateway_core {
     out["keel"]["replayed"] = true;
     if (sink == nullptr) return {.status = 200, .body = detail::dump(out), .replayed = true};
     std::stop_source stop;
-    const std::string text = out["choices"][0]["message"].value("content", std::string());
+    const detail::json& message = out["choices"][0]["message"];
     chat_relay relay(sink, out.value("id", std::string("chatcmpl-replay")), out.value("created", std::int64_t{0}),
                      rq.model, stop);
     relay.open();
-    if (!text.empty()) relay.token(text);
+    if (message.contains("content") && message["content"].is_string() && !message["content"].get_ref<const std::string&>().empty())
+      relay.token(message["content"].get_ref<const std::string&>());
+    if (message.contains("refusal") && message["refusal"].is_string())
+      relay.event(cat(R"({"index":0,"delta":{"refusal":)", detail::dump(message["refusal"]), R"(},"finish_reason":null}])"));
+    if (message.contains("tool_calls") && message["tool_calls"].is_array()) {
+      // Each call whole, in one fragment with its index.
+      detail::json calls = detail::json::array();
+      for (std::size_t i = 0; i < message["tool_calls"].size(); ++i) {
+        detail::json c = message["tool_calls"][i];
+        c["index"] = i;
+        calls.push_back(std::move(c));
+      }
+      relay.event(cat(R"({"index":0,"delta":{"tool_calls":)", detail::dump(calls), R"(},"finish_reason":null}])"));
+    }
     relay.event(cat(R"({"index":0,"delta":{},"finish_reason":")",
                     out["choices"][0].value("finish_reason", std::string("stop")), "\"}]"));
     relay.event(cat("],\"usage\":", detail::dump(out["usage"]), ",\"keel\":", detail::dump(out["keel"])));
@@ -1218,7 +1231,21 @@ class gateway_core {
     const detail::json usage = {{"prompt_tokens", prompt_tokens},
                                 {"completion_tokens", a.tokens},
                                 {"total_tokens", prompt_tokens + a.tokens}};
-    const char* finish = a.tokens >= rq.max_tokens ? "length" : "stop";
+    // The upstream's own finish_reason ("tool_calls", "content_filter"...)
+    // when it gave one; else what the tokens say.
+    const std::string finish = !relay.finish_reason().empty() ? relay.finish_reason()
+                               : a.tokens >= rq.max_tokens   ? std::string("length")
+                                                             : std::string("stop");
+    detail::json message = {{"role", "assistant"}, {"content", a.text}};
+    if (a.text.empty() && (!a.tool_calls.empty() || !a.refusal.empty())) message["content"] = nullptr;
+    if (!a.refusal.empty()) message["refusal"] = a.refusal;
+    if (!a.tool_calls.empty()) {
+      detail::json calls = detail::json::array();
+      for (const keel::tool_call& t : a.tool_calls)
+        calls.push_back({{"id", t.id}, {"type", t.type.empty() ? std::string("function") : t.type},
+                         {"function", {{"name", t.name}, {"arguments", t.arguments}}}});
+      message["tool_calls"] = std::move(calls);
+    }
     // The answer as one chat.completion: the reply, or (streamed) what an
     // Idempotency-Key records.
     const detail::json out = {{"id", id},
@@ -1227,7 +1254,7 @@ class gateway_core {
                         {"model", rq.model},
                         {"choices",
                          {{{"index", 0},
-                           {"message", {{"role", "assistant"}, {"content", a.text}}},
+                           {"message", message},
                            {"finish_reason", a.complete ? finish : "partial"}}}},
                         {"usage", usage},
                         {"degraded", a.degraded || route.failed_over || !a.complete},
@@ -1830,18 +1857,35 @@ class gateway_core {
       const auto content = m.find("content");
       if (role == m.end() || !role->is_string()) return detail::bad_input("each message needs a 'role' string");
       const std::string rl = role->get<std::string>();
-      if (rl != "system" && rl != "user" && rl != "assistant" && rl != "tool")
-        return detail::bad_input(cat("unknown role '", rl.substr(0, 32), "' (known: system, user, assistant, tool)"));
-      if (content == m.end() || !content->is_string())
-        return detail::bad_input("each message needs a 'content' string");
-      absl::StrAppend(&r.prompt, rl, ": ", content->get<std::string>(), "\n");
+      if (rl != "system" && rl != "user" && rl != "assistant" && rl != "tool" && rl != "developer")
+        return detail::bad_input(
+            cat("unknown role '", rl.substr(0, 32), "' (known: system, developer, user, assistant, tool)"));
+      // OpenAI's shapes: a string; an array of parts (text, images); null
+      // for an assistant message that only calls tools.
+      const bool calls_tools = rl == "assistant" && m.contains("tool_calls");
+      if (content == m.end() ? !calls_tools
+                             : !(content->is_string() || content->is_array() || (content->is_null() && calls_tools)))
+        return detail::bad_input("each message needs a 'content': a string, an array of parts, or null beside tool_calls");
+      absl::StrAppend(&r.prompt, rl, ": ");
+      if (content != m.end() && content->is_string()) {
+        r.prompt += content->get<std::string>();
+      } else if (content != m.end() && content->is_array()) {
+        for (const detail::json& part : *content)
+          if (part.is_object() && part.value("type", "") == "text" && part.contains("text") && part["text"].is_string())
+            r.prompt += part["text"].get<std::string>();
+      }
+      if (calls_tools) r.prompt += m["tool_calls"].dump();  // counted in the token estimate
+      r.prompt += "\n";
       if (r.prompt.size() > 32 * 1024) return detail::bad_input("the messages must be at most 32768 bytes in all");
     }
     r.max_tokens = options_.chat.default_max_tokens;
-    if (const auto mt = j->find("max_tokens"); mt != j->end() && !mt->is_null()) {
+    // max_completion_tokens is OpenAI's newer name for the same cap.
+    for (const char* field : {"max_completion_tokens", "max_tokens"}) {
+      const auto mt = j->find(field);
+      if (mt == j->end() || mt->is_null()) continue;
       if (!mt->is_number_integer() || mt->get<std::int64_t>() < 1 ||
           mt->get<std::int64_t>() > options_.chat.max_tokens_limit)
-        return detail::bad_input(cat("'max_tokens' must be an integer in [1, ", options_.chat.max_tokens_limit, "]"));
+        return detail::bad_input(cat("'", field, "' must be an integer in [1, ", options_.chat.max_tokens_limit, "]"));
       r.max_tokens = mt->get<int>();
     }
     if (const auto st = j->find("stream"); st != j->end() && !st->is_null()) {
@@ -1849,6 +1893,9 @@ class gateway_core {
       r.stream = st->get<bool>();
     }
     r.input_tokens = static_cast<std::int64_t>(r.prompt.size() / 4 + 1);
+    r.upstream_request = *j;
+    for (const char* own : {"tenant", "model", "stream", "stream_options", "max_tokens", "max_completion_tokens"})
+      r.upstream_request.erase(own);
     detail::json held = *j;
     held.erase("stream");
     held.erase("stream_options");

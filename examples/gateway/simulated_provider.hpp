@@ -294,8 +294,8 @@ class simulated_provider final : public model_upstream {
   // OK when the stream reached its end; a failure before the first token
   // is the provider's refusal (429, 503) or a stop; after it, a cut (an
   // outage), an error event (invalid_output) or a stop.
-  absl::Status stream(const keel::attempt& /*a*/, keel::stream_writer& w, std::string_view prompt,
-                      int max_tokens) override {
+  absl::Status stream(const keel::attempt& /*a*/, keel::stream_writer& w, std::string_view prompt, int max_tokens,
+                      const nlohmann::json* /*request: the simulation answers the prompt*/) override {
     calls_.fetch_add(1, std::memory_order_relaxed);
     streams_.fetch_add(1, std::memory_order_relaxed);
     const in_flight_scope busy(in_flight_);

@@ -52,8 +52,11 @@ class model_upstream {
   virtual absl::StatusOr<std::string> complete(const keel::attempt& a, std::string_view prompt,
                                                std::string_view idempotency_key) = 0;
   // One streamed completion into `w`, after what w.text_so_far() holds.
+  // `request`: the client's own request (messages, tools, tool_choice,
+  // sampling; see chat_request::upstream_request), sent as it came with the
+  // upstream's model; null: `prompt` as one user message.
   virtual absl::Status stream(const keel::attempt& a, keel::stream_writer& w, std::string_view prompt,
-                              int max_tokens) = 0;
+                              int max_tokens, const nlohmann::json* request) = 0;
   // One embeddings request (OpenAI's body; its "model" is set to the
   // upstream's): the upstream's JSON answer as it was sent.
   virtual absl::StatusOr<std::string> embed(const keel::attempt& a, const nlohmann::json& request) = 0;
@@ -133,19 +136,19 @@ class http_upstream final : public model_upstream {
     return out;
   }
 
-  absl::Status stream(const keel::attempt& a, keel::stream_writer& w, std::string_view prompt,
-                      int max_tokens) override {
+  absl::Status stream(const keel::attempt& a, keel::stream_writer& w, std::string_view prompt, int max_tokens,
+                      const nlohmann::json* request) override {
     calls_.fetch_add(1, std::memory_order_relaxed);
-    nlohmann::json messages = {{{"role", "user"}, {"content", prompt}}};
+    nlohmann::json out = request != nullptr && request->is_object() ? *request : nlohmann::json::object();
+    if (request == nullptr) out["messages"] = {{{"role", "user"}, {"content", prompt}}};
     // A continuation: the text shown so far is the assistant's, to go on from.
     if (!w.text_so_far().empty())
-      messages.push_back({{"role", "assistant"}, {"content", std::string(w.text_so_far())}});
-    const std::string body = nlohmann::json{{"model", options_.model},
-                                            {"messages", std::move(messages)},
-                                            {"max_tokens", max_tokens},
-                                            {"stream", true},
-                                            {"stream_options", {{"include_usage", true}}}}
-                                 .dump();
+      out["messages"].push_back({{"role", "assistant"}, {"content", std::string(w.text_so_far())}});
+    out["model"] = options_.model;
+    out["max_tokens"] = max_tokens;
+    out["stream"] = true;
+    out["stream_options"] = {{"include_usage", true}};
+    const std::string body = out.dump();
     absl::Status s = client_.stream({.path = "/v1/chat/completions", .body = body})(a, w);
     (s.ok() ? answered_ : failed_).fetch_add(1, std::memory_order_relaxed);
     return s;
