@@ -485,14 +485,15 @@ class gateway_core {
   }
 
   // POST /v1/chat/completions (OpenAI-compatible): {"tenant", ["model"],
-  // "messages": [{"role", "content"}], ["max_tokens"], ["stream"]}. One
-  // deadline (options().chat.deadline) for the whole stream; admission
+  // "messages": [{"role", "content"}], ["max_tokens"], ["stream"], and any
+  // other OpenAI field, sent upstream as it came}. One deadline (the
+  // model's, model_config::chat) for the whole stream; admission
   // reserves the model's token estimate and settles it to what the streams
   // were billed; the "streaming" bulkhead class; then the model's stream
   // through retry, the fleet's gate and the provider's breaker, under the
   // guard's three budgets and its first-token hedge. Before the first token
-  // a failed stream fails over to the second model (chat.backup); after it,
-  // a stream cut short is continued there (degraded). With "stream": true
+  // a failed stream fails over to the model's next deployments; after it, a
+  // stream cut short is continued on the second (degraded). With "stream": true
   // and a sink the tokens go to `sink` as they come (reply.streamed);
   // otherwise the answer is one chat.completion. Nothing is sent before the
   // first token: a failure until then is an ordinary JSON error.
