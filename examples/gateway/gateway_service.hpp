@@ -140,7 +140,7 @@ class service {
       : core_(std::move(core)),
         server_(server_options(core_->options()), [this](const http_request& r) { return route(r); },
                 [this](const http_refusal& f) { return refused(f); },
-                // Operators and monitoring have workers of their own, apart.
+                // Monitoring and operators each have workers of their own.
                 [](const http_request& r) {
                   if (r.path.starts_with("/admin/")) return http_lane::admin;
                   return r.path == "/healthz" || r.path == "/metrics" ? http_lane::reserved : http_lane::ordinary;

@@ -359,6 +359,7 @@ class http_server {
     acceptor_ = std::move(acceptor);
     accept_retry_.emplace(acceptor_->get_executor());
     stopping_.store(false);
+    io_count_.store(options_.io_threads);
     lanes_[0].workers = options_.threads;
     lanes_[1].workers = options_.reserved_threads;
     lanes_[2].workers = options_.admin_threads;
@@ -384,7 +385,7 @@ class http_server {
   [[nodiscard]] http_server_figures figures() const {
     http_server_figures f;
     f.connections = connections_.load(std::memory_order_relaxed);
-    f.io_threads = static_cast<int>(io_.size());
+    f.io_threads = io_count_.load(std::memory_order_relaxed);
     f.evicted = evicted_.load(std::memory_order_relaxed);
     std::lock_guard lock(mu_);
     f.busy = lanes_[0].busy;
@@ -435,6 +436,7 @@ class http_server {
     ioc_->stop();
     for (std::thread& t : io_) t.join();
     io_.clear();
+    io_count_.store(0);
     accept_retry_.reset();
     acceptor_.reset();
     ioc_.reset();  // destroys what is left: the connections its handlers held
@@ -966,6 +968,7 @@ class http_server {
   std::atomic<bool> paused_{false};  // accepting waits for a connection to close
   std::atomic<int> connections_{0};
   std::atomic<std::int64_t> evicted_{0};
+  std::atomic<int> io_count_{0};  // figures() reads it while start() may still be spawning
   mutable std::mutex mu_;
   lane lanes_[3];  // ordinary, reserved, admin
   std::mutex table_mu_;
