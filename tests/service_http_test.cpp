@@ -1482,3 +1482,82 @@ TEST_CASE("threads at rest: the workers the options ask for and a handful for I/
   server.stop();
   CHECK(threads_named("http-") == 0);
 }
+
+TEST_CASE("pipelined requests are answered in order, across lanes; Expect: 100-continue gets its 100 after the head passed",
+          "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  o.provider.median_latency = 5ms;
+  auto svc = start(o);
+  const std::string body = feedback("acme");
+
+  SECTION("four requests in one write, for the reserved and the ordinary lane: four answers, in order") {
+    raw_connection c(svc->port());
+    REQUIRE(c.send(head_of("GET", "/healthz", "") +
+                   head_of("POST", "/v1/feedback",
+                           "Idempotency-Key: pipe-1\r\nContent-Type: application/json\r\nContent-Length: " +
+                               std::to_string(body.size()) + "\r\n") +
+                   body + head_of("GET", "/v2/nothing", "") + head_of("GET", "/metrics", "")));
+    const raw_connection::response health = c.read_response(10s), answer = c.read_response(10s),
+                                    missing = c.read_response(10s), metrics = c.read_response(10s);
+    CHECK(health.status == 200);
+    CHECK(json::parse(health.body, nullptr, false).contains("streams"));
+    CHECK(answer.status == 200);
+    CHECK(json::parse(answer.body, nullptr, false).contains("decision_id"));
+    CHECK(missing.status == 404);
+    CHECK(metrics.status == 200);
+    CHECK(metrics.body.find("gateway_http_requests_total") != std::string::npos);
+  }
+
+  SECTION("100 Continue once the head passed, then the answer; a refused head gets its refusal, no 100") {
+    raw_connection c(svc->port());
+    REQUIRE(c.send(head_of("POST", "/v1/feedback",
+                           "Idempotency-Key: cont-1\r\nExpect: 100-continue\r\nContent-Type: application/json\r\n"
+                           "Content-Length: " + std::to_string(body.size()) + "\r\n")));
+    const std::string interim = c.read_until("\r\n\r\n", 10s);
+    CHECK(interim == "HTTP/1.1 100 Continue\r\n\r\n");
+    REQUIRE(c.send(body));
+    CHECK(c.read_response(10s).status == 200);
+
+    raw_connection big(svc->port());
+    REQUIRE(big.send(head_of("POST", "/v1/feedback", "Idempotency-Key: cont-2\r\nExpect: 100-continue\r\n"
+                                                     "Content-Length: 104857600\r\n")));
+    const std::string refused = big.read_until("\r\n\r\n", 10s);
+    CHECK(refused.rfind("HTTP/1.1 413 ", 0) == 0);
+  }
+  svc->stop();
+}
+
+TEST_CASE("a 408 from the front door carries one Retry-After: the refusal's own, or the server's when it has none",
+          "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  o.http_header_timeout = 1s;
+  auto svc = start(o);
+  auto count = [](const std::string& head, std::string_view name) {
+    int n = 0;
+    for (std::size_t at = head.find(name); at != std::string::npos; at = head.find(name, at + 1)) ++n;
+    return n;
+  };
+  raw_connection c(svc->port());
+  REQUIRE(c.send("GET /healthz HTTP/1.1\r\nX-Slow: a"));
+  const raw_connection::response r = c.read_response(10s);
+  INFO(r.head);
+  REQUIRE(r.status == 408);
+  CHECK(count(r.head, "\r\nRetry-After:") == 1);
+  CHECK(count(r.head, "\r\nretry-after-ms:") == 1);
+  // The server adds one only when the refusal has none (its handler's own, here).
+  gateway::http_server bare({.threads = 1, .max_queue = 1, .header_timeout = std::chrono::milliseconds(300)},
+                            [](const gateway::http_request&) { return gateway::http_response{}; },
+                            [](const gateway::http_refusal& f) { return gateway::http_response{.status = f.status}; });
+  REQUIRE(bare.start("127.0.0.1", 0).ok());
+  raw_connection d(bare.port());
+  REQUIRE(d.send("GET / HTTP/1.1\r\nX-Slow: a"));
+  const raw_connection::response s = d.read_response(10s);
+  REQUIRE(s.status == 408);
+  CHECK(count(s.head, "\r\nRetry-After: 1\r\n") == 1);
+  bare.stop();
+  svc->stop();
+}
