@@ -7,7 +7,10 @@
 // deadline). Latency bounds are correctness bounds — no reply may come
 // later than its deadline plus keel_service::http_slack — not speed claims.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -1245,4 +1248,318 @@ TEST_CASE("a client that hangs up mid-stream stops the upstream transfer within 
   // Correctness bound, not a speed claim: well before the next token would have been written.
   CHECK(ms < std::chrono::duration<double, std::milli>(keel_service::http_slack).count());
   CHECK(svc->core().backup_provider().figures().streams == 0);  // a lost client is not continued
+}
+
+// --- the front door on Beast: what a hostile client's probe found -------------
+
+namespace {
+
+// This process's threads whose name starts with `prefix` (/proc/self/task/*/comm).
+int threads_named(std::string_view prefix) {
+  int n = 0;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream in(task.path() / "comm");
+    std::string name;
+    std::getline(in, name);
+    n += name.rfind(prefix, 0) == 0 ? 1 : 0;
+  }
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("Beast's leniencies are refused by the adapter, at once and however the bytes are split",
+          "[service][http][hostile][parser]") {
+  using parser = gateway::detail::request_parser;
+  struct expected {
+    std::string what, bytes;
+    parser::state state;
+    int status;  // for a refusal
+  };
+  std::string many_fields = "GET / HTTP/1.1\r\n";
+  for (int i = 0; i < 101; ++i) many_fields += "X-" + std::to_string(i) + ": v\r\n";
+  many_fields += "\r\n";
+  const std::vector<expected> cases = {
+      // Beast waits for a CRLF CRLF that never comes: a 408 after header_timeout.
+      {"bare LF line endings throughout", "GET /healthz HTTP/1.1\nHost: x\n\n", parser::state::failed, 400},
+      {"a bare LF ending the head", "GET /healthz HTTP/1.1\r\nHost: x\n\n", parser::state::failed, 400},
+      {"a bare CR inside a value", "GET / HTTP/1.1\r\nA: b\rc\r\n\r\n", parser::state::failed, 400},
+      // Beast reads a request with a Transfer-Encoding it does not know as one without a body.
+      {"a Transfer-Encoding that is not chunked", "POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",
+       parser::state::failed, 415},
+      {"chunked twice over", "POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n",
+       parser::state::failed, 415},
+      {"chunked with HTTP/1.0", "POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", parser::state::failed,
+       400},
+      {"more than 100 fields", many_fields, parser::state::failed, 431},
+      {"a DEL byte in a value", "GET / HTTP/1.1\r\nA: b\x7f\r\n\r\n", parser::state::failed, 400},
+      {"an absolute-form target", "GET http://example.com/ HTTP/1.1\r\n\r\n", parser::state::failed, 400},
+      // Beast buffers a chunk-size line without a limit.
+      {"a chunk extension over 4 KiB",
+       "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n1;x=" + std::string(5000, 'a') + "\r\n",
+       parser::state::failed, 400},
+      {"equal duplicate lengths", "POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\nx",
+       parser::state::done, 0},
+  };
+  for (const expected& e : cases) {
+    for (std::size_t step : {e.bytes.size() + 1, std::size_t{1}, std::size_t{5}}) {
+      INFO(e.what << ", fed " << step << " bytes at a time");
+      parser p(1024, 4096);
+      std::size_t used = 0;
+      while (used < e.bytes.size() && (p.current() == parser::state::head || p.current() == parser::state::body)) {
+        used += p.feed(std::string_view(e.bytes).substr(used, step));
+      }
+      CHECK(p.current() == e.state);
+      if (e.state == parser::state::failed) {
+        CHECK(p.error().status == e.status);
+        CHECK(!p.error().message.empty());
+      }
+    }
+  }
+  // The refusal names the header that held the control byte, and the path.
+  parser p;
+  p.feed(std::string("POST /v1/feedback HTTP/1.1\r\nIdempotency-Key: a\0b\r\n\r\n", 50));
+  REQUIRE(p.current() == parser::state::failed);
+  CHECK(p.error().message == "the header 'Idempotency-Key' contains a NUL byte");
+  CHECK(p.error().path == "/v1/feedback");
+  // Headers are kept in order, as sent; Expect and Connection are read.
+  parser q;
+  q.feed("POST /x?a=1 HTTP/1.0\r\nX-Two: 2\r\nx-one:  1 \r\nConnection: keep-alive\r\nExpect: 100-continue\r\n"
+         "Content-Length: 2\r\n\r\n");
+  REQUIRE(q.current() == parser::state::body);
+  CHECK(q.request().expect_continue);
+  q.feed("ok");
+  REQUIRE(q.current() == parser::state::done);
+  const gateway::http_request r = q.take();
+  CHECK(r.keep_alive);  // HTTP/1.0 asked for it
+  CHECK(r.version == "HTTP/1.0");
+  CHECK(r.query == "a=1");
+  REQUIRE(r.headers.size() == 5);
+  CHECK(r.headers[0] == std::pair<std::string, std::string>("X-Two", "2"));
+  CHECK(r.headers[1] == std::pair<std::string, std::string>("x-one", "1"));
+  CHECK(r.body == "ok");
+}
+
+TEST_CASE("a head with bare LF line endings gets an immediate 400, not a 408 after the header time",
+          "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  o.http_header_timeout = 10s;
+  auto svc = start(o);
+  raw_connection c(svc->port());
+  REQUIRE(c.send("GET /healthz HTTP/1.1\nHost: x\n\n"));
+  // Well inside the header time: an answer now, or the test fails.
+  const raw_connection::response r = c.read_response(5s);
+  INFO(r.head << "\n" << r.body);
+  CHECK(r.status == 400);
+  CHECK(error_of(r)["refused_by"] == "http:malformed");
+  CHECK(error_of(r)["message"].get<std::string>().find("bare LF") != std::string::npos);
+  svc->stop();
+}
+
+TEST_CASE("HEAD is answered with the head alone: no body bytes before the next response",
+          "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  auto svc = start(o);
+  raw_connection c(svc->port());
+  REQUIRE(c.send(head_of("HEAD", "/healthz", "")));
+  const std::string head = c.read_until("\r\n\r\n", 10s);
+  INFO(head);
+  REQUIRE(head.find("\r\n\r\n") != std::string::npos);
+  CHECK(head.rfind("HTTP/1.1 ", 0) == 0);
+  CHECK(head.find("Content-Length: ") != std::string::npos);
+  CHECK(head.size() == head.find("\r\n\r\n") + 4);  // nothing after the head in what came
+  // The same connection's next response starts right where the head ended.
+  REQUIRE(c.send(head_of("GET", "/healthz", "")));
+  const raw_connection::response r = c.read_response(10s);
+  CHECK(r.status == 200);
+  CHECK(json::parse(r.body, nullptr, false).is_object());
+  svc->stop();
+}
+
+TEST_CASE("Connection: close closes right after the response, every time", "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  auto svc = start(o);
+  int answered = 0, late = 0;
+  for (int i = 0; i < 200; ++i) {
+    raw_connection c(svc->port());
+    REQUIRE(c.send(head_of("GET", "/healthz", "Connection: close\r\n")));
+    const raw_connection::response r = c.read_response(10s);
+    answered += r.status == 200 && r.has_header("Connection: close");
+    // The end of the stream follows the body at once (500 ms is generous on loopback).
+    late += c.closed_by_peer(500ms) ? 0 : 1;
+  }
+  CHECK(answered == 200);
+  CHECK(late == 0);
+  svc->stop();
+}
+
+TEST_CASE("health answers while idle connections fill the connection table: the longest idle makes room",
+          "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  o.http_max_connections = 64;
+  o.http_idle_timeout = 60s;  // the idle ones would hold their places for a minute
+  auto svc = start(o);
+  std::vector<std::unique_ptr<raw_connection>> idle;
+  for (int i = 0; i < 80; ++i) idle.push_back(std::make_unique<raw_connection>(svc->port()));
+  raw_connection h(svc->port());
+  REQUIRE(h.send(head_of("GET", "/healthz", "")));
+  const raw_connection::response r = h.read_response(10s);
+  INFO(r.head);
+  CHECK(r.status == 200);
+  const gateway::http_server_figures f = svc->http_figures();
+  CHECK(f.connections <= o.http_max_connections + 1);  // one over while an eviction is under way
+  CHECK(f.evicted >= 80 + 1 - o.http_max_connections);
+  // Those closed were idle: they see the end of the stream, not an answer.
+  int closed = 0;
+  for (auto& c : idle) closed += c->closed_by_peer(20ms) ? 1 : 0;
+  CHECK(closed >= 80 + 1 - o.http_max_connections);
+  svc->stop();
+}
+
+TEST_CASE("admin keeps capacity of its own: 128 clients polling /metrics and /healthz do not push /admin off",
+          "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  auto svc = start(o);
+  const int port = svc->port();
+  std::atomic<bool> polling{true};
+  std::atomic<int> polls{0}, busy{0};
+  std::vector<std::thread> pollers;
+  for (int i = 0; i < 128; ++i) {
+    pollers.emplace_back([&, i] {
+      client c(port);
+      while (polling.load()) {
+        const int s = c.get(i % 2 == 0 ? "/metrics" : "/healthz").status;
+        polls.fetch_add(1);
+        busy.fetch_add(s == 503 ? 1 : 0);
+      }
+    });
+  }
+  while (polls.load() < 256) std::this_thread::sleep_for(1ms);  // the pollers are at it
+  client admin(port);
+  int refused = 0, ok = 0;
+  for (int i = 0; i < 30; ++i) {
+    const http_result r = admin.post("/admin/shed", R"({"class":"batch","shed":false})");
+    ok += r.status == 200;
+    refused += r.status == 503;
+  }
+  polling.store(false);
+  for (std::thread& t : pollers) t.join();
+  UNSCOPED_INFO(polls.load() << " polls, " << busy.load() << " refused busy");
+  CHECK(refused == 0);
+  CHECK(ok == 30);
+  svc->stop();
+}
+
+TEST_CASE("threads at rest: the workers the options ask for and a handful for I/O", "[service][http]") {
+  REQUIRE(threads_named("http-") == 0);  // no other server runs now
+  gateway::http_server server(
+      {}, [](const gateway::http_request&) { return gateway::http_response{}; },
+      [](const gateway::http_refusal& f) { return gateway::http_response{.status = f.status}; });
+  REQUIRE(server.start("127.0.0.1", 0).ok());
+  const gateway::http_server_options d;
+  const gateway::http_server_figures f = server.figures();
+  CHECK(f.io_threads == d.io_threads);
+  CHECK(f.io_threads <= 4);
+  // Named for top -H: http-io, http-work, http-reserved, http-admin.
+  CHECK(threads_named("http-io") == f.io_threads);
+  CHECK(threads_named("http-") == d.threads + d.reserved_threads + d.admin_threads + f.io_threads);
+  // 300 idle connections add no thread.
+  std::vector<std::unique_ptr<raw_connection>> idle;
+  for (int i = 0; i < 300; ++i) idle.push_back(std::make_unique<raw_connection>(server.port()));
+  raw_connection last(server.port());
+  REQUIRE(last.send(head_of("GET", "/", "")));
+  CHECK(last.read_response(10s).status == 200);
+  CHECK(server.figures().connections == 301);
+  CHECK(threads_named("http-") == d.threads + d.reserved_threads + d.admin_threads + f.io_threads);
+  server.stop();
+  CHECK(threads_named("http-") == 0);
+}
+
+TEST_CASE("pipelined requests are answered in order, across lanes; Expect: 100-continue gets its 100 after the head passed",
+          "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  o.provider.median_latency = 5ms;
+  auto svc = start(o);
+  const std::string body = feedback("acme");
+
+  SECTION("four requests in one write, for the reserved and the ordinary lane: four answers, in order") {
+    raw_connection c(svc->port());
+    REQUIRE(c.send(head_of("GET", "/healthz", "") +
+                   head_of("POST", "/v1/feedback",
+                           "Idempotency-Key: pipe-1\r\nContent-Type: application/json\r\nContent-Length: " +
+                               std::to_string(body.size()) + "\r\n") +
+                   body + head_of("GET", "/v2/nothing", "") + head_of("GET", "/metrics", "")));
+    const raw_connection::response health = c.read_response(10s), answer = c.read_response(10s),
+                                    missing = c.read_response(10s), metrics = c.read_response(10s);
+    CHECK(health.status == 200);
+    CHECK(json::parse(health.body, nullptr, false).contains("streams"));
+    CHECK(answer.status == 200);
+    CHECK(json::parse(answer.body, nullptr, false).contains("decision_id"));
+    CHECK(missing.status == 404);
+    CHECK(metrics.status == 200);
+    CHECK(metrics.body.find("gateway_http_requests_total") != std::string::npos);
+  }
+
+  SECTION("100 Continue once the head passed, then the answer; a refused head gets its refusal, no 100") {
+    raw_connection c(svc->port());
+    REQUIRE(c.send(head_of("POST", "/v1/feedback",
+                           "Idempotency-Key: cont-1\r\nExpect: 100-continue\r\nContent-Type: application/json\r\n"
+                           "Content-Length: " + std::to_string(body.size()) + "\r\n")));
+    const std::string interim = c.read_until("\r\n\r\n", 10s);
+    CHECK(interim == "HTTP/1.1 100 Continue\r\n\r\n");
+    REQUIRE(c.send(body));
+    CHECK(c.read_response(10s).status == 200);
+
+    raw_connection big(svc->port());
+    REQUIRE(big.send(head_of("POST", "/v1/feedback", "Idempotency-Key: cont-2\r\nExpect: 100-continue\r\n"
+                                                     "Content-Length: 104857600\r\n")));
+    const std::string refused = big.read_until("\r\n\r\n", 10s);
+    CHECK(refused.rfind("HTTP/1.1 413 ", 0) == 0);
+  }
+  svc->stop();
+}
+
+TEST_CASE("a 408 from the front door carries one Retry-After: the refusal's own, or the server's when it has none",
+          "[service][http][hostile]") {
+  temp_dir dir;
+  gateway::gateway_options o = keel_service::options(dir.path());
+  o.batch_workers = 0;
+  o.http_header_timeout = 1s;
+  auto svc = start(o);
+  auto count = [](const std::string& head, std::string_view name) {
+    int n = 0;
+    for (std::size_t at = head.find(name); at != std::string::npos; at = head.find(name, at + 1)) ++n;
+    return n;
+  };
+  raw_connection c(svc->port());
+  REQUIRE(c.send("GET /healthz HTTP/1.1\r\nX-Slow: a"));
+  const raw_connection::response r = c.read_response(10s);
+  INFO(r.head);
+  REQUIRE(r.status == 408);
+  CHECK(count(r.head, "\r\nRetry-After:") == 1);
+  CHECK(count(r.head, "\r\nretry-after-ms:") == 1);
+  // The server adds one only when the refusal has none (its handler's own, here).
+  gateway::http_server bare({.threads = 1, .max_queue = 1, .header_timeout = std::chrono::milliseconds(300)},
+                            [](const gateway::http_request&) { return gateway::http_response{}; },
+                            [](const gateway::http_refusal& f) { return gateway::http_response{.status = f.status}; });
+  REQUIRE(bare.start("127.0.0.1", 0).ok());
+  raw_connection d(bare.port());
+  REQUIRE(d.send("GET / HTTP/1.1\r\nX-Slow: a"));
+  const raw_connection::response s = d.read_response(10s);
+  REQUIRE(s.status == 408);
+  CHECK(count(s.head, "\r\nRetry-After: 1\r\n") == 1);
+  bare.stop();
+  svc->stop();
 }

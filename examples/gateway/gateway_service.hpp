@@ -141,9 +141,10 @@ class service {
       : core_(std::move(core)),
         server_(server_options(core_->options()), [this](const http_request& r) { return route(r); },
                 [this](const http_refusal& f) { return refused(f); },
-                // Operators and monitoring have workers of their own.
+                // Monitoring and operators each have workers of their own.
                 [](const http_request& r) {
-                  return r.path == "/healthz" || r.path == "/metrics" || r.path.starts_with("/admin/");
+                  if (r.path.starts_with("/admin/")) return http_lane::admin;
+                  return r.path == "/healthz" || r.path == "/metrics" ? http_lane::reserved : http_lane::ordinary;
                 }) {}
 
   static http_server_options server_options(const gateway_options& o) {

@@ -24,8 +24,10 @@ endfunction()
 # store targets need theirs; linking all keeps targets.txt one name a line).
 function(keel_fuzz_link target)
   target_link_libraries(${target} PRIVATE keel::keel keel_build_flags)
-  # gateway_request reads the example gateway's front door (header-only).
+  # gateway_request reads the example gateway's front door (header-only, on Boost.Beast).
   target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/examples/gateway)
+  find_package(Boost 1.74 REQUIRED)
+  target_link_libraries(${target} PRIVATE Boost::headers)
   foreach(backend sqlite postgres redis)
     if(TARGET keel::${backend})
       target_link_libraries(${target} PRIVATE keel::${backend})
