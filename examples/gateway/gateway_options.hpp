@@ -294,7 +294,7 @@ struct gateway_options {
   // HTTP: the front door (gateway/http_server.hpp says why each limit).
   // Network timeouts, so scale_time() leaves them alone.
   int http_threads = 96;              // workers for /v1/*: every class's slots and queues
-  int http_reserved_threads = 4;      // workers only /healthz, /metrics and /admin/* use
+  int http_reserved_threads = 4;      // workers only /healthz and /metrics use (/admin/* has a lane of its own)
   int http_queue = 96;                // complete requests waiting for a worker, per lane; beyond: 503
   int http_max_connections = 4096;    // open connections; beyond, new ones wait in the backlog
   int http_listen_backlog = 1024;     // the kernel's accept queue: a burst of connects is not dropped

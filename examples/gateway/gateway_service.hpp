@@ -301,7 +301,11 @@ class service {
                      {"busy", f.busy},
                      {"busy_reserved", f.busy_reserved},
                      {"queued", f.queued},
-                     {"queued_reserved", f.queued_reserved}};
+                     {"queued_reserved", f.queued_reserved},
+                     {"busy_admin", f.busy_admin},
+                     {"queued_admin", f.queued_admin},
+                     {"io_threads", f.io_threads},
+                     {"evicted", f.evicted}};
         r.body = detail::dump(j);
       }
     }

@@ -204,7 +204,7 @@ struct http_server_options {
     for (const auto& [field, n] : counts) {
       if (n < 1 || n > 1'000'000) return keel::invalid_option(who, field, "be in [1, 1000000]", n);
     }
-    if (io_threads < 1 || io_threads > 64) return keel::detail::invalid_field(who, "io_threads", "be in [1, 64]", io_threads);
+    if (io_threads < 1 || io_threads > 64) return keel::invalid_option(who, "io_threads", "be in [1, 64]", io_threads);
     if (max_body_bytes < 1 || max_body_bytes > (std::size_t{1} << 30))
       return keel::invalid_option(who, "max_body_bytes", "be in [1, 1 GiB]", max_body_bytes);
     if (max_header_bytes < 256 || max_header_bytes > (std::size_t{1} << 20))
