@@ -126,6 +126,11 @@ int serve_config(const char* path) {
   }
   if (!redis_flag.empty()) o->fleet.redis = redis_flag;
   const std::string listen = cfg->listen;
+  // Before the serving line: whoever reads it may signal at once. SIGHUP
+  // reads the file again; new requests get the new plan, requests in
+  // flight finish on theirs, and a bad file leaves the plan as it was.
+  on_signals();
+  std::signal(SIGHUP, [](int) { reload_requested = 1; });
   auto svc = gateway::service::open(*o);
   if (!svc.ok()) {
     std::fprintf(stderr, "gateway: %s\n", std::string(svc.status().message()).c_str());
@@ -139,10 +144,6 @@ int serve_config(const char* path) {
               cfg->listen_host.c_str(), (*svc)->port(), o->data_dir.c_str(), o->upstream->base_url.c_str(),
               o->upstream_backup ? o->upstream_backup->base_url.c_str() : "(no second)");
   std::fflush(stdout);
-  on_signals();
-  // SIGHUP: read the file again; new requests get the new plan, requests
-  // in flight finish on theirs, and a bad file leaves the plan as it was.
-  std::signal(SIGHUP, [](int) { reload_requested = 1; });
   while (!interrupted) {
     std::this_thread::sleep_for(50ms);
     if (!reload_requested) continue;
