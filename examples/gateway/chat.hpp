@@ -46,7 +46,6 @@
 #include "absl/strings/str_cat.h"
 #include "keel/compose/stream.hpp"
 #include "keel/core/call.hpp"
-#include "keel/durable/digest.hpp"
 #include "keel/policy/admission.hpp"
 #include "simulated_provider.hpp"
 #include "text.hpp"
@@ -60,9 +59,6 @@ struct chat_request {
   int max_tokens = 0;
   bool stream = false;
   std::int64_t input_tokens = 0;  // estimated: a token per 4 bytes of the messages
-  // What an Idempotency-Key is held to: the request's body as JSON with its
-  // keys sorted, less "stream" (a retry may ask for the answer either way).
-  keel::digest digest{};
   // The client's request as an upstream gets it: every field it sent
   // (messages with their tool calls and parts, tools, tool_choice,
   // response_format, sampling), less the gateway's own ("tenant") and what

@@ -522,7 +522,7 @@ class gateway_core {
     keel::call claim(t0, {.timeout = rt->find(rq.model)->budgets.deadline, .stop = stop_.get_token()});
     std::optional<reply> fresh;
     absl::StatusOr<keel::once_result> r =
-        chat_once_.run(claim, id, rq.digest, [&](const keel::claim_context& c) -> absl::StatusOr<keel::decision> {
+        chat_once_.run(claim, id, chat_digest(rq), [&](const keel::claim_context& c) -> absl::StatusOr<keel::decision> {
           std::string completion;
           // Never past the claim's lease: a duplicate may take the key over after it.
           caller_info within = caller;
@@ -543,6 +543,18 @@ class gateway_core {
       return answered("chat", detail::error_reply(s));
     }
     return answered("chat", replay_chat(r->decision.result, rq, rq.stream ? sink : nullptr));
+  }
+
+  // What an Idempotency-Key is held to: the request as its upstreams get it
+  // (keys sorted), its tenant, model and token cap; not "stream" (a retry
+  // may ask for the answer either way). Made only for keyed requests.
+  [[nodiscard]] static keel::digest chat_digest(const chat_request& rq) {
+    return keel::digest_builder()
+        .field("tenant", rq.tenant)
+        .field("model", rq.model)
+        .field("max_tokens", std::int64_t{rq.max_tokens})
+        .field("request", detail::dump(rq.upstream_request))
+        .finish();
   }
 
   // The stored answer of a keyed chat request, as the retry asks for it.
@@ -1894,15 +1906,9 @@ class gateway_core {
       r.stream = st->get<bool>();
     }
     r.input_tokens = static_cast<std::int64_t>(r.prompt.size() / 4 + 1);
-    r.upstream_request = *j;
+    r.upstream_request = std::move(*j);
     for (const char* own : {"tenant", "model", "stream", "stream_options", "max_tokens", "max_completion_tokens"})
       r.upstream_request.erase(own);
-    detail::json held = *j;
-    held.erase("stream");
-    held.erase("stream_options");
-    held["tenant"] = r.tenant;  // the key's, when the body left it out
-    held["model"] = r.model;
-    r.digest = keel::digest_builder().field("chat.completions", detail::dump(held)).finish();
     return r;
   }
 
