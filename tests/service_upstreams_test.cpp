@@ -93,16 +93,28 @@ json chat_body(int max_tokens) {
           {"stream", true}};
 }
 
-std::string chat_request(const json& body) {
+// POST /v1/chat/completions as raw bytes; `headers`: more lines, each ending in \r\n.
+std::string chat_request(const json& body, const std::string& headers = {}) {
   const std::string b = body.dump();
-  return "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
-         std::to_string(b.size()) + "\r\n\r\n" + b;
+  return "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + headers +
+         "Content-Type: application/json\r\nContent-Length: " + std::to_string(b.size()) + "\r\n\r\n" + b;
+}
+
+// No first-token hedge: which upstream served is then the route's doing alone.
+void without_hedge(gateway::gateway_options& o) {
+  o.chat.hedge_delay = 0ms;
+  o.chat.hedge_percentile = 0;
 }
 
 // A stat of the mock, 0 when absent.
 std::int64_t stat(const json& s, const char* group, const char* name) {
   if (!s.contains(group) || !s[group].contains(name) || !s[group][name].is_number()) return 0;
   return s[group][name].get<std::int64_t>();
+}
+
+// Chat requests the two mocks have received, together.
+std::int64_t chat_calls(const mock_upstream& a, const mock_upstream& b) {
+  return stat(a.stats(), "requests", "chat") + stat(b.stats(), "requests", "chat");
 }
 
 template <class Pred>
@@ -230,8 +242,7 @@ TEST_CASE("streams over HTTP: fail over before the first token, continue after i
   const std::vector<std::string> fast = {"--first-token-ms", "10", "--token-gap-ms", "2", "--tokens", "12"};
   mock_upstream a(dir, "mock-a", fast), b(dir, "mock-b", fast);
   gateway::gateway_options o = options_for(dir.path(), a, b);
-  o.chat.hedge_delay = 0ms;  // no hedge: which upstream served is then the route's doing
-  o.chat.hedge_percentile = 0;
+  without_hedge(o);
   auto svc = start(o);
 
   SECTION("healthy: the primary serves the whole stream") {
@@ -274,8 +285,7 @@ TEST_CASE("a client that hangs up mid-stream stops the upstream's transfer", "[s
   o.chat.deadline = 2h;
   // No hedge: a slow first token (a loaded sanitizer build) would start a
   // second stream whose stopped loser the upstream also sees go.
-  o.chat.hedge_delay = 0ms;
-  o.chat.hedge_percentile = 0;
+  without_hedge(o);
   o.chat.first_token = 10s;  // nor a retry of a first token that was merely slow
   auto svc = start(o);
   keel_service::raw_connection c(svc->port());
@@ -409,10 +419,9 @@ TEST_CASE("from a config file: Bearer keys name the tenant, a bad key is a 401, 
   }
   SECTION("a stream with a key and no tenant in the body") {
     keel_service::raw_connection c(port);
-    const std::string b = json{{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 4}, {"stream", true}}.dump();
-    REQUIRE(c.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-team-a\r\n"
-                   "Content-Type: application/json\r\nContent-Length: " +
-                   std::to_string(b.size()) + "\r\n\r\n" + b));
+    REQUIRE(c.send(chat_request(
+        json{{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 4}, {"stream", true}},
+        "Authorization: Bearer sk-team-a\r\n")));
     const std::string got = c.read_until("\r\n0\r\n\r\n");
     CHECK(got.rfind("HTTP/1.1 200 ", 0) == 0);
     CHECK(got.find("x-request-id: ") != std::string::npos);
@@ -504,7 +513,7 @@ TEST_CASE("a full outage: the SDK's retries do not multiply the gateway's (upstr
                      {"messages", {{{"role", "user"}, {"content", "Summarise the plan."}}}},
                      {"max_tokens", 8},
                      {"stream", false}};
-  auto upstream_calls = [&] { return stat(a.stats(), "requests", "chat") + stat(b.stats(), "requests", "chat"); };
+  auto upstream_calls = [&] { return chat_calls(a, b); };
   auto run = [&](bool tell) {
     gateway::gateway_options o = options_for(dir.path() + (tell ? "/with" : "/without"), a, b);
     std::filesystem::create_directories(o.data_dir);
@@ -536,8 +545,7 @@ TEST_CASE("the SDK's X-Stainless-Timeout shortens the call's deadline: no work a
   temp_dir dir;
   mock_upstream a(dir, "mock-a"), b(dir, "mock-b");
   gateway::gateway_options o = options_for(dir.path(), a, b);
-  o.chat.hedge_delay = 0ms;
-  o.chat.hedge_percentile = 0;
+  without_hedge(o);
   auto svc = start(o);
   a.fault({{"kind", "hang"}});
   b.fault({{"kind", "hang"}});
@@ -667,8 +675,7 @@ TEST_CASE("a config reload: new requests take the new plan, a stream in flight f
                                          "--tokens", "100"};
   mock_upstream a(dir, "mock-a", slow), b(dir, "mock-b", slow);
   gateway::gateway_options o = options_from_config(dir.path(), a, b);
-  o.chat.hedge_delay = 0ms;  // which upstream served is the route's doing alone
-  o.chat.hedge_percentile = 0;
+  without_hedge(o);
   o.chat.first_token = 10s;
   o.chat.whole = 1min;
   o.chat.deadline = 2min;
@@ -678,10 +685,7 @@ TEST_CASE("a config reload: new requests take the new plan, a stream in flight f
 
   // A stream on other-model, served by its first deployment (mock-b/o-1).
   keel_service::raw_connection c(port);
-  const std::string b_body = chat_for("other-model", 100, true).dump();
-  REQUIRE(c.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-team-a\r\n"
-                 "Content-Type: application/json\r\nContent-Length: " +
-                 std::to_string(b_body.size()) + "\r\n\r\n" + b_body));
+  REQUIRE(c.send(chat_request(chat_for("other-model", 100, true), "Authorization: Bearer sk-team-a\r\n")));
   REQUIRE(c.read_until("\"content\":\"", 30s).find("\"content\":\"") != std::string::npos);
   REQUIRE(stat(b.stats(), "requests", "chat") == 1);
 
@@ -817,9 +821,7 @@ json keyed_chat(const std::string& content, int max_tokens, bool stream) {
 httplib::Headers idempotency(const std::string& key) { return {{"Idempotency-Key", key}}; }
 
 std::string raw_chat(const json& body, const std::string& key) {
-  const std::string b = body.dump();
-  return "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nIdempotency-Key: " + key +
-         "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(b.size()) + "\r\n\r\n" + b;
+  return chat_request(body, "Idempotency-Key: " + key + "\r\n");
 }
 
 }  // namespace
@@ -833,15 +835,14 @@ TEST_CASE("chat completions with an Idempotency-Key: a retry replays the answer 
                                          "--tokens", "60"};
   mock_upstream a(dir, "mock-a", slow), b(dir, "mock-b", slow);
   gateway::gateway_options o = options_for(dir.path(), a, b);
-  o.chat.hedge_delay = 0ms;
-  o.chat.hedge_percentile = 0;
+  without_hedge(o);
   o.chat.first_token = 10s;
   o.chat.whole = 1min;
   o.chat.deadline = 2min;
   o.idempotency_retention = 1h;
   auto svc = std::make_unique<std::unique_ptr<gateway::service>>(start(o));
   auto port = [&] { return (*svc)->port(); };
-  auto upstream_calls = [&] { return stat(a.stats(), "requests", "chat") + stat(b.stats(), "requests", "chat"); };
+  auto upstream_calls = [&] { return chat_calls(a, b); };
 
   const http_answer first = call(port(), "POST", "/v1/chat/completions", keyed_chat("q-1", 8, false), idempotency("k-1"));
   INFO(first.body.dump());
@@ -927,7 +928,7 @@ TEST_CASE("a client's retries tied by an Idempotency-Key share one attempt cap: 
   temp_dir dir;
   mock_upstream a(dir, "mock-a", {"--latency-ms", "5"}), b(dir, "mock-b", {"--latency-ms", "5"});
   const json body = keyed_chat("Summarise the plan.", 8, false);
-  auto upstream_calls = [&] { return stat(a.stats(), "requests", "chat") + stat(b.stats(), "requests", "chat"); };
+  auto upstream_calls = [&] { return chat_calls(a, b); };
   a.fault({{"kind", "outage"}});
   b.fault({{"kind", "outage"}});
   int cap = 0;
@@ -1084,8 +1085,7 @@ TEST_CASE("tool calls and refusals are relayed as the upstream sent them, stream
   const std::vector<std::string> fast = {"--latency-ms", "5", "--first-token-ms", "5", "--token-gap-ms", "2"};
   mock_upstream a(dir, "mock-a", fast), b(dir, "mock-b", fast);
   gateway::gateway_options o = options_for(dir.path(), a, b);
-  o.chat.hedge_delay = 0ms;
-  o.chat.hedge_percentile = 0;
+  without_hedge(o);
   auto svc = start(o);
 
   SECTION("non-streamed: message.tool_calls with id, type, name and JSON arguments; finish_reason tool_calls") {
