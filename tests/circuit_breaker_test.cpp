@@ -776,6 +776,31 @@ TEST_CASE("breakers are scoped to endpoint/model/region and listed with their st
   CHECK(reg.breaker_for(us).state() == breaker_state::half_open);
 }
 
+TEST_CASE("a domain's breaker can be made with options of its own; an existing one keeps its own",
+          "[breaker][registry]") {
+  manual_clock clock;
+  keel::breaker_registry reg({.breaker = {.window_calls = 4, .minimum_calls = 2}});
+  const keel::failure_domain slow{.endpoint = "slow-model", .model = "m", .region = "eu"};
+  const keel::failure_domain usual{.endpoint = "api", .model = "m", .region = "eu"};
+  keel::circuit_breaker& s = reg.breaker_for(slow, {.window_calls = 20, .minimum_calls = 10});
+  CHECK(s.name() == "endpoint=slow-model,model=m,region=eu");
+  CHECK(&reg.breaker_for(slow) == &s);  // the pipeline's lookup finds it
+  // Two failures open the registry's usual breaker; the slow one needs ten.
+  feed(reg.breaker_for(usual), clock.now(), outcome_kind::transient, 2);
+  feed(s, clock.now(), outcome_kind::transient, 2);
+  CHECK(reg.breaker_for(usual).state() == breaker_state::open);
+  CHECK(s.state() == breaker_state::closed);
+  feed(s, clock.now(), outcome_kind::transient, 8);
+  CHECK(s.state() == breaker_state::open);
+  // Made already: other options do not remake it.
+  CHECK(&reg.breaker_for(slow, {.window_calls = 1, .minimum_calls = 1}) == &s);
+  // Invalid options are refused, naming the field, and make nothing.
+  const keel::failure_domain bad{.endpoint = "bad"};
+  CHECK_THROWS_WITH((void)reg.breaker_for(bad, {.window_calls = 0}),
+                    "circuit_breaker_options.window_calls must be in [1, 65536] (got 0)");
+  CHECK(reg.find(bad) == nullptr);
+}
+
 TEST_CASE("a registry outside retry counts calls; its attempt gate stops retries once the domain opens",
           "[breaker][registry][pipeline]") {
   manual_clock clock;

@@ -7,6 +7,9 @@
 // one set of options, and names each after its domain
 // ("endpoint=api.example,model=m-large,region=eu").
 //
+// A domain may have options of its own: breaker_for(domain, options) makes
+// its breaker from them (a deployment with its own thresholds).
+//
 // The domain comes from the labels of a keel::call (keel/core/call.hpp); `scope`
 // says which labels make it up. Two registries with different scopes can
 // sit in one pipeline: a provider-wide breaker that ignores permanent errors
@@ -168,6 +171,25 @@ class breaker_registry {
     return breaker_for(failure_domain::of(l, options_.scope));
   }
 
+  // The breaker for `d`, made on first use from `o` (named after its domain)
+  // instead of the registry's options: a domain that needs other thresholds
+  // (a slow model's deployment, a flaky region) in the same registry. Make
+  // it before the pipeline's lookups do. A breaker that exists keeps the
+  // options it was made with; when the registry is full, the overflow
+  // breaker. Throws keel::invalid_options if `o` is invalid (its name aside).
+  [[nodiscard]] circuit_breaker& breaker_for(const failure_domain& d, const circuit_breaker_options& o) {
+    const failure_domain k = scoped(d);
+    const std::size_t h = hash(k);
+    if (circuit_breaker* b = find(d)) return *b;
+    circuit_breaker_options own = o;
+    own.name = k.to_string(options_.scope);
+    if (own.name.empty()) own.name = "(no labels)";
+    detail::require_valid(own.validate());
+    if (circuit_breaker* b = insert(table_, k, h, own)) return *b;
+    overflowed_.fetch_add(1, std::memory_order_relaxed);
+    return overflow_;
+  }
+
   // The breaker for `d` if it exists (never the overflow one).
   [[nodiscard]] circuit_breaker* find(const failure_domain& d) const noexcept {
     const failure_domain k = scoped(d);
@@ -261,10 +283,13 @@ class breaker_registry {
 
   // Null when `t` is full.
   circuit_breaker* insert(table& t, const failure_domain& k, std::size_t h) {
+    return insert(t, k, h, named(k.to_string(options_.scope)));
+  }
+  circuit_breaker* insert(table& t, const failure_domain& k, std::size_t h, const circuit_breaker_options& o) {
     if (t.size() >= t.capacity()) return nullptr;  // full for good: skip the insert lock
     return t.find_or_insert(
         h, [&](const key& stored) { return stored.equals(k); }, [&] { return key::from(k); },
-        [&] { return circuit_breaker(named(k.to_string(options_.scope))); });
+        [&] { return circuit_breaker(o); });
   }
 
   // `d`'s own breaker, made if absent (from the operator reserve once the
