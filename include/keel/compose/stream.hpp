@@ -547,16 +547,21 @@ class stream_hub {
         mid_stream_failures{0}, hedges_started{0}, hedge_wins{0}, hedges_skipped{0}, continuations{0};
   };
 
+  // The watchdog is woken only when `w` is due before the time it sleeps
+  // until (or it is idle): a stream whose budgets end after the earliest
+  // one armed costs a lock and a link, no wake-up.
   void arm(stream_watch& w) {
+    bool wake = false;
     {
       std::lock_guard lock(mu_);
       w.prev = nullptr;
       w.next = head_;
       if (head_ != nullptr) head_->prev = &w;
       head_ = &w;
-      changed_ = true;
+      wake = earliest_due(w) < sleeping_until_;
+      changed_ = changed_ || wake;
     }
-    wake_.notify_one();
+    if (wake) wake_.notify_one();
   }
   // After it returns the watchdog no longer touches `w`.
   void disarm(stream_watch& w) {
@@ -566,14 +571,16 @@ class stream_hub {
     if (w.next != nullptr) w.next->prev = w.prev;
     w.prev = w.next = nullptr;
   }
-  // A stream committed: its next due time (a stall) may be earlier than
-  // what the watchdog sleeps until.
-  void changed() {
+  // Stream `w` committed at `now`: its next due time (a stall) may be
+  // earlier than what the watchdog sleeps until; if not, it is not woken.
+  void changed(const stream_watch& w, time_point now) {
+    bool wake = false;
     {
       std::lock_guard lock(mu_);
-      changed_ = true;
+      wake = std::min(now + w.stall, w.end_due) < sleeping_until_;
+      changed_ = changed_ || wake;
     }
-    wake_.notify_one();
+    if (wake) wake_.notify_one();
   }
 
   // Sets why and requests stop, unless the attempt was stopped already.
@@ -630,10 +637,18 @@ class stream_hub {
     }
   }
 
+  // When `w`, not yet committed, is first due: its first token, its end, its hedge.
+  static time_point earliest_due(const stream_watch& w) noexcept {
+    return std::min({w.first_token_due, w.end_due, w.hedge_due});
+  }
+
   std::mutex mu_;
   std::condition_variable_any wake_;
   stream_watch* head_ = nullptr;
   bool changed_ = false;
+  // What the watchdog sleeps until (under mu_); max while it is idle or
+  // between passes, so that an arm then wakes it.
+  time_point sleeping_until_ = time_point::max();
 };
 
 // Two streams of one attempt racing to the first content token.
@@ -662,7 +677,7 @@ inline bool stream_writer::commit(time_point now) noexcept {
   last_ = now;
   hub_->figures_.committed.fetch_add(1, std::memory_order_relaxed);
   watch_.last_token.store(detail::ticks(now), std::memory_order_release);
-  hub_->changed();
+  hub_->changed(watch_, now);
   return true;
 }
 
@@ -754,7 +769,9 @@ class stream_guard : private detail::stream_hub {
         continue;
       }
       const time_point earliest = pass_locked(clock_.now());
+      sleeping_until_ = earliest;
       clock_.wait_until(lock, wake_, earliest, stop, [&] { return changed_; });
+      sleeping_until_ = time_point::max();
     }
   }
 
