@@ -194,6 +194,14 @@ key_sha256 = ")" + hex_of("team-b-key") + R"("
   CHECK(o.models[0].name == "chat-default");
   CHECK(o.models[0].digest == "openai/gpt-4o-mini");
   CHECK(o.models[0].token_estimate == 700);
+  // The default model's breaker and retry budget are the gateway's own
+  // (above); every other model carries its own.
+  CHECK_FALSE(o.models[0].breaker.has_value());
+  CHECK_FALSE(o.models[0].retry_budget.has_value());
+  REQUIRE(o.models[1].breaker.has_value());
+  CHECK(o.models[1].breaker->window_calls == 40);  // the file's default, not chat-default's 50
+  REQUIRE(o.models[1].retry_budget.has_value());
+  CHECK(o.models[1].retry_budget->ratio == 0.1);
   REQUIRE(o.tenants.size() == 2);
   CHECK(o.tenants[0].name == "acme");
   CHECK(o.tenants[0].limits.rate == 40.0);
@@ -280,6 +288,17 @@ TEST_CASE("config: out-of-range numbers follow the gateway's own rules", "[confi
         "config.toml:13:29: models.chat-default.breaker.failure_ratio: must be in (0, 1] (got 1.5)");
   CHECK(error_of(with("retry_budget = { ratio = 2 }\n")) ==
         "config.toml:13:26: models.chat-default.retry_budget.ratio: must be in [0, 1] (got 2)");
+  // A deployment has one breaker: two models routing to it state it the same.
+  CHECK(error_of(with("[models.other]\ndeployments = [{ upstream = \"local\", model = \"llama\" }]\n"
+                      "breaker = { window_calls = 10 }\n")) ==
+        "config.toml:15:11: models.other.breaker: differs from models.chat-default.breaker, and both route to the "
+        "deployment local/llama, which has one breaker: state it the same in both");
+  CHECK(error_of(with("breaker = { window_calls = 10 }\n[models.other]\n"
+                      "deployments = [{ upstream = \"local\", model = \"llama\" }]\n")) ==
+        "config.toml:15:15: models.other.deployments: differs from models.chat-default.breaker, and both route to "
+        "the deployment local/llama, which has one breaker: state it the same in both");
+  CHECK(error_of(with("[models.other]\ndeployments = [{ upstream = \"local\", model = \"llama\" }]\n")) ==
+        "(accepted)");
   CHECK(error_of(with("hedge = { percentile = 1.5 }\n")) ==
         "config.toml:13:24: models.chat-default.hedge.percentile: must be in (0, 1); for a fixed delay give delay (got "
         "1.5)");

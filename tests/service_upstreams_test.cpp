@@ -1039,6 +1039,128 @@ TEST_CASE("a model's third deployment serves when the first two fail before the 
   CHECK(has_breaker);
 }
 
+TEST_CASE("each model has its own breaker options and retry budget; embeddings fail over only to the same upstream "
+          "model",
+          "[service][upstreams][config]") {
+  temp_dir dir;
+  const std::vector<std::string> fast = {"--latency-ms", "5", "--tokens", "4"};
+  mock_upstream a(dir, "mock-a", fast), b(dir, "mock-b", fast), c(dir, "mock-c", fast);
+  // main: the default model (the gateway's breaker, minimum_calls 10, and its
+  // budget); touchy: a breaker that opens after 3 calls, and a budget with
+  // no retries at all.
+  const std::string text = "[gateway]\nlisten = \"127.0.0.1:0\"\ndata_dir = \"" + dir.path() + "\"\n"
+                           "[upstreams.mock-a]\nbase_url = \"" + a.url() + "\"\n"
+                           "[upstreams.mock-b]\nbase_url = \"" + b.url() + "\"\n"
+                           "[upstreams.mock-c]\nbase_url = \"" + c.url() + "\"\n"
+                           "[models.main]\n"
+                           "deployments = [{ upstream = \"mock-a\", model = \"m-1\" }, { upstream = \"mock-b\", model = \"m-2\" }]\n"
+                           "[models.touchy]\n"
+                           "deployments = [{ upstream = \"mock-c\", model = \"t-1\" }, { upstream = \"mock-b\", model = \"t-1\" }]\n"
+                           "breaker = { minimum_calls = 3, window_calls = 3, open_for = \"60s\" }\n"
+                           "retry_budget = { ratio = 0, min_per_second = 0 }\n";
+  absl::StatusOr<gateway::gateway_options> o = options_of(text);
+  REQUIRE(o.ok());
+  REQUIRE(o->models.size() == 2);
+  CHECK_FALSE(o->models[0].breaker.has_value());  // the default model's are the gateway's own
+  REQUIRE(o->models[1].breaker.has_value());
+  CHECK(o->models[1].breaker->minimum_calls == 3);
+  REQUIRE(o->models[1].retry_budget.has_value());
+  CHECK(o->models[1].retry_budget->ratio == 0);
+  o->batch_workers = 0;
+  auto svc = start(*o);
+  const int port = svc->port();
+  auto chat = [&](const std::string& model) {
+    json body = chat_for(model, 4, false);
+    body["tenant"] = "acme";
+    return call(port, "POST", "/v1/chat/completions", body, {});
+  };
+
+  a.fault({{"kind", "outage"}});
+  c.fault({{"kind", "outage"}});
+  for (int i = 0; i < 3; ++i) CHECK(chat("touchy").status == 200);  // the second deployment serves
+  CHECK(stat(c.stats(), "requests", "chat") == 3);  // one attempt each: touchy's budget has no retry
+  for (int i = 0; i < 3; ++i) CHECK(chat("main").status == 200);
+  CHECK(stat(a.stats(), "requests", "chat") == 6);  // two each: the gateway's budget lets the retry go
+
+  const json breakers = healthz(port)["breakers"];
+  INFO(breakers.dump());
+  auto state_of = [&](const std::string& deployment) {
+    for (const json& e : breakers)
+      if (e.value("domain", "").find(deployment) != std::string::npos) return e.value("state", "");
+    return std::string("none");
+  };
+  CHECK(state_of("mock-c/t-1") == "open");    // 3 failures: touchy's own minimum
+  CHECK(state_of("mock-a/m-1") == "closed");  // 6 failures, under the gateway's 10
+  CHECK(chat("touchy").status == 200);
+  CHECK(stat(c.stats(), "requests", "chat") == 3);  // its breaker refused before the upstream
+  const std::string metrics = metrics_text(port);
+  CHECK(metrics.find("gateway_retry_budget{budget=\"model:touchy\",figure=\"requests\"} 4") != std::string::npos);
+  CHECK(metrics.find("gateway_retry_budget{budget=\"gateway\",figure=\"retries\"} 3") != std::string::npos);
+
+  // Embeddings: touchy's second deployment serves the same upstream model
+  // (t-1), so it answers; main's second is another model (m-2), whose
+  // vectors would not be comparable, so main's outage is the answer.
+  const http_answer touchy = call(port, "POST", "/v1/embeddings", {{"model", "touchy"}, {"input", "x"}, {"tenant", "acme"}}, {});
+  CHECK(touchy.status == 200);
+  CHECK(touchy.body["model"] == "t-1");
+  CHECK(stat(b.stats(), "requests", "embeddings") == 1);
+  const http_answer main = call(port, "POST", "/v1/embeddings", {{"model", "main"}, {"input", "x"}, {"tenant", "acme"}}, {});
+  CHECK(main.status == 503);
+  CHECK(stat(b.stats(), "requests", "embeddings") == 1);
+}
+
+TEST_CASE("the interactive path hedges on the model's second deployment: a hung first one is stopped, the answer "
+          "is the model's, not the fallback's",
+          "[service][upstreams][hedge]") {
+  temp_dir dir;
+  const std::vector<std::string> fast = {"--latency-ms", "5"};
+  mock_upstream a(dir, "mock-a", fast), b(dir, "mock-b", fast);
+  // One pair of deployments, two models: `hedged` with a 100 ms hedge,
+  // `plain` without one.
+  const std::string deployments =
+      "deployments = [{ upstream = \"mock-a\", model = \"m-1\" }, { upstream = \"mock-b\", model = \"m-2\" }]\n";
+  const std::string text = "[gateway]\nlisten = \"127.0.0.1:0\"\ndata_dir = \"" + dir.path() + "\"\n"
+                           "[upstreams.mock-a]\nbase_url = \"" + a.url() + "\"\n"
+                           "[upstreams.mock-b]\nbase_url = \"" + b.url() + "\"\n"
+                           "[models.plain]\n" + deployments +
+                           "[models.hedged]\n" + deployments + "hedge = { delay = \"100ms\" }\n";
+  absl::StatusOr<gateway::gateway_options> o = options_of(text);
+  REQUIRE(o.ok());
+  CHECK_FALSE(o->models[0].interactive_hedge);
+  CHECK(o->models[1].interactive_hedge);
+  o->batch_workers = 0;
+  auto svc = start(*o);
+  const int port = svc->port();
+  auto ask = [&](const std::string& model, const std::string& key) {
+    return call(port, "POST", "/v1/feedback",
+                {{"tenant", "acme"}, {"model", model}, {"question_id", "q-timeouts"},
+                 {"answer", "one deadline, stages get what remains"}},
+                {{"Idempotency-Key", key}});
+  };
+  a.fault({{"kind", "hang"}});
+
+  // Without a hedge, the hung deployment spends the model's stage: the
+  // rubric-only fallback answers.
+  const http_answer plain = ask("plain", "p-1");
+  INFO(plain.body.dump());
+  REQUIRE(plain.status == 200);
+  CHECK(plain.body["degraded"] == true);
+  CHECK(stat(b.stats(), "requests", "chat") == 0);
+
+  // With one, the second deployment answers after 100 ms, and the first
+  // attempt is stopped: the hung upstream sees its client go.
+  const std::int64_t gone_before = stat(a.stats(), "client_gone", "while_waiting");
+  const http_answer hedged = ask("hedged", "h-1");
+  INFO(hedged.body.dump());
+  REQUIRE(hedged.status == 200);
+  CHECK(hedged.body["degraded"] == false);
+  CHECK(hedged.body["served_by"] == "model:hedged");
+  CHECK(stat(b.stats(), "requests", "chat") == 1);
+  CHECK(eventually([&] { return stat(a.stats(), "client_gone", "while_waiting") == gone_before + 1; }));
+  const std::string metrics = metrics_text(port);
+  CHECK(metrics.find("keel_hedges_started_total 1") != std::string::npos);
+}
+
 // --- tool calls and refusals, relayed as the upstream sent them ------------------
 
 namespace {

@@ -615,9 +615,11 @@ inline std::string known_names(const std::vector<upstream_config>& ups) {
   return join(names);
 }
 
+// `earlier`: the routes read before this one (a deployment two routes
+// share has one breaker, so they must state it the same).
 inline model_route read_model(const source& src, std::string_view name, const toml::node& n,
                               const std::vector<upstream_config>& upstreams, keel::duration default_deadline,
-                              const chat_config& chat_base) {
+                              const chat_config& chat_base, const std::vector<model_route>& earlier) {
   const std::string path = cat("models.", key_text(name));
   if (!n.is_table()) src.fail(n.source(), path, cat("must be a table, got ", type_name(n)));
   table_reader m(src, *n.as_table(), path,
@@ -715,6 +717,16 @@ inline model_route read_model(const source& src, std::string_view name, const to
                  {"probe_timeout", "open_for"}, {"half_open_probes", "half_open_probes"}});
   }
   r.breaker.name = cat("route:", r.name);
+  for (const model_route& e : earlier) {
+    for (const deployment& d : r.deployments) {
+      for (const deployment& ed : e.deployments) {
+        if (d.upstream == ed.upstream && d.model == ed.model && !same_breaker(e.breaker, r.breaker))
+          m.fail(m.subtable("breaker") != nullptr ? "breaker" : "deployments",
+                 cat("differs from models.", key_text(e.name), ".breaker, and both route to the deployment ",
+                     d.upstream, "/", d.model, ", which has one breaker: state it the same in both"));
+      }
+    }
+  }
   return r;
 }
 
@@ -788,7 +800,7 @@ inline gateway_config build(const source& src, const toml::table& root) {
   if (models == nullptr || models->empty())
     src.fail(root.source(), "models", "is required: at least one [models.<name>] with deployments");
   for (auto&& [k, v] : in_file_order(*models))
-    cfg.models.push_back(read_model(src, k->str(), *v, cfg.upstreams, default_deadline, cfg.options.chat));
+    cfg.models.push_back(read_model(src, k->str(), *v, cfg.upstreams, default_deadline, cfg.options.chat, cfg.models));
 
   if (const toml::table* clients = top.subtable("clients")) {
     for (auto&& [k, v] : in_file_order(*clients)) {
@@ -824,8 +836,18 @@ inline gateway_config build(const source& src, const toml::table& root) {
   o.breaker.name = "breaker";
   o.retry_budget = def->retry_budget;
   o.models.clear();
-  for (const model_route& r : cfg.models)
-    o.models.push_back({.name = r.name, .digest = r.digest, .token_estimate = r.token_estimate, .chat = r.chat(o.chat)});
+  // The default model's breaker and retry budget are the gateway's own;
+  // every other model has its own.
+  for (const model_route& r : cfg.models) {
+    const bool is_default = &r == def;
+    o.models.push_back({.name = r.name,
+                        .digest = r.digest,
+                        .token_estimate = r.token_estimate,
+                        .chat = r.chat(o.chat),
+                        .breaker = is_default ? std::nullopt : std::optional(r.breaker),
+                        .retry_budget = is_default ? std::nullopt : std::optional(r.retry_budget),
+                        .interactive_hedge = r.hedge.has_value()});
+  }
   o.tenants.clear();
   for (const client_key& c : cfg.clients) {
     bool seen = false;

@@ -3,28 +3,12 @@
 // can drive it on keel's manual clock and the HTTP layer
 // (gateway/gateway_service.hpp) stays a thin adapter.
 //
-// Interactive feedback (POST /v1/feedback) is one keel::pipeline per model,
-// built when the gateway starts and shared by every request; a request only
-// makes its keel::call, carrying the parsed request (gateway/stages.hpp),
-// and runs it. Outer to inner, one deadline spent once:
-//
-//   fallback   rubric-only feedback when the model path fails, only if the
-//              residency, permission and schema gates pass, on what is left
-//              (never a fresh timeout); marked degraded, never recorded.
-//              A tenant's own quota, a shed class and what the idempotency
-//              record says pass through it as they are
-//   shed       an operator's switch refuses the class at once
-//   admission  tenant + model quotas, all-or-nothing, with the model's
-//              token estimate; the tenant's key resolved at startup
-//   once       the idempotency record: a replay returns the decision and
-//              runs nothing further in; only a model answer is recorded
-//   bulkhead   a slot of the interactive class (queued at most the admit stage)
-//   retrieve   the rubric from the database, within its stage
-//   model      time_limit -> retry (budgeted) -> [with a Redis: the fleet's
-//              view of the provider and a fleet-wide permit, gateway/fleet.hpp]
-//              -> the provider's breaker -> adaptive attempt timeout -> the
-//              provider; a failed read attempt is closed within the cancel window
-//   respond    the reply, the response reserve intact
+// Each endpoint takes the plan serving now (plan.hpp: per model, its
+// deployments and the pipeline each endpoint runs, every stage of the
+// seed's plan in order, built when the plan is and shared by every
+// request), makes its keel::call carrying the parsed request
+// (gateway/stages.hpp, gateway/chat.hpp) and runs the model's pipeline; then
+// the reply, the metrics and the SLOs.
 //
 // A request carries an Idempotency-Key: the feedback is a decision recorded
 // in the learner's history, so a retried request replays the same decision
@@ -83,6 +67,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "text.hpp"
+#include "keel/compose/deadline_timer.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/fallback.hpp"
 #include "keel/compose/pipeline.hpp"
@@ -112,6 +97,7 @@
 #include "chat.hpp"
 #include "effect_log.hpp"
 #include "gateway_options.hpp"
+#include "plan.hpp"
 #include "simulated_provider.hpp"
 #include "stages.hpp"
 #include "upstream.hpp"
@@ -146,8 +132,6 @@ struct caller_info {
   std::optional<std::string_view> request_id{};
 };
 
-enum class work_class : std::uint8_t { interactive, batch, recovery };
-inline constexpr std::array<std::string_view, 3> work_class_names = {"interactive", "batch", "recovery"};
 
 [[nodiscard]] inline std::optional<work_class> parse_work_class(std::string_view s) noexcept {
   for (std::size_t i = 0; i < work_class_names.size(); ++i) {
@@ -326,17 +310,21 @@ namespace detail {
 // The service's listener: keel's metrics_listener counts every component's
 // events, the job queue's included (keel_job_attempts_total{queue,result},
 // keel_job_rejections_total{queue}).
-using gateway_listener = keel::metrics_listener;
 
 template <keel::clock Clock, keel::job_store JobStore>
 class gateway_core {
  public:
-  using env_type = keel::environment<Clock, keel::default_classifier, gateway_listener>;
+  using plan_type = plan_builder<Clock>;  // plan.hpp: the models, their deployments and pipelines
+  using env_type = typename plan_type::env_type;
   using queue_type = keel::job_queue<JobStore, env_type>;
   using worker_type = batch_worker<Clock, JobStore, gateway_listener>;
-  using once_type = keel::once<keel::sqlite_store<>, env_type>;
-  using guard_type = keel::stream_guard<Clock>;
-  using chat_stream = keel::token_stream<guard_type, relay_token>;
+  using once_type = typename plan_type::once_type;
+  using guard_type = typename plan_type::guard_type;
+  using chat_stream = typename plan_type::chat_stream;
+  using routing = typename plan_type::routing;
+  using model_state = typename plan_type::model_state;
+  using tenant_state = typename plan_type::tenant_state;
+  using chat_route = typename plan_type::chat_route;
 
   // Opens the stores under o.data_dir (keel.db, jobs.db, effects.db) with
   // `open_jobs(path)` for the job store; invalid options are refused
@@ -363,7 +351,16 @@ class gateway_core {
 
   gateway_core(const gateway_core&) = delete;
   gateway_core& operator=(const gateway_core&) = delete;
-  ~gateway_core() { shutdown(); }
+  ~gateway_core() {
+    shutdown();
+    // The plans go first: a plan's hedges wait for their losing attempts,
+    // which run on hedge_pool_ and use the builder's timer.
+    {
+      std::lock_guard lock(routing_mu_);
+      routing_.reset();
+    }
+    start_routing_.reset();
+  }
 
   // Starts o.batch_workers in-process batch workers.
   void start_workers() {
@@ -394,6 +391,8 @@ class gateway_core {
     // The request travels with the call; the model's pipeline, built at
     // startup, does the rest. The stages write what they learn to `p`.
     interactive_progress p;
+    p.question->idempotency_key = cat(rq.tenant, "/", rq.key);
+    p.question->model = rq.model;
     const interactive_request req{
         .body = rq,
         .tenant = *tenant.config,
@@ -409,7 +408,7 @@ class gateway_core {
                                 .endpoint = model.primary->name(),
                                 .region = tenant.config->region,
                                 .work_class = "interactive"},
-                     .max_attempts = 2 + options_.model_attempts},
+                     .max_attempts = 2 + model.interactive_attempts},
                     req);
     absl::StatusOr<detail::answer> got = model.interactive(call, t0);
     const keel::time_point done = clock_.now();
@@ -883,7 +882,7 @@ class gateway_core {
                                 .endpoint = model.primary->name(),
                                 .region = tenant.config->region,
                                 .work_class = "interactive"},
-                     .max_attempts = options_.model_attempts},
+                     .max_attempts = options_.model_attempts + model.embed_fallbacks},
                     carried);
     absl::StatusOr<std::string> r = model.embed(call, t0, *j);
     if (!r.ok()) {
@@ -959,7 +958,7 @@ class gateway_core {
       return o.status();
     }
     reload_result out{.generation = routing_now()->generation + 1, .kept_until_restart = restart_only_changes(*o)};
-    std::shared_ptr<routing> next = build_routing(*o, out.generation);
+    std::shared_ptr<routing> next = plan_.build(*o, out.generation, routing_now().get());
     {
       std::lock_guard lock(routing_mu_);
       routing_.swap(next);
@@ -977,24 +976,7 @@ class gateway_core {
   // The default model's stream guard in the plan serving now.
   guard_type& stream_guard() { const auto rt = routing_now(); return *rt->find(rt->default_model())->guard; }
   // What every model's stream guard did, summed (each model has its own budgets).
-  [[nodiscard]] keel::stream_figures stream_totals() const {
-    keel::stream_figures t;
-    std::lock_guard lock(guards_mu_);
-    for (const auto& [name, g] : guards_) {
-      const keel::stream_figures f = g->figures();
-      t.attempts += f.attempts;
-      t.committed += f.committed;
-      t.first_token_timeouts += f.first_token_timeouts;
-      t.stalls += f.stalls;
-      t.whole_timeouts += f.whole_timeouts;
-      t.mid_stream_failures += f.mid_stream_failures;
-      t.hedges_started += f.hedges_started;
-      t.hedge_wins += f.hedge_wins;
-      t.hedges_skipped += f.hedges_skipped;
-      t.continuations += f.continuations;
-    }
-    return t;
-  }
+  [[nodiscard]] keel::stream_figures stream_totals() const { return plan_.stream_totals(); }
   keel::breaker_registry& breakers() noexcept { return breakers_; }
   keel::circuit_breaker& provider_breaker() { return breakers_.breaker_for(provider_domain()); }
   // What the replicas share through Redis; null without one.
@@ -1035,90 +1017,6 @@ class gateway_core {
     std::string tenant, model, key, payload;
   };
 
-
-  // How a chat request was served, beyond its stream_result.
-  struct chat_route {
-    bool failed_over = false;  // another deployment served: the first failed before its first token
-    const model_upstream* served = nullptr;  // which one, when failed_over
-  };
-
-  struct model_state {
-    explicit model_state(model_config c, const gateway_options& o)
-        : config(std::move(c)),
-          budgets(config.chat.value_or(o.chat)),
-          interactive_timeout(o.model_timeout),
-          batch_timeout(o.batch_timeout) {}
-    model_config config;
-    chat_config budgets;  // its stream budgets, hedge and attempts (model_config::chat, else the gateway's)
-    guard_type* guard = nullptr;  // the stream guard with those budgets (guard_for())
-    keel::adaptive_timeout interactive_timeout;
-    keel::adaptive_timeout batch_timeout;
-    keel::admission_key quota_key;  // the model's quota, resolved once
-    // Where the model is served: its own deployments over HTTP
-    // (model_config::upstream), else the gateway's.
-    // Shared with the next plan when a reload keeps the deployment as it
-    // was: its connections and figures carry over.
-    std::shared_ptr<http_upstream> own_primary, own_second;
-    std::vector<std::shared_ptr<http_upstream>> further;  // model_config::upstream_fallbacks, in order
-    model_upstream* primary = nullptr;
-    model_upstream* second = nullptr;
-    // The interactive path for this model: one pipeline, built in the
-    // constructor (interactive_pipeline()), run as pipeline.run(call, now, provider).
-    std::function<absl::StatusOr<detail::answer>(keel::call&, keel::time_point)> interactive;
-    // Tokens to reserve per chat request: input + max_tokens, then the learned p95 of output.
-    keel::token_estimate tokens{{.percentile = 0.95, .samples = 512, .min_samples = 50}};
-    // The streaming path for this model (chat_pipeline()).
-    std::function<absl::StatusOr<keel::stream_result>(keel::call&, keel::time_point, chat_stream&, chat_route&)>
-        chat;
-    // The embeddings path for this model (embeddings_pipeline()).
-    std::function<absl::StatusOr<std::string>(keel::call&, keel::time_point, const detail::json&)> embed;
-  };
-
-  // A tenant's configuration and its quota key, resolved at startup for the
-  // tenants the options name (others are looked up by name per request).
-  struct tenant_state {
-    const tenant_config* config;
-    keel::admission_key key{};  // empty: not resolved ahead
-  };
-
-  // The plan a configuration reload replaces: the models with their
-  // deployments and pipelines, the quotas, the tenants, the API keys. A
-  // request takes the one serving when it starts (routing_now()) and holds
-  // it to its end; the breakers, bulkheads, retry budget, stores and
-  // metrics are the gateway's and outlive every plan.
-  struct routing {
-    routing(const gateway_options& o, std::int64_t gen)
-        : models(o.models),
-          tenants(o.tenants),
-          api_keys(std::make_shared<const std::vector<api_key>>(o.api_keys)),
-          quotas(admission_options(o)),
-          default_tenant{.name = "", .region = o.region},
-          generation(gen) {}
-    routing(const routing&) = delete;
-    routing& operator=(const routing&) = delete;
-
-    std::vector<model_config> models;  // the first is the default model
-    std::vector<tenant_config> tenants;
-    std::shared_ptr<const std::vector<api_key>> api_keys;
-    keel::admission quotas;
-    std::map<std::string, std::unique_ptr<model_state>, std::less<>> routes;  // by model name
-    tenant_config default_tenant;
-    std::vector<tenant_state> tenant_states;  // `tenants`, with their quota keys
-    tenant_state default_tenant_state{.config = &default_tenant};
-    std::int64_t generation;
-
-    [[nodiscard]] const std::string& default_model() const noexcept { return models.front().name; }
-    [[nodiscard]] model_state* find(std::string_view model) const {
-      const auto it = routes.find(model);
-      return it == routes.end() ? nullptr : it->second.get();
-    }
-    [[nodiscard]] const tenant_state& tenant_of(std::string_view name) const {
-      for (const tenant_state& t : tenant_states) {
-        if (t.config->name == name) return t;
-      }
-      return default_tenant_state;
-    }
-  };
 
   [[nodiscard]] std::shared_ptr<routing> routing_now() const {
     std::lock_guard lock(routing_mu_);
@@ -1174,8 +1072,8 @@ class gateway_core {
                      .max_attempts = cap - spent},
                     carried);
     if (spent > 0) {
-      (void)call.first_deposit(&budget_);  // the request deposited when it first came
-      if (!budget_.try_acquire_retry(t0)) {
+      (void)call.first_deposit(model.budget);  // the request deposited when it first came
+      if (!model.budget->try_acquire_retry(t0)) {
         rejections_->with({"streaming", "retry_budget"}).inc();
         reply e = detail::error_reply(
             keel::with_refused_by(absl::UnavailableError("the service's retry budget is spent: this request's "
@@ -1333,78 +1231,6 @@ class gateway_core {
     e.until = until;
   }
 
-  // A plan from `o`. Every configured tenant and model is an override in the
-  // quota tables, never reclaimed, so resolving its key cannot be refused.
-  // A model is served by its own deployments (model_config::upstream), else
-  // by the gateway's; when a reload moved the gateway's default deployments
-  // (options.upstream), the default models get their own from the new ones
-  // (the batch reports keep the old until a restart).
-  std::shared_ptr<routing> build_routing(const gateway_options& o, std::int64_t generation) {
-    auto rt = std::make_shared<routing>(o, generation);
-    const keel::time_point now = clock_.now();
-    for (const tenant_config& t : rt->tenants)
-      rt->tenant_states.push_back({&t, rt->quotas.tenant_key(t.name, now).value()});
-    const bool defaults_moved =
-        o.upstream && (o.upstream != options_.upstream || o.upstream_backup != options_.upstream_backup);
-    for (const model_config& m : rt->models) {
-      auto state = std::make_unique<model_state>(m, o);
-      state->quota_key = rt->quotas.model_key(m.name, now).value();
-      const bool own = m.upstream.has_value() || !defaults_moved;
-      const std::optional<http_upstream_options>& first = own ? m.upstream : o.upstream;
-      const std::optional<http_upstream_options>& second = own ? m.upstream_backup : o.upstream_backup;
-      if (first) {
-        state->own_primary = deployment_for(*first);
-        if (second) state->own_second = deployment_for(*second);
-      }
-      state->primary = state->own_primary ? state->own_primary.get() : primary_;
-      state->second = state->own_second ? state->own_second.get() : state->own_primary ? state->primary : second_;
-      for (const http_upstream_options& u : m.upstream_fallbacks) state->further.push_back(deployment_for(u));
-      state->guard = &guard_for(m.name, state->budgets);
-      state->interactive = interactive_pipeline(*rt, *state);
-      state->chat = chat_pipeline(*rt, *state);
-      state->embed = embeddings_pipeline(*rt, *state);
-      rt->routes.emplace(m.name, std::move(state));
-    }
-    return rt;
-  }
-
-  // Model `model`'s stream guard for budgets `c`: the one it had when they
-  // are unchanged (its learned hedge delay carries over a reload), else a
-  // new one. Guards are kept for the gateway's life: requests on an old
-  // plan may still use theirs, and their figures stay in the totals.
-  guard_type& guard_for(const std::string& model, const chat_config& c) {
-    const keel::stream_options o{.first_token = c.first_token,
-                                 .stall = c.stall,
-                                 .whole = c.whole,
-                                 .hedge_delay = c.hedge_delay,
-                                 .hedge_percentile = c.hedge_percentile,
-                                 .hedge_min_delay = c.hedge_min_delay,
-                                 .budget = &budget_};
-    std::lock_guard lock(guards_mu_);
-    for (const auto& [name, g] : guards_) {
-      const keel::stream_options& h = g->options();
-      if (name == model && h.first_token == o.first_token && h.stall == o.stall && h.whole == o.whole &&
-          h.hedge_delay == o.hedge_delay && h.hedge_percentile == o.hedge_percentile &&
-          h.hedge_min_delay == o.hedge_min_delay)
-        return *g;
-    }
-    guards_.emplace_back(model, std::make_unique<guard_type>(o, hedge_pool_, clock_));
-    return *guards_.back().second;
-  }
-
-  // The serving plan's upstream with these very options, else a new one.
-  [[nodiscard]] std::shared_ptr<http_upstream> deployment_for(const http_upstream_options& o) const {
-    if (const std::shared_ptr<routing> now = routing_now()) {
-      for (const auto& [name, m] : now->routes) {
-        for (const std::shared_ptr<http_upstream>& u : {m->own_primary, m->own_second})
-          if (u != nullptr && u->options() == o) return u;
-        for (const std::shared_ptr<http_upstream>& u : m->further)
-          if (u->options() == o) return u;
-      }
-    }
-    return std::make_shared<http_upstream>(o);
-  }
-
   // What `o` changes that a reload does not apply (reload_result).
   [[nodiscard]] std::vector<std::string> restart_only_changes(const gateway_options& o) const {
     const gateway_options& was = options_;
@@ -1430,6 +1256,20 @@ class gateway_core {
     std::vector<std::string> out;
     for (const auto& [name, changed] : fields)
       if (changed) out.emplace_back(name);
+    // A deployment keeps the breaker it has (and its state): new options
+    // for it apply at a restart.
+    for (const model_config& m : o.models) {
+      if (!m.breaker) continue;
+      bool kept = false;
+      auto check = [&](const http_upstream_options& u) {
+        const keel::circuit_breaker* b = breakers_.find(keel::failure_domain{.endpoint = u.name});
+        kept = kept || (b != nullptr && !same_breaker(b->options(), *m.breaker));
+      };
+      for (const std::optional<http_upstream_options>* u : {&m.upstream, &m.upstream_backup})
+        if (*u) check(**u);
+      for (const http_upstream_options& u : m.upstream_fallbacks) check(u);
+      if (kept) out.push_back(cat("models.", m.name, ".breaker"));
+    }
     return out;
   }
 
@@ -1514,9 +1354,22 @@ class gateway_core {
                 : http_primary_ != nullptr ? primary_
                                            : &backup_),
         hedge_pool_({.threads = options_.chat.hedge_threads, .queue_capacity = options_.chat.hedge_threads}),
-        stream_metrics_(registry_) {
+        stream_metrics_(registry_),
+        plan_({.options = options_,
+               .clock = clock_,
+               .listener = listener_,
+               .breakers = breakers_,
+               .budget = budget_,
+               .pools = pools_,
+               .shed = shed_,
+               .fleet = fleet_,
+               .once = once_,
+               .rubrics = rubrics_,
+               .primary = primary_,
+               .second = second_,
+               .hedge_pool = hedge_pool_}) {
     if (options_.fleet.enabled()) fleet_ = std::make_unique<fleet_sharing>(options_.fleet, breakers_, primary_->name());
-    routing_ = build_routing(options_, 1);
+    routing_ = plan_.build(options_, 1, nullptr);
     start_routing_ = routing_;
     full_answers_ = slos_.find("interactive-full-answers");
     chat_slo_ = slos_.find("streaming");
@@ -1566,155 +1419,9 @@ class gateway_core {
         .slo = slos_.find("batch")});
   }
 
-  // The interactive path of model `m`, every stage in one pipeline, outer
-  // to inner (docs/gateway.md says why in this order). Built once; run()
-  // is const, so requests on every thread share it.
-  std::function<absl::StatusOr<detail::answer>(keel::call&, keel::time_point)> interactive_pipeline(routing& rt, model_state& m) {
-    const deadline_plan& plan = options_.interactive;
-    std::vector<keel::gate> gates;
-    gates.emplace_back("residency", [](const keel::labels& c, const keel::path& alt) {
-      return c.region.empty() || c.region == alt.labels.region;
-    });
-    gates.emplace_back("permission", keel::from_request<interactive_request>(
-                                         [](const interactive_request& r, const keel::path&) -> absl::Status {
-                                           if (r.tenant.allow_degraded) return absl::OkStatus();
-                                           return absl::PermissionDeniedError(
-                                               "this tenant does not accept degraded answers");
-                                         },
-                                         absl::PermissionDeniedError("no feedback request to check")));
-    gates.emplace_back("schema", keel::from_request<interactive_request>(
-                                     [](const interactive_request& r, const keel::path&) -> absl::Status {
-                                       if (r.progress.found_rubric) return absl::OkStatus();
-                                       return absl::FailedPreconditionError(
-                                           "no rubric was retrieved to check the answer against");
-                                     },
-                                     absl::FailedPreconditionError("no feedback request to check")));
-    auto retrieval = keel::pipeline(keel::time_limit({.at_most = plan.retrieve}),
-                                    keel::retry({.max_attempts = 2}, options_.backoff))
-                         .in(env());
-    auto pipe =
-        keel::pipeline(
-            keel::fallback({.passes_through = &heard_as_is}, std::move(gates),
-                           keel::alternate("rubric-feedback", rubric_only{&breakers_, keel::failure_domain{.endpoint = m.primary->name()}},
-                                           {.labels = {.region = options_.region},
-                                            .at_most = plan.fallback,
-                                            .provider_call = false})),
-            shed_switch{&shed_[idx(work_class::interactive)], work_class_names[idx(work_class::interactive)]},
-            rt.quotas.for_model(m.quota_key)
-                .with_estimate(keel::from_request<interactive_request>(
-                    [](const interactive_request& r) { return r.model.token_estimate; }, std::int64_t{0}))
-                .with_tenant_key(keel::from_request<interactive_request>(
-                    [](const interactive_request& r) { return r.tenant_key; },
-                    static_cast<const keel::admission_key*>(nullptr))),
-            record_once<once_type>{&once_},
-            pools_.for_class("interactive"),
-            retrieve_rubric<Clock, decltype(retrieval)>{&rubrics_, std::move(retrieval)},
-            keel::time_limit({.at_most = plan.model}),
-            keel::retry({.max_attempts = options_.model_attempts,
-                         .budget = &budget_,
-                         .min_attempt_time = m.interactive_timeout.options().lower},
-                        options_.backoff),
-            fleet_gate{fleet_.get()}, breakers_, m.interactive_timeout)
-            .in(env());
-    return [pipe = std::move(pipe), provider = model_call{m.primary}](keel::call& call, keel::time_point now) {
-      return pipe.run(call, now, provider);
-    };
-  }
-
-  // The streaming path of model `m`, outer to inner: the shed switch
-  // (streams are interactive work), admission in tokens (the reservation
-  // settles to what the call was charged: keel::stream_options::charge_tokens),
-  // the "streaming" bulkhead class; then, on the same call, the first model
-  // (retry under the service's budget, the fleet's gate, the provider's
-  // breaker; the guard's budgets and first-token hedge around each attempt)
-  // and, when it fails before its first token or is cut after it, the
-  // second deployment behind its own breaker; when that fails before a first
-  // token too, each further deployment in order, each behind its own.
-  // Built once per plan; shared by every request on it.
-  std::function<absl::StatusOr<keel::stream_result>(keel::call&, keel::time_point, chat_stream&, chat_route&)>
-  chat_pipeline(routing& rt, model_state& m) {
-    auto outer =
-        keel::pipeline(
-            shed_switch{&shed_[idx(work_class::interactive)], work_class_names[idx(work_class::interactive)]},
-            rt.quotas.for_model(m.quota_key)
-                .with_estimate(keel::from_request<chat_call>([](const chat_call& c) { return c.reserved; },
-                                                             std::int64_t{0}))
-                .with_tenant_key(keel::from_request<chat_call>(
-                    [](const chat_call& c) { return c.tenant_key; }, static_cast<const keel::admission_key*>(nullptr))),
-            pools_.for_class("streaming"))
-            .in(env());
-    auto first = keel::pipeline(keel::retry({.max_attempts = m.budgets.attempts, .budget = &budget_},
-                                            options_.backoff),
-                                fleet_gate{fleet_.get()}, breakers_)
-                     .in(env());
-    auto behind_breaker = [this](const model_upstream& u) {
-      return keel::pipeline(breakers_.breaker_for(keel::failure_domain{.endpoint = u.name()})).in(env());
-    };
-    auto second = behind_breaker(*m.second);
-    std::vector<decltype(second)> further;
-    for (const std::shared_ptr<http_upstream>& u : m.further) further.push_back(behind_breaker(*u));
-    return [this, &m, outer = std::move(outer), first = std::move(first), second = std::move(second),
-            further = std::move(further)](keel::call& call, keel::time_point now, chat_stream& stream,
-                                          chat_route& route) {
-      chat_model_call primary{m.primary}, backup{m.second};
-      return outer.run(call, now, [&](const keel::attempt& a) -> absl::StatusOr<keel::stream_result> {
-        absl::StatusOr<keel::stream_result> r = first.run(call, a.start, stream.attempts(primary));
-        if (!options_.chat.continue_on_backup || m.second == m.primary || call.stop_token().stop_requested()) return r;
-        if (!r.ok()) {
-          // Nothing was shown yet: the second model may answer instead. A
-          // request the first refused as invalid would be refused there too.
-          if (absl::IsInvalidArgument(r.status()) || absl::IsCancelled(r.status())) return r;
-          absl::StatusOr<keel::stream_result> b = second.run(call, clock_.now(), stream.attempts(backup));
-          route.served = m.second;
-          for (std::size_t i = 0; !b.ok() && i < further.size() && !call.stop_token().stop_requested(); ++i) {
-            chat_model_call next{m.further[i].get()};
-            b = further[i].run(call, clock_.now(), stream.attempts(next));
-            route.served = m.further[i].get();
-          }
-          if (!b.ok()) return r;  // the first deployment's failure is the answer's
-          route.failed_over = true;
-          b->degraded = true;
-          call.mark_degraded();
-          return b;
-        }
-        if (r->partial && r->continuable) return stream.resume(call, second, backup, std::move(*r));
-        return r;
-      });
-    };
-  }
-
-  // The embeddings path of model `m`, outer to inner: the shed switch,
-  // admission (the input's tokens), an interactive slot, retry under the
-  // service's budget, the deployment's breaker. Built once.
-  std::function<absl::StatusOr<std::string>(keel::call&, keel::time_point, const detail::json&)>
-  embeddings_pipeline(routing& rt, model_state& m) {
-    auto pipe = keel::pipeline(
-                    shed_switch{&shed_[idx(work_class::interactive)], work_class_names[idx(work_class::interactive)]},
-                    rt.quotas.for_model(m.quota_key)
-                        .with_estimate(keel::from_request<embeddings_call>(
-                            [](const embeddings_call& c) { return c.reserved; }, std::int64_t{0}))
-                        .with_tenant_key(keel::from_request<embeddings_call>(
-                            [](const embeddings_call& c) { return c.tenant_key; },
-                            static_cast<const keel::admission_key*>(nullptr))),
-                    pools_.for_class("interactive"),
-                    keel::retry({.max_attempts = options_.model_attempts, .budget = &budget_}, options_.backoff),
-                    breakers_)
-                    .in(env());
-    return [&m, pipe = std::move(pipe)](keel::call& call, keel::time_point now, const detail::json& request) {
-      return pipe.run(call, now, [&](const keel::attempt& a) { return m.primary->embed(a, request); });
-    };
-  }
-
   // The one environment every component runs in: the gateway's clock and
   // its metrics listener.
   [[nodiscard]] env_type env() const { return env_type{clock_, {}, listener_}; }
-
-  static keel::admission_options admission_options(const gateway_options& o) {
-    keel::admission_options a{.tenant_defaults = o.tenant_defaults};
-    for (const tenant_config& t : o.tenants) a.tenants.emplace_back(t.name, t.limits);
-    for (const model_config& m : o.models) a.models.emplace_back(m.name, m.limits);
-    return a;
-  }
 
   static std::vector<keel::slo_class> slo_classes(const gateway_options& o) {
     // Interactive availability: a degraded answer within the deadline is
@@ -1769,7 +1476,6 @@ class gateway_core {
               .latency_target = o.chat.ttft_target}}};
   }
 
-  static constexpr std::size_t idx(work_class w) noexcept { return static_cast<std::size_t>(w); }
 
   [[nodiscard]] keel::failure_domain provider_domain() const noexcept {
     return keel::failure_domain{.endpoint = primary_->name()};
@@ -2066,11 +1772,18 @@ class gateway_core {
       for (const auto& [label, n] : states) jobs.series.push_back({.labels = {label}, .value = static_cast<double>(n)});
     }
     keel::metric_family_snapshot budget =
-        gauge("gateway_retry_budget", "The service-wide retry budget over its window.", {"figure"});
-    const keel::retry_budget_figures b = budget_.figures(now);
-    budget.series.push_back({.labels = {"requests"}, .value = static_cast<double>(b.requests)});
-    budget.series.push_back({.labels = {"retries"}, .value = static_cast<double>(b.retries)});
-    budget.series.push_back({.labels = {"allowed"}, .value = static_cast<double>(b.allowed)});
+        gauge("gateway_retry_budget",
+              "Retry budgets over their window: the gateway's, and each model's own (budget=\"model:<name>\").",
+              {"budget", "figure"});
+    auto add_budget = [&](const std::string& name, const keel::retry_budget& rb) {
+      const keel::retry_budget_figures b = rb.figures(now);
+      budget.series.push_back({.labels = {name, "requests"}, .value = static_cast<double>(b.requests)});
+      budget.series.push_back({.labels = {name, "retries"}, .value = static_cast<double>(b.retries)});
+      budget.series.push_back({.labels = {name, "allowed"}, .value = static_cast<double>(b.allowed)});
+    };
+    add_budget("gateway", budget_);
+    for (const auto& [name, m] : routing_now()->routes)  // the plan serving: one series per model
+      if (m->budget != &budget_) add_budget(cat("model:", name), *m->budget);
     keel::metric_family_snapshot streams =
         counter("gateway_provider_streams_total", "Streams the simulated providers served, by what happened.",
                 {"provider", "result"});
@@ -2153,9 +1866,6 @@ class gateway_core {
   std::unique_ptr<http_upstream> http_backup_;  // options_.upstream_backup
   model_upstream* second_;                      // whichever of the two serves
   keel::bounded_pool hedge_pool_;
-  // Every stream guard made (guard_for()): per model and budgets, kept for life.
-  mutable std::mutex guards_mu_;
-  std::vector<std::pair<std::string, std::unique_ptr<guard_type>>> guards_;
   keel::stream_metrics stream_metrics_;
   std::atomic<std::int64_t> chat_ids_{0};
   keel::work_class_slo* chat_slo_ = nullptr;
@@ -2173,6 +1883,10 @@ class gateway_core {
   keel::metric_family<keel::counter_metric>* reloads_ = nullptr;
   keel::counter_metric* effects_replayed_ = nullptr;
   std::function<void(std::string_view)> effect_hook_;  // set before requests run
+  // Builds each plan and keeps what plans share across reloads (plan.hpp).
+  // Last: it refers to the members above, and its stream guards submit to
+  // hedge_pool_, so it goes first.
+  plan_type plan_;
 };
 
 }  // namespace gateway

@@ -177,6 +177,14 @@ struct chat_config {
   }
 };
 
+// What a config file's [models.NAME].breaker can set, compared (the name
+// aside): whether a deployment's breaker is the one these options make.
+[[nodiscard]] inline bool same_breaker(const keel::circuit_breaker_options& a, const keel::circuit_breaker_options& b) {
+  return a.failure_rate_threshold == b.failure_rate_threshold && a.window_calls == b.window_calls &&
+         a.minimum_calls == b.minimum_calls && a.open_duration == b.open_duration &&
+         a.probe_timeout == b.probe_timeout && a.half_open_probes == b.half_open_probes;
+}
+
 struct model_config {
   std::string name;
   std::string digest;                  // which model (and version) decided: stored with each decision
@@ -193,6 +201,16 @@ struct model_config {
   // [models.NAME]); unset: gateway_options::chat. Its slots, hedge
   // threads and token limits are the gateway's whatever this says.
   std::optional<chat_config> chat{};
+  // The breaker of each of this model's own deployments (one per
+  // deployment name: a deployment two models share gets the first one's),
+  // and the retry budget its retries and hedges spend; unset:
+  // gateway_options::breaker / retry_budget, shared with the gateway.
+  std::optional<keel::circuit_breaker_options> breaker{};
+  std::optional<keel::retry_budget_options> retry_budget{};
+  // The interactive path hedges too: after the hedge delay of `chat` (else
+  // gateway_options::chat), a second attempt on the model's second
+  // deployment. A config file's [models.NAME].hedge turns it on.
+  bool interactive_hedge = false;
 };
 
 struct gateway_options {
@@ -236,6 +254,12 @@ struct gateway_options {
   keel::adaptive_timeout_options batch_timeout{
       .margin = 500ms, .lower = 500ms, .upper = 4000ms, .initial = 2000ms, .min_samples = 20};
   int model_attempts = 2;  // per interactive request, the first included
+  // The deadline cut (keel::cut_at_deadline): each interactive and
+  // embeddings attempt's stop token fires at its deadline, which aborts the
+  // upstream transfer at once; one timer thread. Off only for a test on a
+  // manual clock that auto-advances: any waiting thread moves that clock,
+  // so the timer's would jump every call to its deadline.
+  bool cut_at_deadline = true;
   int batch_attempts = 3;  // per batch job attempt
   keel::full_jitter backoff{.base = 50ms, .cap = 200ms};
   keel::retry_budget_options retry_budget{.ratio = 0.1, .min_per_second = 5};
@@ -327,6 +351,14 @@ struct gateway_options {
       }
       if (m.chat) {
         if (absl::Status s = m.chat->validate(); !s.ok()) return keel::annotate(s, cat("gateway_options.models.", m.name));
+      }
+      if (m.breaker) {
+        if (absl::Status s = m.breaker->validate(); !s.ok())
+          return keel::annotate(s, cat("gateway_options.models.", m.name, ".breaker"));
+      }
+      if (m.retry_budget) {
+        if (absl::Status s = m.retry_budget->validate(); !s.ok())
+          return keel::annotate(s, cat("gateway_options.models.", m.name, ".retry_budget"));
       }
       for (const http_upstream_options& u : m.upstream_fallbacks) {
         if (absl::Status s = u.validate(); !s.ok()) return keel::annotate(s, cat("gateway_options.models.", m.name));

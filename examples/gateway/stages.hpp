@@ -2,7 +2,7 @@
 // the request type a call carries through the pipeline, the gateway's own
 // stages (policies), the model provider and the rubric-only fallback.
 //
-// The interactive path (gateway/gateway_core.hpp) is one keel::pipeline per
+// The interactive path (gateway/plan.hpp) is one keel::pipeline per
 // model, built once when the gateway starts and shared by every request:
 //
 //   keel::pipeline(
@@ -35,8 +35,11 @@
 // thread-safe. An interactive_progress belongs to one request.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -49,6 +52,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "gateway_options.hpp"
+#include "keel/compose/deadline_timer.hpp"
 #include "keel/core/call.hpp"
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
@@ -128,13 +132,35 @@ struct feedback_request {
   std::string tenant, model, question_id, answer, key;
 };
 
+// What a model attempt is asked, and what the model path last said. The
+// attempts hold it by shared_ptr: below a hedge, a losing attempt may still
+// run after the request has its answer. Written before the first attempt
+// starts (the prompt, the key, the model), then only through failed().
+struct model_question {
+  std::string prompt;           // retrieve_rubric: what the model is asked
+  std::string idempotency_key;  // "<tenant>/<key>": one per client request, scoped to the tenant
+  std::string model;            // the model clients named (the answer's served_by)
+
+  void failed(std::string why) {
+    std::lock_guard lock(mu_);
+    last_failure_ = std::move(why);
+  }
+  [[nodiscard]] std::string last_failure() const {
+    std::lock_guard lock(mu_);
+    return last_failure_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::string last_failure_;
+};
+
 // What the stages learn about one request, for its reply.
 struct interactive_progress {
   std::optional<keel::time_point> admitted, retrieved, answered;
   std::optional<rubric> found_rubric;  // retrieve_rubric: read within its stage
   std::string retrieval_error;         // ...or why not
-  std::string prompt;                  // retrieve_rubric: what the model is asked
-  std::string last_failure;            // model_call: what the model path last said
+  std::shared_ptr<model_question> question = std::make_shared<model_question>();
   std::optional<keel::once_result> decision;  // record_once: the recorded decision, fresh or replayed
 };
 
@@ -257,35 +283,80 @@ struct retrieve_rubric {
     });
     plan.now = ctx.clock.now();
     p.retrieved = plan.now;
-    p.prompt = cat("Question ", rq->body.question_id, ".");
+    std::string& prompt = p.question->prompt;
+    prompt = cat("Question ", rq->body.question_id, ".");
     if (rub.ok()) {
-      for (const std::string& point : rub->points) absl::StrAppend(&p.prompt, " Rubric: ", point, ".");
+      for (const std::string& point : rub->points) absl::StrAppend(&prompt, " Rubric: ", point, ".");
       p.found_rubric = std::move(*rub);
     } else {
       p.retrieval_error = std::string(rub.status().message());
       ctx.call.note_missing();
     }
-    absl::StrAppend(&p.prompt, " Answer: ", rq->body.answer);
+    absl::StrAppend(&prompt, " Answer: ", rq->body.answer);
     return next(ctx, plan);
   }
 };
 
-// The provider: the model upstream asked the request's prompt (over HTTP,
-// or the in-process simulation on a manual clock); its output checked
-// against the contract. What failed is kept for the degraded answer's note.
-// The upstream gets one idempotency key per client request, scoped to the
-// tenant; keel::http sends it only when the call is a write.
+// The deadline cut when the plan has one (keel::cut_at_deadline: what runs
+// below is stopped at the attempt's deadline); a null timer passes through,
+// so one pipeline type serves both.
+struct optional_cut {
+  keel::deadline_timer_base* timer;
+
+  template <class Ctx, class Next>
+  auto execute(Ctx& ctx, const keel::attempt_plan& plan, Next& next) const -> decltype(next(ctx, plan)) {
+    if (timer == nullptr) return next(ctx, plan);
+    return keel::cut_at_deadline(*timer).execute(ctx, plan, next);
+  }
+};
+
+// The interactive hedge when the model has one (keel::hedge: a second
+// attempt, on the model's second deployment, when the first has not
+// answered after the hedge delay); null passes through, so one pipeline
+// type serves both. A concurrent policy: the pipeline hands it a `next`
+// that owns a copy of the provider.
+template <class Hedge>
+struct optional_hedge {
+  static constexpr bool concurrent_attempts = true;
+  Hedge* hedge;
+
+  template <class Ctx, class Next>
+  auto execute(Ctx& ctx, const keel::attempt_plan& plan, Next& next) const -> decltype(next(ctx, plan)) {
+    if (hedge == nullptr) return next(ctx, plan);
+    return hedge->execute(ctx, plan, next);
+  }
+};
+
+// The breaker of the deployment an attempt goes to: the first's for the
+// primary attempt, the second's for a hedge (keel::attempt_plan::hedge), so
+// each deployment's breaker counts only its own calls.
+struct deployment_breaker {
+  std::array<keel::circuit_breaker*, 2> by_attempt;  // [0]: the first deployment; [1]: the hedge's
+
+  template <class Ctx, class Next>
+  auto execute(Ctx& ctx, const keel::attempt_plan& plan, Next& next) const -> decltype(next(ctx, plan)) {
+    return by_attempt[plan.hedge > 0 ? 1 : 0]->execute(ctx, plan, next);
+  }
+};
+
+// The provider: the model upstream asked the request's question (over
+// HTTP, or the in-process simulation on a manual clock): the first
+// deployment for the primary attempt, the second for a hedge; its output
+// checked against the contract. What failed is kept for the degraded
+// answer's note. The upstream gets the question's idempotency key;
+// keel::http sends it only when the call is a write. Copied into a hedge's
+// race: it holds the question by shared_ptr, never the request.
 struct model_call {
-  model_upstream* provider;
+  std::array<model_upstream*, 2> deployments;  // [0]: the first; [1]: where a hedge goes
+  std::shared_ptr<model_question> question;
 
   absl::StatusOr<detail::answer> operator()(const keel::attempt& a) const {
-    const interactive_request* rq = a.owner->request<interactive_request>();
-    if (rq == nullptr) return absl::InvalidArgumentError("model_call: the call carries no feedback request");
-    const std::string key = cat(rq->body.tenant, "/", rq->body.key);
-    absl::StatusOr<std::string> raw = provider->complete(a, rq->progress.prompt, key);
+    if (question == nullptr) return absl::InvalidArgumentError("model_call: no question to ask");
+    model_upstream* provider = deployments[a.hedge > 0 ? 1 : 0];
+    absl::StatusOr<std::string> raw = provider->complete(a, question->prompt, question->idempotency_key);
     absl::StatusOr<detail::answer> parsed =
-        raw.ok() ? detail::parse_model_output(*raw, rq->body.model) : absl::StatusOr<detail::answer>(raw.status());
-    if (!parsed.ok()) rq->progress.last_failure = std::string(parsed.status().message());
+        raw.ok() ? detail::parse_model_output(*raw, question->model) : absl::StatusOr<detail::answer>(raw.status());
+    if (!parsed.ok()) question->failed(std::string(parsed.status().message()));
     return parsed;
   }
 };
@@ -304,8 +375,9 @@ struct rubric_only {
     const keel::breaker_state b = breakers->breaker_for(domain).state();
     const std::string why = b == keel::breaker_state::open || b == keel::breaker_state::forced_open
                                 ? cat("the provider's circuit breaker is ", keel::to_string(b))
-                            : p.last_failure.empty() ? std::string("the model had no time left in its stage")
-                                                     : cat("the model failed: ", p.last_failure);
+                            : p.question->last_failure().empty()
+                                ? std::string("the model had no time left in its stage")
+                                : cat("the model failed: ", p.question->last_failure());
     rq->progress.answered = a.start;  // a local answer: ready as soon as it starts
     return detail::rubric_feedback(*p.found_rubric, rq->body.answer, why);
   }
