@@ -43,9 +43,10 @@ def parse_args():
     p.add_argument("--wrk-seconds", type=float, default=15)
     p.add_argument("--rate-seconds", type=float, default=5)
     p.add_argument("--rates", default="200,1000,2000,5000")
-    p.add_argument("--streams-one", type=int, default=10, help="streams one at a time, per system and round")
+    p.add_argument("--streams-one", type=int, default=15, help="streams one at a time, per system and round")
     p.add_argument("--streams-32", type=int, default=64, help="streams 32 at once (total), per system and round")
     p.add_argument("--faults", action="store_true", help="also run the fault table (faults.py)")
+    p.add_argument("--only-faults", action="store_true", help="the fault table alone (no overhead rounds)")
     p.add_argument("--smoke", action="store_true", help="one short round: a check that the script works, not figures")
     return p.parse_args()
 
@@ -119,7 +120,25 @@ class Bench:
 
     # -------------------------------------------------------- load tools ---
 
+    def settle(self, limit=30.0):
+        """Waits until every started process is nearly idle: a system that
+        fell behind (Portkey past its capacity) works off its backlog for
+        seconds after its client left, and would tax the next figure."""
+        pids = [p for proc in self.procs.procs.values() for p in common.group_pids(proc.pid)]
+        end = time.monotonic() + limit
+        while time.monotonic() < end:
+            try:
+                c0 = sum(common.cpu_seconds(p) for p in pids)
+                time.sleep(0.25)
+                c1 = sum(common.cpu_seconds(p) for p in pids)
+            except OSError:
+                return
+            if c1 - c0 < 0.25 * 0.15:  # under 15% of one core
+                return
+        self.notes.append(f"settle: still busy after {limit:.0f} s (load {common.loadavg()})")
+
     def loadgen_run(self, system, kind, extra, timeout=120):
+        self.settle()
         url, headers = self.targets[system][kind]
         args = [self.loadgen, "--url", url, "--body", self.bodies[kind]]
         for h in headers:
@@ -138,6 +157,7 @@ class Bench:
             k, v = h.split(": ", 1)
             lines.append(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}")
         open(lua, "w").write("\n".join(lines) + "\n")
+        self.settle()
         pids = [p for pid in self.pids[system] for p in common.group_pids(pid)]
         cpu0 = sum(common.cpu_seconds(p) for p in pids)
         peak = [0.0]
@@ -362,12 +382,12 @@ def main():
     try:
         b.start()
         log(f"systems up: {', '.join(b.systems)}; load {common.loadavg()}")
-        alone = b.mock_alone()
-        for rnd in range(1, a.rounds + 1):
+        alone = {} if a.only_faults else b.mock_alone()
+        for rnd in range(1, 0 if a.only_faults else a.rounds + 1):
             log(f"round {rnd} of {a.rounds}")
             b.rounds.append(b.round(rnd))
         fault_results = {}
-        if a.faults:
+        if a.faults or a.only_faults:
             import faults
             fault_results = faults.run(a, b)
     finally:
