@@ -105,7 +105,7 @@ def main():
         area = os.path.basename(path).replace("keel_bench_", "").replace(".json", "")
         results, ctx = medians(path)
         rows = []
-        for (base, args), r in results.items():
+        for (base, args), r in sorted(results.items()):
             bl = baseline_for(base, args, results)
             row = {"benchmark": r["name"], "median_ns": r["ns"], "clock": "real" if r["real"] else "cpu",
                    "allocs_per_iter": r["allocs"]}
