@@ -118,11 +118,11 @@ def main():
         report[area] = {"context": {k: ctx.get(k) for k in ("date", "num_cpus", "mhz_per_cpu", "load_avg")},
                         "benchmarks": rows}
         print(f"\n== {area} (load average {ctx.get('load_avg')}) ==")
-        print(f"{'benchmark':58} {'median':>11} {'baseline (same run)':>44} {'ratio':>7}")
+        print(f"{'benchmark':58} {'median':>11} {'baseline (same run)':>56} {'ratio':>7}")
         for row in rows:
             b = f"{row['baseline']} {fmt_ns(row['baseline_ns'])}" if "baseline" in row else ""
             ratio = f"{row['ratio']:.2f}x" if row.get("ratio") else ""
-            print(f"{row['benchmark'][:58]:58} {fmt_ns(row['median_ns']):>11} {b[-44:]:>44} {ratio:>7}")
+            print(f"{row['benchmark'][:58]:58} {fmt_ns(row['median_ns']):>11} {b[-56:]:>56} {ratio:>7}")
     json.dump(report, open(out_path, "w"), indent=1)
     print(f"\nJSON: {out_path}")
 
