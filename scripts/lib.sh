@@ -14,16 +14,24 @@ keel_packages=(
   prometheus
 )
 
+# What scripts/bench-gateway adds: nginx (the fixed upstream; -light has all
+# it uses), wrk (requests/s at 32 connections), HAProxy (the one-hop floor)
+# and node with npm (Portkey's gateway). The smoke test needs only the first two.
+keel_bench_smoke_packages=(nginx-light wrk)
+keel_bench_packages=(nginx-light wrk haproxy)
+
 keel_missing_packages() {
   local p
-  for p in "${keel_packages[@]}"; do
+  [ $# -gt 0 ] || set -- "${keel_packages[@]}"
+  for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || echo "$p"
   done
 }
 
+# keel_ensure_packages [package...]: keel's list, or the packages named.
 keel_ensure_packages() {
   local missing
-  missing=$(keel_missing_packages | tr '\n' ' ')
+  missing=$(keel_missing_packages "$@" | tr '\n' ' ')
   missing=${missing% }
   [ -z "$missing" ] && return 0
   if [ "$(id -u)" -ne 0 ]; then

@@ -164,7 +164,8 @@ struct fault {
   double factor = 3.0;          // slowdown: in [1, 1000]
   int retry_after_ms = 1000;    // rate_limit: the hint, in [0, 3600000]
   int status = 500;             // server_error: 500, 502 or 503
-  int count = 0;                // server_error: this many requests, then healthy; 0: every request
+  int count = 0;                // any kind: this many affected requests, then healthy; 0: every request
+  std::string hint_headers = "both";  // rate_limit: "both", "retry-after-ms" only or "retry-after" only
   int first_token_ms = 2000;    // slow_first_token: in [0, 600000]
   int after_tokens = 3;         // stall, cut, error_event: tokens sent first, in [0, 100000]
   double ratio = 1.0;           // share of requests affected, in [0, 1]
@@ -183,6 +184,9 @@ struct fault {
     if (after_tokens < 0 || after_tokens > 100000)
       return invalid_option("fault", "after_tokens", "be in [0, 100000]", after_tokens);
     if (!(ratio >= 0.0 && ratio <= 1.0)) return invalid_option("fault", "ratio", "be in [0, 1]", ratio);
+    if (hint_headers != "both" && hint_headers != "retry-after-ms" && hint_headers != "retry-after")
+      return invalid_option("fault", "hint_headers", "be \"both\", \"retry-after-ms\" or \"retry-after\"",
+                            "'" + hint_headers + "'");
     if (!x_should_retry.empty() && x_should_retry != "true" && x_should_retry != "false")
       return invalid_option("fault", "x_should_retry", "be \"true\" or \"false\"", "'" + x_should_retry + "'");
     return absl::OkStatus();
@@ -192,7 +196,10 @@ struct fault {
     json j = {{"kind", to_string(kind)}, {"ratio", ratio}};
     switch (kind) {
       case fault_kind::slowdown: j["factor"] = factor; break;
-      case fault_kind::rate_limit: j["retry_after_ms"] = retry_after_ms; break;
+      case fault_kind::rate_limit:
+        j["retry_after_ms"] = retry_after_ms;
+        if (hint_headers != "both") j["hint_headers"] = hint_headers;
+        break;
       case fault_kind::server_error:
         j["status"] = status;
         j["count"] = count;
@@ -203,6 +210,7 @@ struct fault {
       case fault_kind::error_event: j["after_tokens"] = after_tokens; break;
       default: break;
     }
+    if (count > 0 && kind != fault_kind::server_error) j["count"] = count;
     if (!x_should_retry.empty()) j["x_should_retry"] = x_should_retry;
     return j;
   }
@@ -241,9 +249,12 @@ struct fault {
       } else if (key == "x_should_retry") {
         if (!v.is_string()) return invalid_option("fault", key, "be \"true\" or \"false\"", v.dump());
         f.x_should_retry = v.get<std::string>();
+      } else if (key == "hint_headers") {
+        if (!v.is_string()) return invalid_option("fault", key, "be a string", v.dump());
+        f.hint_headers = v.get<std::string>();
       } else {
         return invalid_option("fault", key, "be a known field (kind, factor, retry_after_ms, status, count, "
-                                           "first_token_ms, after_tokens, ratio, x_should_retry)", "unknown");
+                                           "first_token_ms, after_tokens, ratio, x_should_retry, hint_headers)", "unknown");
       }
     }
     if (absl::Status s = f.validate(); !s.ok()) return s;
@@ -698,12 +709,12 @@ class server {
     seen_ = std::move(h);
   }
 
-  // The fault this request meets; a server_error burst spends one of its count.
+  // The fault this request meets; a burst (count > 0) spends one of its count.
   draw take_fault() {
     std::lock_guard lock(mu_);
     draw d{fault_, false, std::uniform_real_distribution<double>(0.0, 1.0)(rng_)};
     d.affected = fault_.kind != fault_kind::none && d.u < fault_.ratio;
-    if (d.affected && fault_.kind == fault_kind::server_error && fault_.count > 0) {
+    if (d.affected && fault_.count > 0) {
       if (--burst_left_ <= 0) fault_ = fault{};  // the burst is over: healthy again
     }
     return d;
@@ -725,8 +736,9 @@ class server {
         break;
       case fault_kind::rate_limit: {
         r.status = 429;
-        r.set_header("retry-after-ms", std::to_string(f.retry_after_ms));
-        r.set_header("Retry-After", std::to_string((f.retry_after_ms + 999) / 1000));
+        if (f.hint_headers != "retry-after") r.set_header("retry-after-ms", std::to_string(f.retry_after_ms));
+        if (f.hint_headers != "retry-after-ms")
+          r.set_header("Retry-After", std::to_string((f.retry_after_ms + 999) / 1000));
         r.set_header("x-ratelimit-limit-requests", "60");
         r.set_header("x-ratelimit-remaining-requests", "0");
         r.set_header("x-ratelimit-reset-requests",
