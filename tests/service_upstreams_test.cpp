@@ -271,6 +271,29 @@ TEST_CASE("streams over HTTP: fail over before the first token, continue after i
     CHECK(got.find("[DONE]") != std::string::npos);
     CHECK(stat(b.stats(), "requests", "chat") == 1);
     CHECK(healthz(svc->port())["streams"]["continuations"].get<int>() == 1);
+    // The second upstream was asked for the 8 tokens the client's cap left,
+    // not 12 more: the client gets the 12 it asked for.
+    INFO(got);
+    CHECK(got.find("\"completion_tokens\":12") != std::string::npos);
+  }
+  SECTION("the primary is slow to its first token: the first-token hedge goes to the second upstream, and the "
+          "primary's attempt is stopped") {
+    gateway::gateway_options h = options_for(dir.path() + "/hedged", a, b);
+    h.chat.hedge_delay = 100ms;
+    h.chat.hedge_percentile = 0;
+    svc.reset();
+    std::filesystem::create_directories(dir.path() + "/hedged");
+    auto hedged = start(h);
+    a.fault({{"kind", "slow_first_token"}, {"first_token_ms", 5000}});
+    keel_service::raw_connection c(hedged->port());
+    REQUIRE(c.send(chat_request(chat_body(12))));
+    const std::string got = c.read_until("\r\n0\r\n\r\n");
+    INFO(got);
+    CHECK(got.find("[DONE]") != std::string::npos);
+    CHECK(got.find("\"hedged\":true") != std::string::npos);
+    CHECK(stat(b.stats(), "requests", "chat") == 1);
+    CHECK(eventually([&] { return stat(a.stats(), "client_gone", "while_waiting") +
+                                  stat(a.stats(), "client_gone", "while_streaming") == 1; }));
   }
 }
 

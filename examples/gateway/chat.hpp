@@ -32,6 +32,7 @@
 #pragma once
 
 #include <atomic>
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 #include <stop_token>
@@ -262,14 +263,23 @@ struct relay_token {
   void operator()(const keel::stream_event& e) const { relay->on_event(e); }
 };
 
-// The provider of a stream attempt: the model upstream asked the request's prompt.
+// The provider of a stream attempt: the model upstream asked the request's
+// prompt. A first-token hedge (keel::attempt::hedge) goes to `hedge_to`,
+// the model's next deployment, when there is one: racing the deployment
+// that is slow to its first token would mostly race its slowness. A
+// continuation asks only for what the client's token cap leaves after the
+// `shown` tokens.
 struct chat_model_call {
   model_upstream* provider;
+  model_upstream* hedge_to = nullptr;  // null: a hedge asks `provider` again
+  std::int64_t shown = 0;              // tokens already shown (a continuation)
 
   absl::Status operator()(const keel::attempt& a, keel::stream_writer& w) const {
     const chat_call* rq = a.owner != nullptr ? a.owner->request<chat_call>() : nullptr;
     if (rq == nullptr) return absl::InvalidArgumentError("chat_model_call: the call carries no chat request");
-    return provider->stream(a, w, rq->body.prompt, rq->body.max_tokens, &rq->body.upstream_request);
+    model_upstream* to = a.hedge > 0 && hedge_to != nullptr ? hedge_to : provider;
+    const std::int64_t left = std::max<std::int64_t>(1, rq->body.max_tokens - shown);
+    return to->stream(a, w, rq->body.prompt, static_cast<int>(left), &rq->body.upstream_request);
   }
 };
 

@@ -420,7 +420,7 @@ class plan_builder {
     return [this, &m, outer = std::move(outer), first = std::move(first), second = std::move(second),
             further = std::move(further)](keel::call& call, keel::time_point now, chat_stream& stream,
                                           chat_route& route) {
-      chat_model_call primary{m.primary}, backup{m.second};
+      chat_model_call primary{m.primary, m.second != m.primary ? m.second : nullptr}, backup{m.second};
       return outer.run(call, now, [&](const keel::attempt& a) -> absl::StatusOr<keel::stream_result> {
         absl::StatusOr<keel::stream_result> r = first.run(call, a.start, stream.attempts(primary));
         if (!s_.options.chat.continue_on_backup || m.second == m.primary || call.stop_token().stop_requested()) return r;
@@ -441,7 +441,10 @@ class plan_builder {
           call.mark_degraded();
           return b;
         }
-        if (r->partial && r->continuable) return stream.resume(call, second, backup, std::move(*r));
+        if (r->partial && r->continuable) {
+          chat_model_call rest{m.second, nullptr, r->tokens};
+          return stream.resume(call, second, rest, std::move(*r));
+        }
         return r;
       });
     };
