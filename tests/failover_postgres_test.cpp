@@ -1,0 +1,127 @@
+// PostgreSQL failover with real replicas: a primary and a streaming
+// standby started by the test (tests/servers/postgres_pair.sh), K worker
+// processes deciding keys and claiming leases through a multi-host
+// conninfo (target_session_attrs=read-write), the primary SIGKILLed and the
+// standby promoted under that load. Synchronous replication: every
+// acknowledgement survives. Asynchronous with the link cut first: exactly
+// the acknowledgements made after the cut are lost, and their stale owners
+// are still refused.
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <thread>
+
+#include <libpq-fe.h>
+
+#include "keel/store/postgres.hpp"
+#include "support/catch.hpp"
+#include "support/failover.hpp"
+
+using namespace std::chrono_literals;
+using keel_failover::server_pair;
+using keel_failover::workers;
+
+namespace {
+
+std::string fresh_schema() {
+  static int n = 0;
+  return "failover_" + std::to_string(::getpid()) + "_" + std::to_string(n++);
+}
+
+// One scalar from the server at `port` (empty on any failure).
+std::string scalar(const std::string& port, const std::string& sql) {
+  const std::string ci = "host=127.0.0.1 port=" + port + " user=keel dbname=postgres connect_timeout=2";
+  PGconn* c = PQconnectdb(ci.c_str());
+  std::string out;
+  if (PQstatus(c) == CONNECTION_OK) {
+    PGresult* r = PQexec(c, sql.c_str());
+    if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1) out = PQgetvalue(r, 0, 0);
+    PQclear(r);
+  }
+  PQfinish(c);
+  return out;
+}
+
+std::unique_ptr<keel::postgres_store> open_store(const std::string& conninfo, const std::string& schema) {
+  auto s = keel::postgres_store::open(
+      {.conninfo = conninfo, .schema = schema, .pool_size = 2, .connect_timeout = 1s, .command_timeout = 2s});
+  if (!s.ok()) throw std::runtime_error(std::string(s.status().message()));
+  return std::move(*s);
+}
+
+// Polls `done` every 10 ms for at most `limit`.
+template <class Done>
+bool eventually(std::chrono::milliseconds limit, Done done) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(10ms);
+  }
+  return true;
+}
+
+keel_failover::verdict fail_over(const std::string& mode) {
+  server_pair pair("postgres_pair.sh", mode);
+  const std::string conninfo = pair.file("conninfo");
+  const std::string schema = fresh_schema();
+  (void)open_store(conninfo, schema);  // the schema, before the workers race to make it
+  workers w(3, 2, 4, {{"BACKEND", "postgres"}, {"CONNINFO", conninfo}, {"NS", schema}});
+  workers::run_for(1500ms);
+  if (mode == "async") {
+    // Everything acknowledged so far is on the standby, then the link is cut.
+    REQUIRE(w.pause());
+    const std::string primary = pair.file("primary/port");
+    REQUIRE(eventually(10s, [&] {
+      return scalar(primary,
+                    "SELECT bool_and(replay_lsn >= pg_current_wal_lsn())::text FROM pg_stat_replication") == "true";
+    }));
+    REQUIRE(pair.run("cut-link"));
+    w.set_phase("B");
+    workers::run_for(1000ms);
+  }
+  w.set_phase("X");
+  REQUIRE(pair.run("kill-primary"));
+  REQUIRE(pair.run("promote"));
+  w.set_phase("C");
+  workers::run_for(2000ms);
+  for (int rc : w.stop()) CHECK(rc == 0);
+  const keel_failover::acks a = w.collect();
+  INFO(w.errors());
+  REQUIRE(a.complete);
+  auto s = open_store(conninfo, schema);
+  keel_failover::verdict v = keel_failover::verify(*s, a, mode == "async" ? "B" : "");
+  std::printf("postgres %s failover: %s\n", mode.c_str(), v.summary().c_str());
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("postgres failover, synchronous standby: every acknowledged decision and claim survives",
+          "[failover][postgres]") {
+  keel_failover::verdict v = fail_over("sync");
+  INFO(v.summary());
+  REQUIRE(v.phases["A"].decisions > 0);
+  REQUIRE(v.phases["C"].decisions > 0);
+  REQUIRE(v.phases["C"].claims > 0);
+  for (const auto& [phase, f] : v.phases) CHECK(f.decisions_kept == f.decisions);
+  CHECK(v.keys_decided_twice == 0);
+  CHECK(v.fences_reused == 0);
+  CHECK(v.new_claims_at_used_fence == 0);
+  CHECK(v.fences_backwards == 0);
+}
+
+TEST_CASE("postgres failover, asynchronous standby with the link cut: what is lost, and stale owners refused",
+          "[failover][postgres]") {
+  keel_failover::verdict v = fail_over("async");
+  INFO(v.summary());
+  REQUIRE(v.phases["A"].decisions > 0);
+  REQUIRE(v.phases["B"].decisions > 0);
+  REQUIRE(v.phases["C"].decisions > 0);
+  // Before the cut and after the promotion: kept. Between: all lost.
+  CHECK(v.phases["A"].decisions_kept == v.phases["A"].decisions);
+  CHECK(v.phases["C"].decisions_kept == v.phases["C"].decisions);
+  CHECK(v.phases["B"].decisions_kept == 0);
+  // Whatever the new primary lacks, a stale owner's write is refused.
+  CHECK(v.stale_writes > 0);
+  CHECK(v.stale_writes_refused == v.stale_writes);
+}

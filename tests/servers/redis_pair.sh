@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# A Redis primary and a replica on loopback, for the failover tests
+# (tests/failover_redis_test.cpp), which start and stop it themselves. Both
+# run AOF with appendfsync always (what keel documents for idempotency
+# records); replication is Redis's own, asynchronous.
+#
+#   redis_pair.sh start <state-dir>          primary and replica, the replica
+#                                            in sync; writes <state-dir>/{primary,replica}/port
+#   redis_pair.sh cut-link <state-dir>       the replica follows an address where
+#                                            nothing listens (it keeps its data) and
+#                                            the primary drops its replica connections
+#   redis_pair.sh kill-primary <state-dir>   SIGKILL the primary
+#   redis_pair.sh promote <state-dir>        REPLICAOF NO ONE on the replica
+#   redis_pair.sh stop <state-dir>           stop both, delete <state-dir>
+#
+# TCP only, so <state-dir> may be any path.
+set -euo pipefail
+usage="usage: redis_pair.sh start|cut-link|kill-primary|promote|stop <state-dir>"
+cmd=${1:?$usage}
+dir=${2:?$usage}
+command -v redis-server >/dev/null || { echo "redis_pair.sh: redis-server not found (apt-get install redis-server)" >&2; exit 1; }
+
+cli() { local port=$1; shift; redis-cli -p "$port" "$@"; }
+
+free_port() {
+  local p
+  for _ in $(seq 1 50); do
+    p=$((20000 + RANDOM % 40000))
+    if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then echo "$p"; return 0; fi
+  done
+  return 1
+}
+
+start_node() {  # start_node <name> <port> [redis-server args...]
+  local name=$1 port=$2 pid
+  shift 2
+  mkdir -p "$dir/$name"
+  setsid -w redis-server --port "$port" --bind 127.0.0.1 --dir "$dir/$name" --daemonize no \
+    --pidfile "$dir/$name/redis.pid" --logfile "$dir/$name/server.log" \
+    --appendonly yes --appendfsync always --save "" "$@" </dev/null >"$dir/$name/redis.out" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 600); do
+    cli "$port" ping 2>/dev/null | grep -q PONG && { echo "$port" >"$dir/$name/port"; return 0; }
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.05
+  done
+  echo "redis_pair.sh: the $name did not start on $port:" >&2
+  sed 's/^/  | /' "$dir/$name/server.log" "$dir/$name/redis.out" >&2 || true
+  return 1
+}
+
+case $cmd in
+  start)
+    "$0" stop "$dir" 2>/dev/null || true
+    mkdir -p "$dir"
+    pport=$(free_port)
+    start_node primary "$pport"
+    sport=$(free_port)
+    start_node replica "$sport" --replicaof 127.0.0.1 "$pport"
+    for _ in $(seq 1 600); do
+      cli "$sport" info replication | grep -q "master_link_status:up" && break
+      sleep 0.05
+    done
+    cli "$sport" info replication | grep -q "master_link_status:up" ||
+      { echo "redis_pair.sh: the replica's link is not up after 30 s" >&2; exit 1; }
+    echo "redis_pair.sh: primary on 127.0.0.1:$pport, replica on 127.0.0.1:$sport ($dir)"
+    ;;
+  cut-link)
+    pport=$(cat "$dir/primary/port")
+    sport=$(cat "$dir/replica/port")
+    # Port 1: nothing listens there, the replica's reconnections fail at once.
+    cli "$sport" replicaof 127.0.0.1 1 >/dev/null
+    cli "$pport" client kill type replica >/dev/null
+    for _ in $(seq 1 200); do
+      [ "$(cli "$pport" info replication | tr -d '\r' | sed -n 's/^connected_slaves://p')" = 0 ] && exit 0
+      sleep 0.02
+    done
+    echo "redis_pair.sh: the primary still has a replica" >&2
+    exit 1
+    ;;
+  kill-primary)
+    pid=$(cat "$dir/primary/redis.pid")
+    kill -9 "$pid"
+    while st=$(ps -o stat= -p "$pid") && [[ $st != Z* ]]; do sleep 0.02; done
+    ;;
+  promote)
+    cli "$(cat "$dir/replica/port")" replicaof no one >/dev/null
+    for _ in $(seq 1 600); do
+      cli "$(cat "$dir/replica/port")" role | head -n 1 | grep -q master && exit 0
+      sleep 0.05
+    done
+    echo "redis_pair.sh: the replica is not a primary 30 s after REPLICAOF NO ONE" >&2
+    exit 1
+    ;;
+  stop)
+    for node in primary replica; do
+      if [ -f "$dir/$node/port" ]; then cli "$(cat "$dir/$node/port")" shutdown nosave >/dev/null 2>&1 || true; fi
+      if [ -f "$dir/$node/redis.pid" ]; then kill "$(cat "$dir/$node/redis.pid")" 2>/dev/null || true; fi
+    done
+    rm -rf "$dir"
+    ;;
+  *)
+    echo "$usage" >&2
+    exit 2
+    ;;
+esac
