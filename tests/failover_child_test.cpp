@@ -27,6 +27,21 @@ TEST_CASE("failover child process", "[.]") {
                                          .acquire_timeout = 2s});
     REQUIRE(s.ok());
     REQUIRE(keel_failover::run_worker(**s) == 0);
+  } else if (backend == "redis") {
+    keel::redis_options o{.key_prefix = child_env("NS"),
+                          .pool_size = threads,
+                          .connect_timeout = 500ms,
+                          .command_timeout = 1s,
+                          .acquire_timeout = 2s,
+                          .fences = child_env("FENCES") == "from_clock" ? keel::redis_fences::from_clock
+                                                                         : keel::redis_fences::sequential,
+                          .wait_replicas = std::stoi(child_env("WAIT")),
+                          .wait_timeout = 200ms};
+    for (absl::string_view port : absl::StrSplit(child_env("PORTS"), ','))
+      o.endpoints.push_back({.host = "127.0.0.1", .port = std::stoi(std::string(port))});
+    auto s = keel::redis_store::open(std::move(o));
+    REQUIRE(s.ok());
+    REQUIRE(keel_failover::run_worker(**s) == 0);
   } else {
     FAIL("unknown backend " << backend);
   }

@@ -4,13 +4,14 @@
 # run AOF with appendfsync always (what keel documents for idempotency
 # records); replication is Redis's own, asynchronous.
 #
-#   redis_pair.sh start <state-dir>          primary and replica, the replica
-#                                            in sync; writes <state-dir>/{primary,replica}/port
+#   redis_pair.sh start <state-dir> [2]      primary and replica (and replica2), the
+#                                            replicas in sync; writes <state-dir>/{primary,replica}/port
 #   redis_pair.sh cut-link <state-dir>       the replica follows an address where
 #                                            nothing listens (it keeps its data) and
 #                                            the primary drops its replica connections
 #   redis_pair.sh kill-primary <state-dir>   SIGKILL the primary
-#   redis_pair.sh promote <state-dir>        REPLICAOF NO ONE on the replica
+#   redis_pair.sh promote <state-dir>        REPLICAOF NO ONE on the replica (replica2, when
+#                                            there is one, then follows it, in sync before this returns)
 #   redis_pair.sh stop <state-dir>           stop both, delete <state-dir>
 #
 # TCP only, so <state-dir> may be any path.
@@ -57,12 +58,16 @@ case $cmd in
     start_node primary "$pport"
     sport=$(free_port)
     start_node replica "$sport" --replicaof 127.0.0.1 "$pport"
-    for _ in $(seq 1 600); do
-      cli "$sport" info replication | grep -q "master_link_status:up" && break
-      sleep 0.05
+    if [ "${3:-1}" = 2 ]; then start_node replica2 "$(free_port)" --replicaof 127.0.0.1 "$pport"; fi
+    for node in replica replica2; do
+      [ -f "$dir/$node/port" ] || continue
+      for _ in $(seq 1 600); do
+        cli "$(cat "$dir/$node/port")" info replication | grep -q "master_link_status:up" && break
+        sleep 0.05
+      done
+      cli "$(cat "$dir/$node/port")" info replication | grep -q "master_link_status:up" ||
+        { echo "redis_pair.sh: the $node's link is not up after 30 s" >&2; exit 1; }
     done
-    cli "$sport" info replication | grep -q "master_link_status:up" ||
-      { echo "redis_pair.sh: the replica's link is not up after 30 s" >&2; exit 1; }
     echo "redis_pair.sh: primary on 127.0.0.1:$pport, replica on 127.0.0.1:$sport ($dir)"
     ;;
   cut-link)
@@ -70,6 +75,7 @@ case $cmd in
     sport=$(cat "$dir/replica/port")
     # Port 1: nothing listens there, the replica's reconnections fail at once.
     cli "$sport" replicaof 127.0.0.1 1 >/dev/null
+    if [ -f "$dir/replica2/port" ]; then cli "$(cat "$dir/replica2/port")" replicaof 127.0.0.1 1 >/dev/null; fi
     cli "$pport" client kill type replica >/dev/null
     for _ in $(seq 1 200); do
       [ "$(cli "$pport" info replication | tr -d '\r' | sed -n 's/^connected_slaves://p')" = 0 ] && exit 0
@@ -84,16 +90,27 @@ case $cmd in
     while st=$(ps -o stat= -p "$pid") && [[ $st != Z* ]]; do sleep 0.02; done
     ;;
   promote)
-    cli "$(cat "$dir/replica/port")" replicaof no one >/dev/null
+    sport=$(cat "$dir/replica/port")
+    cli "$sport" replicaof no one >/dev/null
     for _ in $(seq 1 600); do
-      cli "$(cat "$dir/replica/port")" role | head -n 1 | grep -q master && exit 0
+      cli "$sport" role | head -n 1 | grep -q master && break
       sleep 0.05
     done
-    echo "redis_pair.sh: the replica is not a primary 30 s after REPLICAOF NO ONE" >&2
-    exit 1
+    cli "$sport" role | head -n 1 | grep -q master ||
+      { echo "redis_pair.sh: the replica is not a primary 30 s after REPLICAOF NO ONE" >&2; exit 1; }
+    if [ -f "$dir/replica2/port" ]; then
+      r2=$(cat "$dir/replica2/port")
+      cli "$r2" replicaof 127.0.0.1 "$sport" >/dev/null
+      for _ in $(seq 1 600); do
+        cli "$r2" info replication | grep -q "master_link_status:up" && exit 0
+        sleep 0.05
+      done
+      echo "redis_pair.sh: replica2 does not follow the new primary after 30 s" >&2
+      exit 1
+    fi
     ;;
   stop)
-    for node in primary replica; do
+    for node in primary replica replica2; do
       if [ -f "$dir/$node/port" ]; then cli "$(cat "$dir/$node/port")" shutdown nosave >/dev/null 2>&1 || true; fi
       if [ -f "$dir/$node/redis.pid" ]; then kill "$(cat "$dir/$node/redis.pid")" 2>/dev/null || true; fi
     done

@@ -315,7 +315,8 @@ struct verdict {
   int stale_decisions_refused_same_fence = 0;  // refused although the key's new holder has the stale fence
   int new_claims_at_used_fence = 0;  // a claim on the new primary got a fence already acknowledged to someone
   // Work keys whose lowest fence acknowledged after the promotion (phase
-  // C) is not above every fence acknowledged for them before (A, B, X).
+  // C) is not above every fence acknowledged for them before the failover
+  // began (A, B; an X claim may have been served by either primary).
   int fences_backwards = 0;
   std::string summary() const {
     std::string out;
@@ -354,7 +355,7 @@ verdict verify(Store& s, const acks& a, const std::string& stale_phase) {
     used[l.work].insert(l.fence);
     auto& [before, after] = span[l.work];
     if (l.phase == "C") after = after == 0 ? l.fence : std::min(after, l.fence);
-    else before = std::max(before, l.fence);
+    else if (l.phase != "X") before = std::max(before, l.fence);
   }
   for (const auto& [work, ba] : span)
     if (ba.second != 0 && ba.second <= ba.first) ++v.fences_backwards;

@@ -441,7 +441,7 @@ class shared_concurrency {
   friend class shared_permit;
 
   absl::StatusOr<std::unique_ptr<detail::redis_connection>> connect() {
-    return detail::redis_connection::connect(redis_.endpoint(), who_);
+    return detail::redis_connection::connect(endpoint_, who_);
   }
 
   [[nodiscard]] std::int64_t offset_us() const noexcept {
@@ -489,6 +489,7 @@ class shared_concurrency {
   }
 
   redis_options redis_;
+  detail::redis_endpoint endpoint_ = redis_.endpoint();  // made once: its connects share the primary hint
   shared_concurrency_options options_;
   std::string permits_key_, ids_key_;
   std::string who_;
