@@ -125,3 +125,60 @@ TEST_CASE("postgres failover, asynchronous standby with the link cut: what is lo
   CHECK(v.stale_writes > 0);
   CHECK(v.stale_writes_refused == v.stale_writes);
 }
+
+namespace {
+
+// A write that times out while the synchronous standby is gone: what keel
+// answers, and how long its session keeps waiting (SyncRep) in the server.
+// Returns the seconds the session was still seen waiting after keel's
+// answer, polled up to `watch`.
+double sync_rep_wait_after_timeout(bool end_abandoned, std::chrono::milliseconds watch) {
+  server_pair pair("postgres_pair.sh", "sync");
+  const std::string conninfo = pair.file("conninfo"), primary = pair.file("primary/port");
+  const std::string schema = fresh_schema();
+  auto s = keel::postgres_store::open({.conninfo = conninfo,
+                                       .schema = schema,
+                                       .pool_size = 2,
+                                       .connect_timeout = 1s,
+                                       .command_timeout = 1s,
+                                       .end_abandoned_writes = end_abandoned});
+  REQUIRE(s.ok());
+  {  // Two connections in the pool: one will be idle when the other's write is abandoned.
+    std::jthread other([&] { (void)(*s)->load_result("warm"); });
+    (void)(*s)->load_result("warm");
+  }
+  REQUIRE(pair.run("cut-link"));
+  const auto sent = std::chrono::steady_clock::now();
+  auto b = (*s)->begin(keel_failover::identity_of("k"), keel_failover::digest_of("k"), keel::owner_id::random(),
+                       {.lease = 10s, .retention = 1h});
+  const auto answered = std::chrono::steady_clock::now();
+  REQUIRE_FALSE(b.ok());
+  CHECK(keel::is_unknown_outcome(b.status()));  // it may have committed: it has, on the primary
+  CHECK(answered - sent < 1500ms);              // keel's command timeout, not the standby's absence
+  const std::string waiting =
+      "SELECT count(*)::text FROM pg_stat_activity WHERE wait_event = 'SyncRep' AND application_name LIKE 'keel/%'";
+  auto last_seen = answered;
+  const auto end = answered + watch;
+  while (std::chrono::steady_clock::now() < end) {
+    const std::string n = scalar(primary, waiting);
+    if (n == "0") break;
+    if (!n.empty()) last_seen = std::chrono::steady_clock::now();
+    std::this_thread::sleep_for(20ms);
+  }
+  return std::chrono::duration<double>(last_seen - answered).count();
+}
+
+}  // namespace
+
+TEST_CASE("postgres synchronous standby gone: a write keel gave up on does not wait on in the server",
+          "[failover][postgres]") {
+  // Without ending the session: still waiting on the standby 3 s after keel
+  // answered (statement_timeout, 2 s here, does not end a SyncRep wait).
+  const double left_alone = sync_rep_wait_after_timeout(false, 3s);
+  // Ended from an idle pooled connection right after the timeout.
+  const double ended = sync_rep_wait_after_timeout(true, 3s);
+  std::printf("postgres SyncRep wait after keel's unknown outcome: %.2f s left alone (watched 3 s), %.2f s ended\n",
+              left_alone, ended);
+  CHECK(left_alone > 2.5);
+  CHECK(ended < 0.5);
+}

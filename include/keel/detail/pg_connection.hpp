@@ -187,6 +187,8 @@ class pg_connection {
   // Never send on this session again (its state is unknown); a pool replaces it.
   void mark_broken() noexcept { broken_ = true; }
   [[nodiscard]] std::string_view who() const noexcept { return who_; }
+  // The last statement was abandoned at its timeout (its session may still run it).
+  [[nodiscard]] bool abandoned() const noexcept { return abandoned_; }
 
   // False when the server has closed this idle connection (it restarted, or
   // terminated the session): an idle connection has nothing to read, so any
@@ -383,6 +385,7 @@ class pg_connection {
     // closed instead; the server ends the abandoned statement when it sees
     // the client gone (client_connection_check_interval, set by the stores
     // where the server has it) or at statement_timeout, one second later.
+    abandoned_ = true;
     return failed(absl::StatusCode::kDeadlineExceeded, effect, what,
                   absl::StrCat("no answer within the command timeout of ", describe(timeout)));
   }
@@ -390,6 +393,7 @@ class pg_connection {
   std::unique_ptr<PGconn, pg_conn_closer> c_;
   std::string who_;
   bool broken_ = false;
+  bool abandoned_ = false;
   std::uint64_t sent_ = 0;
 };
 

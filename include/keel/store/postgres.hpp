@@ -115,6 +115,16 @@ struct postgres_options {
   // Every statement, from send to result; in [1 ms, 1 h]. The server's
   // statement_timeout is set one second longer (a backstop).
   duration command_timeout = std::chrono::seconds(5);
+  // A write abandoned at command_timeout has its server session ended
+  // (pg_terminate_backend from an idle pooled connection, within 250 ms,
+  // when one is idle). Without it, a commit waiting for a synchronous
+  // standby that is gone waits in the server (wait event SyncRep) until the
+  // standby is back, holding its row locks: neither statement_timeout nor
+  // the client's going away ends that wait. Ending it makes that commit
+  // visible on the primary while the standby lacks it (as any end of that
+  // wait does); keel answered unknown outcome for it, so nothing was
+  // acknowledged.
+  bool end_abandoned_writes = true;
   // Waiting for a free connection when all pool_size are lent; in [0, 1 h].
   duration acquire_timeout = std::chrono::seconds(5);
   // Create the schema and tables when missing. Off: a missing schema is FailedPrecondition.
@@ -665,7 +675,7 @@ class postgres_store {
   template <int N>
   absl::StatusOr<detail::pg_result> run(const char* stmt, const detail::pg_params<N>& p, detail::pg_effect effect) {
     return detail::pg_run_pooled(pool_, options_.acquire_timeout, options_.command_timeout, who_, round_trips_, stmt,
-                                 p, effect);
+                                 p, effect, options_.end_abandoned_writes);
   }
 
   // A fenced write on a record; `done_state` is the state a repeat of it
