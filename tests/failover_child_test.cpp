@@ -24,7 +24,10 @@ TEST_CASE("failover child process", "[.]") {
                                          .pool_size = threads,
                                          .connect_timeout = 1s,
                                          .command_timeout = 1s,
-                                         .acquire_timeout = 2s});
+                                         .acquire_timeout = 2s,
+                                         .fences = child_env("FENCES") == "from_clock"
+                                                       ? keel::postgres_fences::from_clock
+                                                       : keel::postgres_fences::sequential});
     REQUIRE(s.ok());
     REQUIRE(keel_failover::run_worker(**s) == 0);
   } else if (backend == "redis") {

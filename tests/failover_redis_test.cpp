@@ -11,8 +11,11 @@
 #include <cstdio>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "keel/store/redis.hpp"
+#include "keel/store/shared_concurrency.hpp"
+#include "keel/store/shared_quota.hpp"
 #include "support/catch.hpp"
 #include "support/failover.hpp"
 
@@ -140,4 +143,76 @@ TEST_CASE("redis failover, wait_replicas = 1: nothing acknowledged is lost", "[f
   CHECK(v.keys_decided_twice == 0);
   CHECK(v.fences_reused == 0);
   CHECK(v.fences_backwards == 0);
+}
+
+// The fleet-wide limits across a failover that loses the last writes: by
+// how much, and for how long, the fleet goes over.
+TEST_CASE("redis failover, fleet limits: over the limit by what the lost writes granted", "[failover][redis]") {
+  server_pair pair("redis_pair.sh", "1");
+  const int primary = std::stoi(pair.file("primary/port")), replica = std::stoi(pair.file("replica/port"));
+  keel::redis_options ro{.key_prefix = fresh_prefix(), .command_timeout = 1s};
+  ro.endpoints = {{.host = "127.0.0.1", .port = primary}, {.host = "127.0.0.1", .port = replica}};
+  keel::shared_concurrency fleet(ro, {.name = "m", .limit = 4, .permit_ttl = 30s, .fallback_hold = 0ms});
+  keel::shared_quota quota(ro, {.name = "q", .rate = 1, .per = 60s, .burst = 5, .fallback_rate = 1, .fallback_hold = 0ms});
+  auto now = [] { return keel::real_clock{}.now(); };
+  auto replicated = [&] {
+    return eventually(10s, [&] {
+      auto field = [](int port, const char* f) {
+        const std::string cmd = "redis-cli -p " + std::to_string(port) + " info replication | tr -d '\\r' | sed -n 's/^" +
+                                f + "://p'";
+        FILE* p = ::popen(cmd.c_str(), "r");
+        char buf[128] = {};
+        const bool got = p != nullptr && std::fgets(buf, sizeof buf, p) != nullptr;
+        if (p != nullptr) ::pclose(p);
+        return got ? std::string(buf) : std::string();
+      };
+      const std::string a = field(primary, "master_repl_offset"), b = field(replica, "slave_repl_offset");
+      return !a.empty() && a == b;
+    });
+  };
+  std::vector<keel::shared_permit> held;
+  for (int i = 0; i < 2; ++i) held.push_back(fleet.try_acquire(now()));
+  REQUIRE(quota.try_acquire(now()).granted);
+  REQUIRE(replicated());
+  REQUIRE(pair.run("cut-link"));
+  // The old primary grants the rest of the limit and of the burst; the replica never hears of it.
+  for (int i = 0; i < 2; ++i) held.push_back(fleet.try_acquire(now()));
+  for (const auto& p : held) REQUIRE((p && !p.local_share()));
+  REQUIRE_FALSE(fleet.try_acquire(now()));
+  int quota_before = 1;
+  while (quota.try_acquire(now()).granted) ++quota_before;
+  CHECK(quota_before == 5);
+  REQUIRE(pair.run("kill-primary"));
+  REQUIRE(pair.run("promote"));
+  const auto promoted = std::chrono::steady_clock::now();
+  // The first call after the kill may find its pooled connection dead (local share for it); then Redis again.
+  std::vector<keel::shared_permit> after;
+  REQUIRE(eventually(10s, [&] {
+    keel::shared_permit p = fleet.try_acquire(now());
+    const bool shared_answer = !p.local_share(), granted = static_cast<bool>(p);
+    if (granted && shared_answer) after.push_back(std::move(p));
+    return shared_answer && !granted && !after.empty();
+  }));
+  int quota_after = 0;
+  for (int i = 0; i < 50; ++i) {
+    const keel::shared_quota_decision d = quota.try_acquire(now());
+    if (d.source == keel::quota_source::shared && !d.granted) break;
+    if (d.source == keel::quota_source::shared) ++quota_after;
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - promoted).count();
+  // Live at once: the 4 the old primary granted (their calls still run) and what the new one grants.
+  const int live = static_cast<int>(held.size() + after.size());
+  std::printf("redis failover, fleet limits: %d permits live for a limit of 4 (%zu granted after the promotion); "
+              "%d quota units granted in %.2f s for a burst of 5 (%d before the failover, %d after)\n",
+              live, after.size(), quota_before + quota_after, took, quota_before, quota_after);
+  CHECK(after.size() == 2);  // the new primary knows only the 2 replicated permits
+  CHECK(live == 6);          // over by the 2 granted in the window, while their calls run
+  CHECK(quota_after == 4);   // the 4 units granted in the window are granted again
+  // The lost permits' releases find nothing: they cannot remove someone else's.
+  for (std::size_t i = 2; i < 4; ++i) {
+    auto r = held[i].release();
+    REQUIRE(r.ok());
+    CHECK(*r == keel::permit_release::not_held);
+  }
+  CHECK_FALSE(fleet.try_acquire(now()));  // and freed nothing: the new primary's 4 are still held
 }

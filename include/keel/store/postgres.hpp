@@ -102,6 +102,22 @@ namespace keel {
 // The schema version this keel reads and writes (table keel_meta).
 inline constexpr int postgres_schema_version = 1;
 
+// How a new owner's fence is made (docs/stores.md, rule 4; docs/scaleout.md,
+// "Failover").
+enum class postgres_fences {
+  // The previous fence + 1 (a key with no row: above the purge floor), as on
+  // every backend. After a failover to an asynchronous standby that lacks
+  // the last commits, a fence those commits handed out can be handed out again.
+  sequential,
+  // max(that, the server's clock in microseconds). A fence handed out by a
+  // primary whose commits a failover lost is then below every fence the
+  // promoted standby hands out later, as long as the standby's clock is not
+  // behind the old primary's by more than the failover took. Fences grow by
+  // more than 1 per owner (about 1.8e15); nothing else changes. With a
+  // synchronous standby nothing acknowledged is lost, and either mode holds.
+  from_clock,
+};
+
 struct postgres_options {
   // libpq connection string or URI ("host=... port=... dbname=... user=...").
   std::string conninfo{};
@@ -115,6 +131,10 @@ struct postgres_options {
   // Every statement, from send to result; in [1 ms, 1 h]. The server's
   // statement_timeout is set one second longer (a backstop).
   duration command_timeout = std::chrono::seconds(5);
+  // Waiting for a free connection when all pool_size are lent; in [0, 1 h].
+  duration acquire_timeout = std::chrono::seconds(5);
+  // Create the schema and tables when missing. Off: a missing schema is FailedPrecondition.
+  bool create_schema = true;
   // A write abandoned at command_timeout has its server session ended
   // (pg_terminate_backend from an idle pooled connection, within 250 ms,
   // when one is idle). Without it, a commit waiting for a synchronous
@@ -125,10 +145,8 @@ struct postgres_options {
   // wait does); keel answered unknown outcome for it, so nothing was
   // acknowledged.
   bool end_abandoned_writes = true;
-  // Waiting for a free connection when all pool_size are lent; in [0, 1 h].
-  duration acquire_timeout = std::chrono::seconds(5);
-  // Create the schema and tables when missing. Off: a missing schema is FailedPrecondition.
-  bool create_schema = true;
+  // How a new owner's fence is made (postgres_store; see postgres_fences).
+  postgres_fences fences = postgres_fences::sequential;
   // Tests only: nanoseconds added to the server's clock inside every
   // statement, shared by every store given the same pointer (the
   // conformance suite's `advance`). Leave empty in production.
@@ -292,10 +310,16 @@ struct pg_sql {
   static constexpr const char* first_fence =
       "(COALESCE((SELECT z.fence FROM $S.lease z WHERE z.work_key = '\\x00'::bytea), 0) + 1)";
 
-  static std::string make(std::string_view text, const std::string& schema, int offset_param) {
+  // from_clock (postgres_fences): every new owner's fence is at least the
+  // statement's time in microseconds.
+  static std::string make(std::string_view text, const std::string& schema, int offset_param, bool clock_fences = false) {
     const std::string off = absl::StrCat("$", offset_param);
     std::string clock_cte = absl::StrReplaceAll(clock, {{"$OFF", off}});
-    const std::string with_fence = absl::StrReplaceAll(to_absl(text), {{"FIRST_FENCE", first_fence}});
+    const std::string first = clock_fences ? absl::StrCat("greatest(", first_fence, ", NOW / 1000)") : first_fence;
+    const std::string with_fence = absl::StrReplaceAll(
+        to_absl(text), {{"FIRST_FENCE", first},
+                        {"r.fence + 1", clock_fences ? "greatest(r.fence + 1, NOW / 1000)" : "r.fence + 1"},
+                        {"l.fence + 1", clock_fences ? "greatest(l.fence + 1, NOW / 1000)" : "l.fence + 1"}});
     return absl::StrReplaceAll(with_fence, {{"CLOCK", clock_cte}, {"$S", schema}, {"NOW", "(SELECT now FROM clk)"}});
   }
 };
@@ -610,15 +634,16 @@ class postgres_store {
       std::vector<unsigned> types;
     };
     const std::string rec_match = S::record_match;
+    const bool clock_fences = options_.fences == postgres_fences::from_clock;
     const item items[] = {
-        {detail::pg_begin, S::make(S::begin, schema, 9), {b, b, b, b, b, i, i, b, i}},
+        {detail::pg_begin, S::make(S::begin, schema, 9, clock_fences), {b, b, b, b, b, i, i, b, i}},
         {detail::pg_extend, S::make(absl::StrCat(S::extend_head, rec_match, S::record_tail), schema, 7),
          {b, b, b, b, i, i, i}},
         {detail::pg_commit, S::make(absl::StrCat(S::commit_head, rec_match, S::record_tail), schema, 13),
          {b, b, b, b, i, b, b, b, b, i, b, i, i}},
         {detail::pg_abandon, S::make(absl::StrCat(S::abandon_head, rec_match, S::record_tail), schema, 6),
          {b, b, b, b, i, i}},
-        {detail::pg_claim, S::make(S::claim, schema, 4), {b, b, i, i}},
+        {detail::pg_claim, S::make(S::claim, schema, 4, clock_fences), {b, b, i, i}},
         {detail::pg_renew, S::make(absl::StrCat(S::renew_head, S::lease_tail), schema, 5), {b, b, i, i, i}},
         {detail::pg_release, S::make(absl::StrCat(S::release_head, S::lease_tail), schema, 4), {b, b, i, i}},
         {detail::pg_save, S::make(S::save, schema, 4), {b, b, i, i}},
