@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_split.h"
 #include "keel/store/postgres.hpp"
+#include "keel/store/postgres_jobs.hpp"
 #include "keel/store/redis.hpp"
 #include "support/catch.hpp"
 #include "support/failover.hpp"
@@ -29,7 +30,28 @@ TEST_CASE("failover child process", "[.]") {
                                                        ? keel::postgres_fences::from_clock
                                                        : keel::postgres_fences::sequential});
     REQUIRE(s.ok());
-    REQUIRE(keel_failover::run_worker(**s) == 0);
+    // The job store on the same server: every key submits a job (the same
+    // key from every thread: one is created), then one job is claimed and
+    // completed.
+    auto jobs = keel::postgres_job_store::open({.conninfo = child_env("CONNINFO"),
+                                                .schema = child_env("NS") + "_jobs",
+                                                .pool_size = threads,
+                                                .connect_timeout = 1s,
+                                                .command_timeout = 1s,
+                                                .acquire_timeout = 2s});
+    REQUIRE(jobs.ok());
+    auto job_step = [&](const std::string& phase, int n, std::ostream& log) {
+      const std::string key = "j-" + phase + "-" + std::to_string(n);
+      auto sub = (*jobs)->submit({.queue = "q", .tenant = "t", .key = key}, keel_failover::digest_of(key), key,
+                                 {.max_depth = 1'000'000});
+      if (sub.ok() && sub->created) log << "S " << phase << " " << sub->id << " " << key << "\n";
+      const keel::owner_id me = keel::owner_id::random();
+      auto c = (*jobs)->claim("q", me, 5s);
+      if (c.ok() && c->has_value() && (*jobs)->complete((*c)->id, (*c)->ownership, "done").ok())
+        log << "J " << phase << " " << (*c)->id << " " << me.hex() << " " << (*c)->ownership.fence << " " << (*c)->key
+            << "\n";
+    };
+    REQUIRE(keel_failover::run_worker(**s, job_step) == 0);
   } else if (backend == "redis") {
     keel::redis_options o{.key_prefix = child_env("NS"),
                           .pool_size = threads,

@@ -8,12 +8,14 @@
 // are still refused.
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <string>
 #include <thread>
 
 #include <libpq-fe.h>
 
 #include "keel/store/postgres.hpp"
+#include "keel/store/postgres_jobs.hpp"
 #include "support/catch.hpp"
 #include "support/failover.hpp"
 
@@ -65,6 +67,53 @@ bool eventually(std::chrono::milliseconds limit, Done done) {
   return true;
 }
 
+// What became of the acknowledged job submissions and completions.
+struct job_figures {
+  std::map<std::string, std::pair<int, int>> submitted;  // phase -> (acknowledged, found with its key)
+  std::map<std::string, std::pair<int, int>> completed;  // phase -> (acknowledged, found done)
+  int ids_reused = 0;       // a job id acknowledged for two different keys
+  int stale_completes = 0;  // completions of lost jobs sent again
+  int stale_completes_refused = 0;
+  std::string summary() const {
+    std::string out;
+    for (const auto& [p, f] : submitted) absl::StrAppend(&out, p, ": ", f.second, "/", f.first, " submissions kept; ");
+    for (const auto& [p, f] : completed) absl::StrAppend(&out, p, ": ", f.second, "/", f.first, " completions kept; ");
+    absl::StrAppend(&out, "job ids reused for another key ", ids_reused, ", stale completions refused ",
+                    stale_completes_refused, "/", stale_completes);
+    return out;
+  }
+};
+
+job_figures verify_jobs(keel::postgres_job_store& jobs, const keel_failover::acks& a, const std::string& stale_phase) {
+  job_figures f;
+  std::map<std::int64_t, std::string> key_of;
+  for (const auto& j : a.jobs) {
+    if (j.kind != 'S') continue;
+    auto [it, fresh] = key_of.emplace(j.id, j.key_or_owner);
+    if (!fresh && it->second != j.key_or_owner) ++f.ids_reused;
+  }
+  for (const auto& j : a.jobs) {
+    auto info = jobs.get(j.id);
+    const bool there = info.ok() && info->has_value();
+    if (j.kind == 'S') {
+      auto& [acked, kept] = f.submitted[j.phase];
+      ++acked;
+      if (there && (*info)->key == j.key_or_owner) ++kept;
+    } else {
+      auto& [acked, kept] = f.completed[j.phase];
+      ++acked;
+      if (there && (*info)->key == j.key && (*info)->state == keel::job_state::done && (*info)->fence == j.fence) ++kept;
+      if (j.phase == stale_phase) {
+        ++f.stale_completes;
+        const absl::Status st =
+            jobs.complete(j.id, {*keel::owner_id::from_hex(j.key_or_owner), j.fence}, "stale");
+        if (keel::is_lost_ownership(st)) ++f.stale_completes_refused;
+      }
+    }
+  }
+  return f;
+}
+
 keel_failover::verdict fail_over(const std::string& mode,
                                  keel::postgres_fences fences = keel::postgres_fences::sequential) {
   const bool clock = fences == keel::postgres_fences::from_clock;
@@ -103,6 +152,21 @@ keel_failover::verdict fail_over(const std::string& mode,
   keel_failover::verdict v = keel_failover::verify(*s, a, mode == "async" ? "B" : "");
   std::printf("postgres %s failover (%s fences): %s\n", mode.c_str(), clock ? "clock" : "sequential",
               v.summary().c_str());
+  auto jobs = keel::postgres_job_store::open({.conninfo = conninfo, .schema = schema + "_jobs", .command_timeout = 2s});
+  REQUIRE(jobs.ok());
+  job_figures jf = verify_jobs(**jobs, a, mode == "async" ? "B" : "");
+  std::printf("postgres %s failover, jobs: %s\n", mode.c_str(), jf.summary().c_str());
+  INFO(jf.summary());
+  for (const auto& [phase, f] : jf.submitted) {
+    if (mode == "sync" || phase == "A" || phase == "C") CHECK(f.second == f.first);
+    if (phase == "B") CHECK(f.second <= f.first);
+  }
+  for (const auto& [phase, f] : jf.completed)
+    if (mode == "sync" || phase == "A" || phase == "C") CHECK(f.second == f.first);
+  if (mode == "sync") CHECK(jf.ids_reused == 0);
+  if (mode == "async") CHECK(jf.completed["B"].second == 0);  // lost with the cut
+  CHECK(jf.stale_completes_refused == jf.stale_completes);
+  REQUIRE(jf.completed.count("C") == 1);
   return v;
 }
 

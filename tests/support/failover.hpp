@@ -21,6 +21,8 @@
 //
 //   D <phase> <key> <decision id> <fence> <owner hex> <replayed 0/1>   keel::once returned a decision
 //   L <phase> <work key> <owner hex> <fence>                            claim() acquired a lease
+//   S <phase> <job id> <job key>                  a job store's submit() created a job (PostgreSQL)
+//   J <phase> <job id> <owner hex> <fence> <key>  a claimed job's complete() succeeded
 #pragma once
 
 #include <sys/stat.h>
@@ -114,8 +116,11 @@ inline bool file_exists(const std::string& p) {
 // key sequence (so every key is contested by every thread of every
 // process), deciding it through keel::once and then claiming and releasing
 // one of LEASES work keys. Store is any keel store with both contracts.
+// `extra(phase, n, log)`, when given, runs after each key's lease (the job
+// store's part).
 template <class Store>
-int run_worker(Store& store) {
+int run_worker(Store& store,
+               std::function<void(const std::string&, int, std::ostream&)> extra = {}) {
   const std::string phase_path = child_env("PHASE"), out_path = child_env("OUT");
   const int threads = std::stoi(child_env("THREADS"));
   const int leases = std::stoi(child_env("LEASES"));
@@ -159,6 +164,7 @@ int run_worker(Store& store) {
             log << "L " << phase << " " << work << " " << me.hex() << " " << c->ownership.fence << "\n";
             (void)store.release(work, c->ownership);
           }
+          if (extra) extra(phase, n, log);
         }
         logs[static_cast<std::size_t>(t)] = log.str();
       });
@@ -191,9 +197,19 @@ struct lease_ack {
   std::int64_t fence = 0;
 };
 
+struct job_ack {
+  char kind = 'S';  // S submitted (created), J completed
+  std::string phase;
+  std::int64_t id = 0;
+  std::string key_or_owner;
+  std::int64_t fence = 0;
+  std::string key;  // J: the job's key
+};
+
 struct acks {
   std::vector<decision_ack> decisions;
   std::vector<lease_ack> leases;
+  std::vector<job_ack> jobs;
   bool complete = true;  // every worker's log ended with "end"
 };
 
@@ -217,6 +233,12 @@ inline acks parse_logs(const std::vector<std::string>& paths) {
         lease_ack l;
         f >> l.phase >> l.work >> l.owner >> l.fence;
         a.leases.push_back(l);
+      } else if (kind == "S" || kind == "J") {
+        job_ack j;
+        j.kind = kind[0];
+        f >> j.phase >> j.id >> j.key_or_owner;
+        if (j.kind == 'J') f >> j.fence >> j.key;
+        a.jobs.push_back(j);
       } else if (kind == "end") {
         ended = true;
       }
