@@ -33,7 +33,17 @@
 //     the session; it sends no cancel request, which would block against a
 //     frozen server), with the server's statement_timeout one second longer
 //     and, on PostgreSQL 14 and later, client_connection_check_interval as
-//     backstops that stop a statement whose client gave up or vanished.
+//     backstops that stop a statement whose client gave up or vanished;
+//     a write abandoned at its timeout also has its session ended
+//     (pg_terminate_backend from an idle pooled connection:
+//     end_abandoned_writes), since a commit waiting for a synchronous
+//     standby ignores both;
+//   - failover: give a multi-host conninfo ("host=a,b port=5432,5432
+//     target_session_attrs=read-write") and each new connection goes to the
+//     server that accepts writes; with a synchronous standby nothing
+//     acknowledged is lost, with an asynchronous one what it had not received
+//     is, and fences = postgres_fences::from_clock keeps a fence from ever
+//     being handed out twice (docs/scaleout.md, "Failover").
 //
 // Values always travel as bound parameters (binary format); the only text
 // put into a statement is the schema name, validated ([a-z_][a-z0-9_]*, at

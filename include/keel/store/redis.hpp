@@ -29,12 +29,17 @@
 // the last snapshot). durability() reports what the server said at open;
 // require_aof_always refuses to open on anything weaker. Replication is
 // asynchronous: after a failover the new primary may lack the last writes —
-// a lease or an in-flight claim may vanish and be granted again: a key the
-// replica lacks starts again from the clock (above its lost fences), but
-// a key the replica has at an older state continues from that state's
-// fence, which the lost writes may already have used. Fencing tokens protect
-// downstream systems only if they reject a fence they have already seen
-// superseded; see docs/scaleout.md.
+// a decision may be made again, a lease or an in-flight claim may vanish
+// and be granted again, and with sequential fences a key the replica has at
+// an older state continues from that state's fence, which the lost writes
+// may already have used. keel's owner check still refuses the stale holder;
+// for downstream fence checks choose fences = redis_fences::from_clock (a
+// fence is never handed out twice), and for decisions wait_replicas (the
+// script, a PUBLISH and WAIT in one round trip: nothing acknowledged is
+// lost; too few replicas is unknown_outcome). With several servers in
+// `endpoints` each connection goes to the one answering ROLE as primary, so
+// the store follows a promotion by itself. docs/scaleout.md, "Failover",
+// has what each combination keeps, measured.
 //
 // Values and keys always travel as command arguments (never in script text).
 //
