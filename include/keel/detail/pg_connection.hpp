@@ -40,6 +40,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include <libpq-fe.h>
 
@@ -200,7 +201,18 @@ class pg_connection {
     return r == 0;
   }
 
+  // From now on prepare() keeps the statement here and exec_prepared() sends
+  // its text with every execution (an unnamed statement): for a pooler in
+  // transaction mode (PgBouncer), where consecutive statements may run on
+  // different server connections and a statement prepared on one is unknown
+  // on the others.
+  void keep_statements_unprepared() noexcept { unprepared_ = true; }
+
   [[nodiscard]] absl::Status prepare(const char* name, std::string_view sql, int nparams, const unsigned* types) {
+    if (unprepared_) {
+      kept_.push_back({name, std::string(sql), std::vector<unsigned>(types, types + nparams)});
+      return absl::OkStatus();
+    }
     const std::string text(sql);
     return status_of(run(
         [&] {
@@ -212,6 +224,18 @@ class pg_connection {
   template <int N>
   [[nodiscard]] absl::StatusOr<pg_result> exec_prepared(const char* name, const pg_params<N>& p, pg_effect effect,
                                                         duration timeout) {
+    if (unprepared_) {
+      const kept_statement* k = nullptr;
+      for (const kept_statement& e : kept_)
+        if (std::string_view(e.name) == name) k = &e;
+      if (k == nullptr) return absl::InternalError(absl::StrCat("keel: ", to_absl(who_), ": no statement ", name));
+      return run(
+          [&] {
+            return PQsendQueryParams(c_.get(), k->sql.c_str(), p.size(), reinterpret_cast<const Oid*>(k->types.data()),
+                                     p.values(), p.lengths(), p.formats(), /*resultFormat=*/1);
+          },
+          effect, timeout, name);
+    }
     return run(
         [&] {
           return PQsendQueryPrepared(c_.get(), name, p.size(), p.values(), p.lengths(), p.formats(),
@@ -390,10 +414,18 @@ class pg_connection {
                   absl::StrCat("no answer within the command timeout of ", describe(timeout)));
   }
 
+  struct kept_statement {
+    const char* name;
+    std::string sql;
+    std::vector<unsigned> types;
+  };
+
   std::unique_ptr<PGconn, pg_conn_closer> c_;
   std::string who_;
   bool broken_ = false;
   bool abandoned_ = false;
+  bool unprepared_ = false;
+  std::vector<kept_statement> kept_;
   std::uint64_t sent_ = 0;
 };
 

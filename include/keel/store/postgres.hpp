@@ -128,6 +128,24 @@ enum class postgres_fences {
   from_clock,
 };
 
+// What sits between keel and the server.
+enum class postgres_pooling {
+  // keel's sessions are its own (a direct connection, or a pooler in
+  // session mode): each statement is prepared once per connection, and the
+  // session carries statement_timeout and client_connection_check_interval
+  // as backstops.
+  session,
+  // A pooler in transaction mode (PgBouncer's pool_mode = transaction, the
+  // usual way fleets run it): consecutive statements of one keel connection
+  // may run on different server connections. Every statement is sent with
+  // its text (an unnamed statement; a prepared one would exist on one server
+  // connection only), nothing is set on the session (give the role a
+  // statement_timeout instead: ALTER ROLE ... SET statement_timeout = '6s'),
+  // and abandoned writes are not ended (the backend behind keel's connection
+  // changes). Costs the statement's parse and plan on every execution.
+  transaction,
+};
+
 struct postgres_options {
   // libpq connection string or URI ("host=... port=... dbname=... user=...").
   std::string conninfo{};
@@ -157,6 +175,8 @@ struct postgres_options {
   bool end_abandoned_writes = true;
   // How a new owner's fence is made (postgres_store; see postgres_fences).
   postgres_fences fences = postgres_fences::sequential;
+  // A pooler in transaction mode between keel and the server? (postgres_pooling)
+  postgres_pooling pooling = postgres_pooling::session;
   // Tests only: nanoseconds added to the server's clock inside every
   // statement, shared by every store given the same pointer (the
   // conformance suite's `advance`). Leave empty in production.
@@ -630,11 +650,15 @@ class postgres_store {
         detail::pg_connection::connect(options_.conninfo, options_.connect_timeout, application_name(), who_);
     if (!c.ok()) return c.status();
     detail::pg_connection& conn = **c;
-    // The client's timeout fires first (it gives up and knows why); the
-    // server's stop statements whose client has gone.
-    if (absl::Status s = conn.set_backstops(options_.command_timeout + std::chrono::seconds(1), options_.command_timeout);
-        !s.ok())
+    if (options_.pooling == postgres_pooling::transaction) {
+      conn.keep_statements_unprepared();  // and no session settings: the next statement may be on another session
+    } else if (absl::Status s = conn.set_backstops(options_.command_timeout + std::chrono::seconds(1),
+                                                   options_.command_timeout);
+               !s.ok()) {
+      // The client's timeout fires first (it gives up and knows why); the
+      // server's stop statements whose client has gone.
       return s;
+    }
     const std::string schema = conn.quote_identifier(options_.schema);
     using S = detail::pg_sql;
     constexpr unsigned b = detail::pg_bytea_oid, i = detail::pg_int8_oid;
@@ -710,7 +734,8 @@ class postgres_store {
   template <int N>
   absl::StatusOr<detail::pg_result> run(const char* stmt, const detail::pg_params<N>& p, detail::pg_effect effect) {
     return detail::pg_run_pooled(pool_, options_.acquire_timeout, options_.command_timeout, who_, round_trips_, stmt,
-                                 p, effect, options_.end_abandoned_writes);
+                                 p, effect,
+                                 options_.end_abandoned_writes && options_.pooling == postgres_pooling::session);
   }
 
   // A fenced write on a record; `done_state` is the state a repeat of it
