@@ -2,6 +2,8 @@
 // binary re-executed, running only this hidden test case, on the backend
 // KEEL_FAILOVER_BACKEND names.
 #include <chrono>
+#include <cstdio>
+#include <thread>
 #include <memory>
 #include <string>
 #include <vector>
@@ -67,6 +69,25 @@ TEST_CASE("failover child process", "[.]") {
     auto s = keel::redis_store::open(std::move(o));
     REQUIRE(s.ok());
     REQUIRE(keel_failover::run_worker(**s) == 0);
+  } else if (backend == "taker") {
+    // tests/failover_partition_test.cpp: inside the namespace, take the
+    // lease over once it expires, say so on stdout, release it.
+    auto s = keel::redis_store::open({.host = child_env("HOST"), .key_prefix = "part:"});
+    REQUIRE(s.ok());
+    const keel::owner_id me = keel::owner_id::random();
+    const auto end = std::chrono::steady_clock::now() + 20s;
+    for (;;) {
+      auto c = (*s)->claim("report", me, 5s);
+      REQUIRE(c.ok());
+      if (c->acquired) {
+        std::printf("acquired %lld\n", static_cast<long long>(c->ownership.fence));
+        std::fflush(stdout);
+        REQUIRE((*s)->release("report", c->ownership).ok());
+        break;
+      }
+      REQUIRE(std::chrono::steady_clock::now() < end);
+      std::this_thread::sleep_for(20ms);
+    }
   } else {
     FAIL("unknown backend " << backend);
   }
