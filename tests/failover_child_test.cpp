@@ -18,6 +18,30 @@
 using keel_failover::child_env;
 using namespace std::chrono_literals;
 
+namespace {
+
+// tests/failover_partition_test.cpp: inside the namespace, take the lease
+// over once it expires, say so on stdout, release it.
+template <class Store>
+void take_over(Store& s) {
+  const keel::owner_id me = keel::owner_id::random();
+  const auto end = std::chrono::steady_clock::now() + 20s;
+  for (;;) {
+    auto c = s.claim("report", me, 5s);
+    REQUIRE(c.ok());
+    if (c->acquired) {
+      std::printf("acquired %lld\n", static_cast<long long>(c->ownership.fence));
+      std::fflush(stdout);
+      REQUIRE(s.release("report", c->ownership).ok());
+      return;
+    }
+    REQUIRE(std::chrono::steady_clock::now() < end);
+    std::this_thread::sleep_for(20ms);
+  }
+}
+
+}  // namespace
+
 TEST_CASE("failover child process", "[.]") {
   const std::string backend = child_env("BACKEND");
   const int threads = std::stoi(child_env("THREADS"));
@@ -70,25 +94,18 @@ TEST_CASE("failover child process", "[.]") {
     REQUIRE(s.ok());
     REQUIRE(keel_failover::run_worker(**s) == 0);
   } else if (backend == "taker") {
-    // tests/failover_partition_test.cpp: inside the namespace, take the
-    // lease over once it expires, say so on stdout, release it.
-    auto s = keel::redis_store::open({.host = child_env("HOST"), .key_prefix = "part:"});
-    REQUIRE(s.ok());
-    const keel::owner_id me = keel::owner_id::random();
-    const auto end = std::chrono::steady_clock::now() + 20s;
-    for (;;) {
-      auto c = (*s)->claim("report", me, 5s);
-      REQUIRE(c.ok());
-      if (c->acquired) {
-        std::printf("acquired %lld\n", static_cast<long long>(c->ownership.fence));
-        std::fflush(stdout);
-        REQUIRE((*s)->release("report", c->ownership).ok());
-        break;
-      }
-      REQUIRE(std::chrono::steady_clock::now() < end);
-      std::this_thread::sleep_for(20ms);
+    if (child_env("KIND") == "postgres") {
+      auto s = keel::postgres_store::open(
+          {.conninfo = "host=" + child_env("HOST") + " port=5432 user=keel dbname=postgres", .schema = "part"});
+      REQUIRE(s.ok());
+      take_over(**s);
+    } else {
+      auto s = keel::redis_store::open({.host = child_env("HOST"), .key_prefix = "part:"});
+      REQUIRE(s.ok());
+      take_over(**s);
     }
   } else {
     FAIL("unknown backend " << backend);
   }
 }
+

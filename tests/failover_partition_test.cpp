@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "keel/durable/lease.hpp"
+#include "keel/store/postgres.hpp"
 #include "keel/store/redis.hpp"
 #include "support/catch.hpp"
 #include "support/child_program.hpp"
@@ -35,8 +36,8 @@ std::string self_exe() {
 
 class partition {
  public:
-  partition() : dir_(root_.path() + "/net") {
-    if (!keel_failover::control("partition.sh", "start", dir_))
+  explicit partition(const std::string& with = {}) : dir_(root_.path() + "/net") {
+    if (!keel_failover::control("partition.sh", "start", dir_, with))
       throw std::runtime_error("partition.sh start failed: " + keel_test::read_file(dir_ + ".log"));
   }
   ~partition() { (void)keel_failover::control("partition.sh", "stop", dir_); }
@@ -52,30 +53,16 @@ class partition {
   std::string dir_;
 };
 
-}  // namespace
-
-TEST_CASE("partition from Redis: the holder stops within its lease, the taker's fence is higher, late writes refused",
-          "[failover][partition]") {
-  if (::geteuid() != 0) {
-    WARN("network namespaces need root: not run");
-    return;
-  }
-  partition net;
-  keel::redis_options o{.host = net.ns_ip(),
-                        .key_prefix = "part:",
-                        .connect_timeout = 200ms,
-                        .command_timeout = 200ms,
-                        .acquire_timeout = 200ms};
-  auto a = keel::redis_store::open(o);
-  REQUIRE(a.ok());
+template <class Store>
+void holder_partitioned(const char* what, partition& net, Store& store, const std::string& taker_kind) {
   constexpr keel::duration ttl = 1500ms;
   const keel::time_point confirmed = keel::real_clock{}.now();  // read before the claim is sent
-  auto held = (*a)->claim("report", keel::owner_id::random(), ttl);
+  auto held = store.claim("report", keel::owner_id::random(), ttl);
   REQUIRE(held.ok());
   REQUIRE(held->acquired);
   std::stop_source work;
   keel::lease_keeper keeper(
-      "report", [&](keel::duration t) { return (*a)->renew("report", held->ownership, t); }, work, confirmed,
+      "report", [&](keel::duration t) { return store.renew("report", held->ownership, t); }, work, confirmed,
       {.ttl = ttl});
   std::this_thread::sleep_for(700ms);  // a renewal or two go through first
   REQUIRE_FALSE(work.stop_requested());
@@ -84,7 +71,6 @@ TEST_CASE("partition from Redis: the holder stops within its lease, the taker's 
   REQUIRE(net.cut());
   // The holder's keeper fails to renew, and stops the work before its last
   // confirmed lease ends (margin ttl / 10): within ttl of the cut at most.
-  REQUIRE(keel_failover::file_exists("/proc/self/exe"));
   const auto limit = cut_at + 5s;
   while (!work.stop_requested() && std::chrono::steady_clock::now() < limit) std::this_thread::sleep_for(5ms);
   const auto noticed = std::chrono::steady_clock::now() - cut_at;
@@ -95,8 +81,8 @@ TEST_CASE("partition from Redis: the holder stops within its lease, the taker's 
   // A worker on the store's side of the cut takes the lease over once it
   // has expired on the server's clock.
   keel_test::child_program taker({"/usr/sbin/ip", "netns", "exec", net.ns(), "env", "KEEL_FAILOVER_BACKEND=taker",
-                                  "KEEL_FAILOVER_THREADS=1", "KEEL_FAILOVER_HOST=" + net.ns_ip(), self_exe(),
-                                  "failover child process"});
+                                  "KEEL_FAILOVER_THREADS=1", "KEEL_FAILOVER_KIND=" + taker_kind,
+                                  "KEEL_FAILOVER_HOST=" + net.ns_ip(), self_exe(), "failover child process"});
   std::optional<std::string> line;
   for (int i = 0; i < 20; ++i) {
     line = taker.read_line(10s);
@@ -110,10 +96,54 @@ TEST_CASE("partition from Redis: the holder stops within its lease, the taker's 
 
   // Healed: the old holder's late writes are refused.
   REQUIRE(net.heal());
-  CHECK(keel::is_lost_ownership((*a)->renew("report", held->ownership, ttl)));
-  CHECK(keel::is_lost_ownership((*a)->release("report", held->ownership)));
-  std::printf("partition from Redis: holder stopped %.0f ms after the cut (lease %lld ms); fences %lld -> %lld\n",
+  const auto refused = [&](auto op) {
+    // The first statement after the heal may meet a connection the cut broke: not an answer.
+    for (int i = 0; i < 5; ++i) {
+      const absl::Status s = op();
+      if (keel::is_lost_ownership(s)) return true;
+      if (s.ok()) return false;
+    }
+    return false;
+  };
+  CHECK(refused([&] { return store.renew("report", held->ownership, ttl); }));
+  CHECK(refused([&] { return store.release("report", held->ownership); }));
+  std::printf("partition from %s: holder stopped %.0f ms after the cut (lease %lld ms); fences %lld -> %lld\n", what,
               std::chrono::duration<double, std::milli>(noticed).count(),
               static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(ttl).count()),
               static_cast<long long>(held->ownership.fence), static_cast<long long>(taker_fence));
+}
+
+}  // namespace
+
+TEST_CASE("partition from Redis: the holder stops within its lease, the taker's fence is higher, late writes refused",
+          "[failover][partition]") {
+  if (::geteuid() != 0) {
+    WARN("network namespaces need root: not run");
+    return;
+  }
+  partition net;
+  auto a = keel::redis_store::open({.host = net.ns_ip(),
+                                    .key_prefix = "part:",
+                                    .connect_timeout = 200ms,
+                                    .command_timeout = 200ms,
+                                    .acquire_timeout = 200ms});
+  REQUIRE(a.ok());
+  holder_partitioned("Redis", net, **a, "redis");
+}
+
+TEST_CASE("partition from PostgreSQL: the holder stops within its lease, the taker's fence is higher, late writes refused",
+          "[failover][partition]") {
+  if (::geteuid() != 0) {
+    WARN("network namespaces need root: not run");
+    return;
+  }
+  partition net("postgres");
+  auto a = keel::postgres_store::open({.conninfo = "host=" + net.ns_ip() + " port=5432 user=keel dbname=postgres",
+                                       .schema = "part",
+                                       .pool_size = 2,
+                                       .connect_timeout = 1s,
+                                       .command_timeout = 200ms,
+                                       .acquire_timeout = 200ms});
+  REQUIRE(a.ok());
+  holder_partitioned("PostgreSQL", net, **a, "postgres");
 }

@@ -4,8 +4,10 @@
 # (ip netns). Traffic stays on the pair: 10.<a>.<b>.1 on the host's side,
 # 10.<a>.<b>.2 inside, a /30 no other interface uses.
 #
-#   partition.sh start <state-dir>   make the namespace and the pair, start Redis on
-#                                    10.a.b.2:6379 inside; write <state-dir>/{ns,host_ip,ns_ip}
+#   partition.sh start <state-dir> [postgres]
+#                                    make the namespace and the pair, start Redis on
+#                                    10.a.b.2:6379 inside (and PostgreSQL on 10.a.b.2:5432, data
+#                                    in a mktemp directory); write <state-dir>/{ns,host_ip,ns_ip}
 #   partition.sh cut   <state-dir>   nothing passes either way: a blackhole route to the other
 #                                    end on each side (more specific than the pair's /30; taking
 #                                    the link down instead would send the host's packets to its
@@ -41,6 +43,18 @@ case $cmd in
     ip -n "$ns" link set lo up
     ip netns exec "$ns" redis-server --bind "$ns_ip" --port 6379 --dir "$dir" --daemonize yes \
       --pidfile "$dir/redis.pid" --logfile "$dir/redis.log" --save "" --appendonly no --protected-mode no >/dev/null
+    if [ "${3:-}" = postgres ]; then
+      bindir=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+      run=$(mktemp -d "${TMPDIR:-/tmp}/keel-partpg.XXXXXX")
+      echo "$run" >"$dir/pg_run"
+      chown postgres "$run"
+      runuser -u postgres -- "$bindir/initdb" -D "$run/data" -U keel --auth=trust -E UTF8 --no-sync >"$run/initdb.log" 2>&1 ||
+        { echo "partition.sh: initdb failed" >&2; cat "$run/initdb.log" >&2; exit 1; }
+      printf 'host all all %s/32 trust\nhost all all %s/32 trust\n' "$host_ip" "$ns_ip" >>"$run/data/pg_hba.conf"
+      ip netns exec "$ns" runuser -u postgres -- "$bindir/pg_ctl" -D "$run/data" -l "$run/server.log" -w -t 60 \
+        -o "-p 5432 -c listen_addresses=$ns_ip -c unix_socket_directories='' -c fsync=off" start >"$run/pg_ctl.out" 2>&1 ||
+        { echo "partition.sh: PostgreSQL did not start" >&2; cat "$run/server.log" "$run/pg_ctl.out" >&2; exit 1; }
+    fi
     for _ in $(seq 1 200); do
       redis-cli -h "$ns_ip" -p 6379 ping 2>/dev/null | grep -q PONG && {
         echo "partition.sh: Redis on $ns_ip:6379 in namespace $ns, host side $host_ip"
@@ -69,6 +83,12 @@ case $cmd in
     ;;
   stop)
     if [ -f "$dir/ns_ip" ]; then ip route del blackhole "$(cat "$dir/ns_ip")/32" 2>/dev/null || true; fi
+    if [ -f "$dir/pg_run" ]; then
+      run=$(cat "$dir/pg_run")
+      bindir=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+      [ -d "$run/data" ] && runuser -u postgres -- "$bindir/pg_ctl" -D "$run/data" -m immediate -w stop >/dev/null 2>&1 || true
+      case $run in */keel-partpg.*) rm -rf "$run" ;; esac
+    fi
     if [ -f "$dir/redis.pid" ]; then kill "$(cat "$dir/redis.pid")" 2>/dev/null || true; fi
     if [ -f "$dir/ns" ]; then ip netns delete "$(cat "$dir/ns")" 2>/dev/null || true; fi
     if [ -f "$dir/host_if" ]; then ip link delete "$(cat "$dir/host_if")" 2>/dev/null || true; fi
