@@ -43,9 +43,6 @@
 
 namespace keel::detail {
 
-// One operation: a pooled connection (replaced if the server closed it while
-// idle), one prepared statement under the command timeout. A connection the
-// statement broke goes back marked broken and is not lent again.
 // Ends the server session `pid` (pg_terminate_backend) from an idle pooled
 // connection, if one is idle, within min(command_timeout, 250 ms): a write
 // abandoned at its timeout must not run on in the server, holding its row
@@ -65,8 +62,12 @@ inline void pg_end_session(client_pool<pg_connection>& pool, int pid, duration c
   if ((*side)->broken()) side->mark_broken();
 }
 
+// One operation: a pooled connection (replaced if the server closed it while
+// idle), one prepared statement under the command timeout. A connection the
+// statement broke goes back marked broken and is not lent again.
 // `end_abandoned`: a write abandoned at command_timeout has its server
-// session ended (pg_end_session).
+// session ended (pg_end_session), which delays the caller's answer by at
+// most 250 ms.
 template <int N>
 absl::StatusOr<pg_result> pg_run_pooled(client_pool<pg_connection>& pool, duration acquire_timeout,
                                         duration command_timeout, std::string_view who,

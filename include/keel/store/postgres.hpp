@@ -171,7 +171,7 @@ struct postgres_options {
   // the client's going away ends that wait. Ending it makes that commit
   // visible on the primary while the standby lacks it (as any end of that
   // wait does); keel answered unknown outcome for it, so nothing was
-  // acknowledged.
+  // acknowledged. The answer comes at most 250 ms after command_timeout.
   bool end_abandoned_writes = true;
   // How a new owner's fence is made (postgres_store; see postgres_fences).
   postgres_fences fences = postgres_fences::sequential;
