@@ -154,7 +154,9 @@ struct postgres_options {
   std::string schema = "keel";
   // Connections at most; in [1, 1000].
   int pool_size = 8;
-  // Connecting, per attempt; in [1 s, 1 h] (libpq counts whole seconds, at least 2).
+  // Connecting, per host, to the millisecond (keel's own deadline around
+  // libpq's non-blocking connect; libpq alone counts whole seconds, at
+  // least 2); in [1 ms, 1 h].
   duration connect_timeout = std::chrono::seconds(5);
   // Every statement, from send to result; in [1 ms, 1 h]. The server's
   // statement_timeout is set one second longer (a backstop).
@@ -193,8 +195,8 @@ struct postgres_options {
       if (!ok) return detail::invalid_field(who, "schema", "match [a-z_][a-z0-9_]*", absl::StrCat("\"", schema, "\""));
     }
     if (pool_size < 1 || pool_size > 1000) return detail::invalid_field(who, "pool_size", "be in [1, 1000]", pool_size);
-    if (connect_timeout < std::chrono::seconds(1) || connect_timeout > std::chrono::hours(1))
-      return detail::invalid_field(who, "connect_timeout", "be in [1s, 1h]", connect_timeout);
+    if (connect_timeout < std::chrono::milliseconds(1) || connect_timeout > std::chrono::hours(1))
+      return detail::invalid_field(who, "connect_timeout", "be in [1ms, 1h]", connect_timeout);
     if (command_timeout < std::chrono::milliseconds(1) || command_timeout > std::chrono::hours(1))
       return detail::invalid_field(who, "command_timeout", "be in [1ms, 1h]", command_timeout);
     if (acquire_timeout < duration::zero() || acquire_timeout > std::chrono::hours(1))
