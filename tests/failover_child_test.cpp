@@ -12,6 +12,7 @@
 #include "keel/store/postgres.hpp"
 #include "keel/store/postgres_jobs.hpp"
 #include "keel/store/redis.hpp"
+#include "keel/store/shared_concurrency.hpp"
 #include "support/catch.hpp"
 #include "support/failover.hpp"
 
@@ -104,6 +105,21 @@ TEST_CASE("failover child process", "[.]") {
       REQUIRE(s.ok());
       take_over(**s);
     }
+  } else if (backend == "fleet-holder") {
+    // tests/failover_partition_test.cpp: a replica on Redis's side of the
+    // cut takes the whole limit, says so, and holds it until killed.
+    keel::shared_concurrency fleet({.host = child_env("HOST"), .key_prefix = "part:"},
+                                   {.name = "m", .limit = 4, .permit_ttl = 30s, .expected_replicas = 2});
+    std::vector<keel::shared_permit> held;
+    for (;;) {
+      keel::shared_permit p = fleet.try_acquire(keel::real_clock{}.now());
+      REQUIRE_FALSE(p.local_share());
+      if (!p) break;
+      held.push_back(std::move(p));
+    }
+    std::printf("held %zu\n", held.size());
+    std::fflush(stdout);
+    std::this_thread::sleep_for(60s);  // killed long before
   } else {
     FAIL("unknown backend " << backend);
   }

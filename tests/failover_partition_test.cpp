@@ -6,6 +6,7 @@
 // work through the stop token; a worker inside the namespace takes the
 // lease over with a higher fence; once healed, the old holder's late
 // writes are refused.
+#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -15,10 +16,12 @@
 #include <stop_token>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "keel/durable/lease.hpp"
 #include "keel/store/postgres.hpp"
 #include "keel/store/redis.hpp"
+#include "keel/store/shared_concurrency.hpp"
 #include "support/catch.hpp"
 #include "support/child_program.hpp"
 #include "support/failover.hpp"
@@ -146,4 +149,57 @@ TEST_CASE("partition from PostgreSQL: the holder stops within its lease, the tak
                                        .acquire_timeout = 200ms});
   REQUIRE(a.ok());
   holder_partitioned("PostgreSQL", net, **a, "postgres");
+}
+
+// The fleet-wide concurrency limit when one replica is partitioned from
+// Redis and the others are not: the cut-off replica serves from its local
+// share (limit / expected_replicas) while the others still fill the whole
+// limit through Redis, so the fleet holds up to one local share per
+// cut-off replica above the limit, for as long as the partition lasts.
+TEST_CASE("partition from Redis, fleet limits: the cut-off replica's local share comes on top of the limit",
+          "[failover][partition]") {
+  if (::geteuid() != 0) {
+    WARN("network namespaces need root: not run");
+    return;
+  }
+  partition net;
+  // Replica B, on Redis's side: takes the whole limit and holds it.
+  keel_test::child_program b({"/usr/sbin/ip", "netns", "exec", net.ns(), "env", "KEEL_FAILOVER_BACKEND=fleet-holder",
+                              "KEEL_FAILOVER_THREADS=1", "KEEL_FAILOVER_HOST=" + net.ns_ip(), self_exe(),
+                              "failover child process"});
+  std::optional<std::string> line;
+  for (int i = 0; i < 20; ++i) {
+    line = b.read_line(10s);
+    if (!line || line->rfind("held ", 0) == 0) break;
+  }
+  REQUIRE(line.has_value());
+  REQUIRE(*line == "held 4");
+  // Replica A, here.
+  keel::shared_concurrency a({.host = net.ns_ip(),
+                              .key_prefix = "part:",
+                              .connect_timeout = 200ms,
+                              .command_timeout = 200ms,
+                              .acquire_timeout = 200ms},
+                             {.name = "m", .limit = 4, .permit_ttl = 30s, .expected_replicas = 2, .fallback_hold = 5s});
+  auto now = [] { return keel::real_clock{}.now(); };
+  {
+    keel::shared_permit p = a.try_acquire(now());
+    REQUIRE_FALSE(p);  // the fleet is full, and Redis says so
+    REQUIRE_FALSE(p.local_share());
+  }
+  REQUIRE(net.cut());
+  std::vector<keel::shared_permit> local;
+  for (int i = 0; i < 4; ++i) {
+    keel::shared_permit p = a.try_acquire(now());
+    CHECK(p.local_share());
+    if (p) local.push_back(std::move(p));
+  }
+  const int fleet = 4 + static_cast<int>(local.size());
+  std::printf("partition from Redis, fleet limits: %d permits live for a limit of 4 (4 through Redis on one side, "
+              "%zu from the local share on the other)\n",
+              fleet, local.size());
+  CHECK(local.size() == 2);  // limit / expected_replicas
+  CHECK(fleet == 6);         // over by one local share per cut-off replica
+  REQUIRE(net.heal());
+  b.terminate(SIGKILL);
 }
