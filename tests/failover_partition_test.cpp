@@ -40,8 +40,11 @@ std::string self_exe() {
 class partition {
  public:
   explicit partition(const std::string& with = {}) : dir_(root_.path() + "/net") {
-    if (!keel_failover::control("partition.sh", "start", dir_, with))
-      throw std::runtime_error("partition.sh start failed: " + keel_test::read_file(dir_ + ".log"));
+    if (!keel_failover::control("partition.sh", "start", dir_, with)) {
+      const std::string log = keel_test::read_file(dir_ + ".log");
+      (void)keel_failover::control("partition.sh", "stop", dir_);  // the destructor will not run
+      throw std::runtime_error("partition.sh start failed: " + log);
+    }
   }
   ~partition() { (void)keel_failover::control("partition.sh", "stop", dir_); }
   partition(const partition&) = delete;

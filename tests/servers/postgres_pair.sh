@@ -43,24 +43,39 @@ psql_at() { "${as_server[@]}" "$bindir/psql" -X -q -A -t -h 127.0.0.1 -p "$1" -U
 
 # free_port: a port nothing listens on now (the server's start says if it was taken meanwhile).
 free_port() {
-  local p
+  # Below the ephemeral range where it leaves room: a port some client's
+  # outgoing connection uses (the workers make many) cannot be bound either.
+  local p low span
+  low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+  span=$((low - 20000))
+  [ "$span" -ge 2000 ] || span=40000
   for _ in $(seq 1 50); do
-    p=$((20000 + RANDOM % 40000))
+    p=$((20000 + RANDOM % span))
     if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then echo "$p"; return 0; fi
   done
   return 1
 }
 
-start_node() {  # start_node <name> <port>
-  local run
+# start_node <name>: on a free port, written to <state-dir>/<name>/port; a
+# port taken between the check and the bind (another test's server) is
+# retried on another.
+start_node() {
+  local run port
   run=$(run_dir)
-  "${as_server[@]}" "$bindir/pg_ctl" -D "$run/$1" -l "$run/$1.log" -w -t 60 \
-    -o "-p $2 -c listen_addresses=127.0.0.1 -c unix_socket_directories='' -c max_connections=200" \
-    start >"$run/$1.pg_ctl.out" 2>&1 || {
-    echo "postgres_pair.sh: the $1 did not start:" >&2
-    sed 's/^/  | /' "$run/$1.log" "$run/$1.pg_ctl.out" >&2 || true
-    return 1
-  }
+  for _ in $(seq 1 10); do
+    port=$(free_port)
+    rm -f "$run/$1.log"  # pg_ctl (the server user) makes it again
+    if "${as_server[@]}" "$bindir/pg_ctl" -D "$run/$1" -l "$run/$1.log" -w -t 60 \
+      -o "-p $port -c listen_addresses=127.0.0.1 -c unix_socket_directories='' -c max_connections=200" \
+      start >"$run/$1.pg_ctl.out" 2>&1; then
+      echo "$port" >"$dir/$1/port"
+      return 0
+    fi
+    grep -q "Address already in use" "$run/$1.log" || break
+  done
+  echo "postgres_pair.sh: the $1 did not start:" >&2
+  sed 's/^/  | /' "$run/$1.log" "$run/$1.pg_ctl.out" >&2 || true
+  return 1
 }
 
 case $cmd in
@@ -81,9 +96,8 @@ case $cmd in
       echo "fsync = off"  # a crash of the process, not of the machine: the OS keeps what was written
       if [ "$mode" = sync ]; then echo "synchronous_standby_names = 'keel_standby'"; fi
     } >>"$run/primary/postgresql.conf"
-    pport=$(free_port)
-    start_node primary "$pport"
-    echo "$pport" >"$dir/primary/port"
+    start_node primary
+    pport=$(cat "$dir/primary/port")
     "${as_server[@]}" "$bindir/pg_basebackup" -h 127.0.0.1 -p "$pport" -U keel -D "$run/standby" -X stream \
       --no-sync >"$run/basebackup.log" 2>&1 ||
       { echo "postgres_pair.sh: pg_basebackup failed:" >&2; cat "$run/basebackup.log" >&2; exit 1; }
@@ -94,9 +108,8 @@ case $cmd in
       echo "wal_retrieve_retry_interval = 200ms"
       echo "synchronous_standby_names = ''"  # once promoted it stands alone
     } >>"$run/standby/postgresql.auto.conf"
-    sport=$(free_port)
-    start_node standby "$sport"
-    echo "$sport" >"$dir/standby/port"
+    start_node standby
+    sport=$(cat "$dir/standby/port")
     # Streaming (and, for sync, named as the synchronous standby) before we say up.
     want=async
     [ "$mode" = sync ] && want=sync

@@ -24,28 +24,46 @@ command -v redis-server >/dev/null || { echo "redis_pair.sh: redis-server not fo
 cli() { local port=$1; shift; redis-cli -p "$port" "$@"; }
 
 free_port() {
-  local p
+  # Below the ephemeral range where it leaves room: a port some client's
+  # outgoing connection uses (the workers make many) cannot be bound either.
+  local p low span
+  low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+  span=$((low - 20000))
+  [ "$span" -ge 2000 ] || span=40000
   for _ in $(seq 1 50); do
-    p=$((20000 + RANDOM % 40000))
+    p=$((20000 + RANDOM % span))
     if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then echo "$p"; return 0; fi
   done
   return 1
 }
 
-start_node() {  # start_node <name> <port> [redis-server args...]
-  local name=$1 port=$2 pid
-  shift 2
+# start_node <name> [redis-server args...]: on a free port, written to
+# <state-dir>/<name>/port; a port taken between the check and the bind
+# (another test's server) is retried on another.
+start_node() {
+  local name=$1 port pid
+  shift
   mkdir -p "$dir/$name"
-  setsid -w redis-server --port "$port" --bind 127.0.0.1 --dir "$dir/$name" --daemonize no \
-    --pidfile "$dir/$name/redis.pid" --logfile "$dir/$name/server.log" \
-    --appendonly yes --appendfsync always --save "" "$@" </dev/null >"$dir/$name/redis.out" 2>&1 &
-  pid=$!
-  for _ in $(seq 1 600); do
-    cli "$port" ping 2>/dev/null | grep -q PONG && { echo "$port" >"$dir/$name/port"; return 0; }
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.05
+  for _ in $(seq 1 10); do
+    port=$(free_port)
+    : >"$dir/$name/server.log"
+    setsid -w redis-server --port "$port" --bind 127.0.0.1 --dir "$dir/$name" --daemonize no \
+      --pidfile "$dir/$name/redis.pid" --logfile "$dir/$name/server.log" \
+      --appendonly yes --appendfsync always --save "" "$@" </dev/null >"$dir/$name/redis.out" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 600); do
+      # Up, and this server (its dir), not another on the same port.
+      if cli "$port" ping 2>/dev/null | grep -q PONG &&
+        [ "$(cli "$port" config get dir 2>/dev/null | sed -n 2p)" = "$(cd "$dir/$name" && pwd -P)" ]; then
+        echo "$port" >"$dir/$name/port"
+        return 0
+      fi
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.05
+    done
+    grep -q "Address already in use" "$dir/$name/server.log" || break
   done
-  echo "redis_pair.sh: the $name did not start on $port:" >&2
+  echo "redis_pair.sh: the $name did not start:" >&2
   sed 's/^/  | /' "$dir/$name/server.log" "$dir/$name/redis.out" >&2 || true
   return 1
 }
@@ -54,11 +72,10 @@ case $cmd in
   start)
     "$0" stop "$dir" 2>/dev/null || true
     mkdir -p "$dir"
-    pport=$(free_port)
-    start_node primary "$pport"
-    sport=$(free_port)
-    start_node replica "$sport" --replicaof 127.0.0.1 "$pport"
-    if [ "${3:-1}" = 2 ]; then start_node replica2 "$(free_port)" --replicaof 127.0.0.1 "$pport"; fi
+    start_node primary
+    pport=$(cat "$dir/primary/port")
+    start_node replica --replicaof 127.0.0.1 "$pport"
+    if [ "${3:-1}" = 2 ]; then start_node replica2 --replicaof 127.0.0.1 "$pport"; fi
     for node in replica replica2; do
       [ -f "$dir/$node/port" ] || continue
       for _ in $(seq 1 600); do
@@ -68,7 +85,7 @@ case $cmd in
       cli "$(cat "$dir/$node/port")" info replication | grep -q "master_link_status:up" ||
         { echo "redis_pair.sh: the $node's link is not up after 30 s" >&2; exit 1; }
     done
-    echo "redis_pair.sh: primary on 127.0.0.1:$pport, replica on 127.0.0.1:$sport ($dir)"
+    echo "redis_pair.sh: primary on 127.0.0.1:$pport, replica on 127.0.0.1:$(cat "$dir/replica/port") ($dir)"
     ;;
   cut-link)
     pport=$(cat "$dir/primary/port")

@@ -80,8 +80,11 @@ class server_pair {
  public:
   server_pair(std::string script, const std::string& mode) : script_(std::move(script)) {
     dir_ = root_.path() + "/pair";
-    if (!control(script_, "start", dir_, mode))
-      throw std::runtime_error(absl::StrCat(script_, " start failed: ", keel_test::read_file(dir_ + ".log")));
+    if (!control(script_, "start", dir_, mode)) {
+      const std::string log = keel_test::read_file(dir_ + ".log");
+      (void)control(script_, "stop", dir_);  // whatever did start (the destructor will not run)
+      throw std::runtime_error(absl::StrCat(script_, " start failed: ", log));
+    }
   }
   ~server_pair() { (void)control(script_, "stop", dir_); }
   server_pair(const server_pair&) = delete;
