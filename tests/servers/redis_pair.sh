@@ -129,7 +129,17 @@ case $cmd in
   stop)
     for node in primary replica replica2; do
       if [ -f "$dir/$node/port" ]; then cli "$(cat "$dir/$node/port")" shutdown nosave >/dev/null 2>&1 || true; fi
-      if [ -f "$dir/$node/redis.pid" ]; then kill "$(cat "$dir/$node/redis.pid")" 2>/dev/null || true; fi
+      if [ -f "$dir/$node/redis.pid" ]; then
+        pid=$(cat "$dir/$node/redis.pid")
+        kill "$pid" 2>/dev/null || true
+        # Gone (or a zombie) within 2 s, or killed: a replica busy syncing once outlived both.
+        for _ in $(seq 1 100); do
+          st=$(ps -o stat= -p "$pid" 2>/dev/null) || break
+          [[ $st == Z* ]] && break
+          sleep 0.02
+        done
+        st=$(ps -o stat= -p "$pid" 2>/dev/null) && [[ $st != Z* ]] && kill -9 "$pid" 2>/dev/null || true
+      fi
     done
     rm -rf "$dir"
     ;;
