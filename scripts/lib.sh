@@ -5,7 +5,7 @@ keel_packages=(
   cmake ninja-build g++ clang libclang-rt-14-dev pkg-config
   libabsl-dev libfmt-dev libssl-dev catch2 libbenchmark-dev
   libsqlite3-dev sqlite3
-  libpq-dev postgresql
+  libpq-dev postgresql pgbouncer
   libhiredis-dev redis-server
   libcpp-httplib-dev nlohmann-json3-dev libtomlplusplus-dev libboost1.74-dev
   libcurl4-openssl-dev

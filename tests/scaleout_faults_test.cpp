@@ -242,3 +242,31 @@ TEMPLATE_TEST_CASE("the server killed between a claim and its commit: the claim 
   CHECK(k->state == keel::begin_state::replay);
   CHECK(k->decision.id == "dec-kept");
 }
+
+// A frozen PostgreSQL (SIGSTOP: the kernel still accepts connections, no
+// one answers) used to hold a new connection for libpq's 2 s minimum
+// whatever connect_timeout said; keel's own deadline around the
+// non-blocking connect cuts it at connect_timeout, to the millisecond, and
+// with several hosts each gets its own.
+TEST_CASE("a frozen PostgreSQL: a new connection gives up at connect_timeout, not libpq's 2 s",
+          "[scaleout][faults][freeze]") {
+  using F = faulty<keel::postgres_store>;
+  const std::string schema = keel_scaleout::fresh_name("connfreeze");
+  (void)F::open(schema, {});  // the schema exists: opening only connects and checks
+  const std::string port = keel_scaleout::read_first_line(keel_scaleout::servers_dir() + "/postgres/port");
+  freeze_guard frozen(F::pids());
+  for (const std::string& conninfo :
+       {keel_scaleout::pg_conninfo(),
+        "host=127.0.0.1,127.0.0.1 port=" + port + "," + port + " user=keel dbname=postgres"}) {
+    const auto start = std::chrono::steady_clock::now();
+    auto s = keel::postgres_store::open({.conninfo = conninfo, .schema = schema, .connect_timeout = 300ms});
+    const double took = seconds(std::chrono::steady_clock::now() - start);
+    INFO(conninfo << ": " << took << " s");
+    REQUIRE_FALSE(s.ok());
+    CHECK(s.status().code() == absl::StatusCode::kUnavailable);
+    CHECK(keel::not_started(s.status()));
+    const int hosts = conninfo.find(',') != std::string::npos ? 2 : 1;
+    CHECK(took >= 0.3 * hosts);
+    CHECK(took < 0.3 * hosts + 0.7);  // was 2 s per host
+  }
+}

@@ -54,12 +54,16 @@ keel::postgres_options pg_options(std::string schema) {
 }  // namespace
 
 TEST_CASE("the PostgreSQL store passes the conformance suite", "[scaleout][postgres][conformance]") {
+  // Both fence modes: previous + 1, and from the server's clock (only "above the previous").
+  const bool clock_fences = GENERATE(false, true);
+  CAPTURE(clock_fences);
   auto offset = std::make_shared<std::atomic<std::int64_t>>(0);
   keel::testing::store_harness<keel::postgres_store> h{
       .make =
           [&] {
             keel::postgres_options o = pg_options(keel_scaleout::fresh_name("conf"));
             o.testing_clock_offset = offset;
+            o.fences = clock_fences ? keel::postgres_fences::from_clock : keel::postgres_fences::sequential;
             return std::shared_ptr<keel::postgres_store>(open_pg(std::move(o)));
           },
       .advance = [&](keel::duration d) { offset->fetch_add(keel::detail::to_ns(d)); },
@@ -72,6 +76,7 @@ TEST_CASE("the PostgreSQL store passes the conformance suite", "[scaleout][postg
             if (auto n = s.purge_expired(); !n.ok()) throw std::runtime_error(n.status().ToString());
           },
       .server_clock = true,
+      .dense_fences = !clock_fences,
   };
   const std::vector<std::string> names = keel::testing::conformance_checks<keel::postgres_store>();
   REQUIRE(names.size() == 43);
@@ -156,8 +161,8 @@ TEST_CASE("postgres options are validated, naming the field and the rule", "[sca
       {{.conninfo = "host=x", .schema = "9lives"}, "postgres_options.schema must match [a-z_][a-z0-9_]* (got \"9lives\")"},
       {{.conninfo = "host=x", .pool_size = 0}, "postgres_options.pool_size must be in [1, 1000] (got 0)"},
       {{.conninfo = "host=x", .pool_size = 1001}, "postgres_options.pool_size must be in [1, 1000] (got 1001)"},
-      {{.conninfo = "host=x", .connect_timeout = 10ms},
-       "postgres_options.connect_timeout must be in [1s, 1h] (got 10ms)"},
+      {{.conninfo = "host=x", .connect_timeout = 0ms},
+       "postgres_options.connect_timeout must be in [1ms, 1h] (got 0s)"},
       {{.conninfo = "host=x", .command_timeout = 0ms},
        "postgres_options.command_timeout must be in [1ms, 1h] (got 0s)"},
       {{.conninfo = "host=x", .command_timeout = 61min},

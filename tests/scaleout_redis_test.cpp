@@ -60,12 +60,16 @@ keel::redis_options redis_options(std::string prefix) {
 }  // namespace
 
 TEST_CASE("the Redis store passes the conformance suite", "[scaleout][redis][conformance]") {
+  // Both fence modes: previous + 1, and from the server's clock (only "above the previous").
+  const bool clock_fences = GENERATE(false, true);
+  CAPTURE(clock_fences);
   auto offset = std::make_shared<std::atomic<std::int64_t>>(0);
   keel::testing::store_harness<keel::redis_store> h{
       .make =
           [&] {
             keel::redis_options o = redis_options(keel_scaleout::fresh_name("conf"));
             o.testing_clock_offset = offset;
+            o.fences = clock_fences ? keel::redis_fences::from_clock : keel::redis_fences::sequential;
             return std::shared_ptr<keel::redis_store>(open_redis(std::move(o)));
           },
       .advance = [&](keel::duration d) { offset->fetch_add(keel::detail::to_ns(d)); },
@@ -74,6 +78,7 @@ TEST_CASE("the Redis store passes the conformance suite", "[scaleout][redis][con
       // Redis forgets by itself: forget_after past a key's end the key is gone.
       .purge = [](keel::redis_store& s) { forget_all(s.options().key_prefix); },
       .server_clock = true,
+      .dense_fences = !clock_fences,
   };
   const std::vector<std::string> names = keel::testing::conformance_checks<keel::redis_store>();
   REQUIRE(names.size() == 43);

@@ -21,6 +21,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -122,6 +123,17 @@ class client_pool {
     }
     h->replace(std::move(*fresh));
     return h;
+  }
+
+  // An idle connection, or none: never waits, never connects (for work on
+  // the side, such as ending a session another statement abandoned, which
+  // must not wait on a server that may be frozen).
+  [[nodiscard]] std::optional<handle> try_idle() {
+    std::lock_guard lock(mu_);
+    if (idle_.empty()) return std::nullopt;
+    std::unique_ptr<Conn> c = std::move(idle_.back());
+    idle_.pop_back();
+    return handle(this, std::move(c));
   }
 
   // Connections open now (lent or idle).

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -40,6 +41,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include <libpq-fe.h>
 
@@ -48,6 +50,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "keel/core/clock.hpp"
 #include "keel/core/status.hpp"
@@ -155,20 +158,102 @@ struct pg_conn_closer {
 
 class pg_connection {
  public:
-  // Connects with libpq's `conninfo` (a connection string or URI); the
-  // connect timeout is rounded up to whole seconds (libpq's unit, at least 2).
-  // application_name shows which store a session belongs to (pg_stat_activity).
+  // Connects with libpq's `conninfo` (a connection string or URI), each
+  // host within `connect_timeout` to the millisecond: libpq's own
+  // connect_timeout counts whole seconds, at least 2, and a frozen server
+  // (SIGSTOP, a hung host: the kernel accepts, nobody answers) held a new
+  // connection that long whatever the store's timeouts. The connection is
+  // made with libpq's non-blocking PQconnectStartParams/PQconnectPoll under
+  // keel's own deadline. A multi-host conninfo ("host=a,b port=p,q",
+  // target_session_attrs...) is tried one host at a time, each with the
+  // whole connect_timeout (libpq's rule), so a frozen first host does not
+  // keep keel from the next. (Name resolution is libpq's and not bounded:
+  // give addresses or a local resolver.) application_name shows which store
+  // a session belongs to (pg_stat_activity).
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<pg_connection>> connect(const std::string& conninfo,
                                                                              duration connect_timeout,
                                                                              const std::string& application_name,
                                                                              std::string_view who) {
+    const std::vector<std::pair<std::string, std::string>> hosts = split_hosts(conninfo);
+    if (hosts.size() <= 1) return connect_one(conninfo, nullptr, nullptr, connect_timeout, application_name, who);
+    absl::Status last;
+    for (const auto& [host, port] : hosts) {
+      absl::StatusOr<std::unique_ptr<pg_connection>> c =
+          connect_one(conninfo, host.c_str(), port.empty() ? nullptr : port.c_str(), connect_timeout, application_name, who);
+      if (c.ok()) return c;
+      last = c.status();
+    }
+    return last;
+  }
+
+  // "host" and "port" of a conninfo with several hosts, paired (one port for
+  // all, or one each); empty when it names one host, or uses hostaddr lists
+  // (left to libpq).
+  [[nodiscard]] static std::vector<std::pair<std::string, std::string>> split_hosts(const std::string& conninfo) {
+    std::vector<std::pair<std::string, std::string>> out;
+    char* err = nullptr;
+    PQconninfoOption* opts = PQconninfoParse(conninfo.c_str(), &err);
+    if (err != nullptr) PQfreemem(err);
+    if (opts == nullptr) return out;
+    std::string host, port, hostaddr;
+    for (PQconninfoOption* o = opts; o->keyword != nullptr; ++o) {
+      if (o->val == nullptr) continue;
+      const std::string_view k = o->keyword;
+      if (k == "host") host = o->val;
+      if (k == "port") port = o->val;
+      if (k == "hostaddr") hostaddr = o->val;
+    }
+    PQconninfoFree(opts);
+    if (host.find(',') == std::string::npos || !hostaddr.empty()) return out;
+    const std::vector<std::string> hs = absl::StrSplit(host, ',');
+    const std::vector<std::string> ps = port.empty() ? std::vector<std::string>() : absl::StrSplit(port, ',');
+    if (!ps.empty() && ps.size() != 1 && ps.size() != hs.size()) return out;  // libpq will say what is wrong
+    for (std::size_t i = 0; i < hs.size(); ++i)
+      out.emplace_back(hs[i], ps.empty() ? std::string() : ps.size() == 1 ? ps[0] : ps[i]);
+    return out;
+  }
+
+  // One connection attempt (to `host`/`port` instead of the conninfo's when
+  // given) under keel's own deadline.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<pg_connection>> connect_one(
+      const std::string& conninfo, const char* host, const char* port, duration connect_timeout,
+      const std::string& application_name, std::string_view who) {
+    // libpq's own limit too (whole seconds, at least 2): unused by the
+    // non-blocking calls below, kept for anything libpq does on its own.
     const auto secs = std::max<std::int64_t>(
         2, std::chrono::duration_cast<std::chrono::seconds>(connect_timeout + std::chrono::milliseconds(999)).count());
     const std::string timeout = std::to_string(secs);
-    const char* keys[] = {"dbname", "connect_timeout", "application_name", nullptr};
-    const char* values[] = {conninfo.c_str(), timeout.c_str(), application_name.c_str(), nullptr};
-    std::unique_ptr<PGconn, pg_conn_closer> c(PQconnectdbParams(keys, values, /*expand_dbname=*/1));
-    if (c == nullptr || PQstatus(c.get()) != CONNECTION_OK) return pg_connect_error(who, c.get());
+    // Later keywords win over what the expanded conninfo (dbname) says.
+    std::vector<const char*> keys = {"dbname", "connect_timeout", "application_name"};
+    std::vector<const char*> values = {conninfo.c_str(), timeout.c_str(), application_name.c_str()};
+    if (host != nullptr) {
+      keys.push_back("host");
+      values.push_back(host);
+    }
+    if (port != nullptr) {
+      keys.push_back("port");
+      values.push_back(port);
+    }
+    keys.push_back(nullptr);
+    values.push_back(nullptr);
+    const auto until = std::chrono::steady_clock::now() + connect_timeout;
+    std::unique_ptr<PGconn, pg_conn_closer> c(PQconnectStartParams(keys.data(), values.data(), /*expand_dbname=*/1));
+    if (c == nullptr || PQstatus(c.get()) == CONNECTION_BAD) return pg_connect_error(who, c.get());
+    PostgresPollingStatusType st = PGRES_POLLING_WRITING;
+    while (st != PGRES_POLLING_OK) {
+      if (st == PGRES_POLLING_FAILED) return pg_connect_error(who, c.get());
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+      if (left.count() <= 0)
+        return store_unavailable_error(absl::StrCat(to_absl(who), ": cannot connect",
+                                                    host != nullptr ? absl::StrCat(" to ", host) : std::string(),
+                                                    ": no answer within the connect timeout of ",
+                                                    describe(connect_timeout)));
+      pollfd p{PQsocket(c.get()), static_cast<short>(st == PGRES_POLLING_READING ? POLLIN : POLLOUT), 0};
+      const int r = ::poll(&p, 1, static_cast<int>(std::min<std::int64_t>(left.count() + 1, 60'000)));
+      if (r < 0 && errno != EINTR) return pg_connect_error(who, c.get());
+      if (r <= 0) continue;  // re-check the deadline
+      st = PQconnectPoll(c.get());
+    }
     if (PQsetnonblocking(c.get(), 1) != 0) return pg_connect_error(who, c.get());
     // libpq prints server notices (for example "terminating connection due
     // to immediate shutdown") to stderr by default; a library must not.
@@ -187,6 +272,8 @@ class pg_connection {
   // Never send on this session again (its state is unknown); a pool replaces it.
   void mark_broken() noexcept { broken_ = true; }
   [[nodiscard]] std::string_view who() const noexcept { return who_; }
+  // The last statement was abandoned at its timeout (its session may still run it).
+  [[nodiscard]] bool abandoned() const noexcept { return abandoned_; }
 
   // False when the server has closed this idle connection (it restarted, or
   // terminated the session): an idle connection has nothing to read, so any
@@ -198,7 +285,18 @@ class pg_connection {
     return r == 0;
   }
 
+  // From now on prepare() keeps the statement here and exec_prepared() sends
+  // its text with every execution (an unnamed statement): for a pooler in
+  // transaction mode (PgBouncer), where consecutive statements may run on
+  // different server connections and a statement prepared on one is unknown
+  // on the others.
+  void keep_statements_unprepared() noexcept { unprepared_ = true; }
+
   [[nodiscard]] absl::Status prepare(const char* name, std::string_view sql, int nparams, const unsigned* types) {
+    if (unprepared_) {
+      kept_.push_back({name, std::string(sql), std::vector<unsigned>(types, types + nparams)});
+      return absl::OkStatus();
+    }
     const std::string text(sql);
     return status_of(run(
         [&] {
@@ -210,6 +308,18 @@ class pg_connection {
   template <int N>
   [[nodiscard]] absl::StatusOr<pg_result> exec_prepared(const char* name, const pg_params<N>& p, pg_effect effect,
                                                         duration timeout) {
+    if (unprepared_) {
+      const kept_statement* k = nullptr;
+      for (const kept_statement& e : kept_)
+        if (std::string_view(e.name) == name) k = &e;
+      if (k == nullptr) return absl::InternalError(absl::StrCat("keel: ", to_absl(who_), ": no statement ", name));
+      return run(
+          [&] {
+            return PQsendQueryParams(c_.get(), k->sql.c_str(), p.size(), reinterpret_cast<const Oid*>(k->types.data()),
+                                     p.values(), p.lengths(), p.formats(), /*resultFormat=*/1);
+          },
+          effect, timeout, name);
+    }
     return run(
         [&] {
           return PQsendQueryPrepared(c_.get(), name, p.size(), p.values(), p.lengths(), p.formats(),
@@ -383,13 +493,23 @@ class pg_connection {
     // closed instead; the server ends the abandoned statement when it sees
     // the client gone (client_connection_check_interval, set by the stores
     // where the server has it) or at statement_timeout, one second later.
+    abandoned_ = true;
     return failed(absl::StatusCode::kDeadlineExceeded, effect, what,
                   absl::StrCat("no answer within the command timeout of ", describe(timeout)));
   }
 
+  struct kept_statement {
+    const char* name;
+    std::string sql;
+    std::vector<unsigned> types;
+  };
+
   std::unique_ptr<PGconn, pg_conn_closer> c_;
   std::string who_;
   bool broken_ = false;
+  bool abandoned_ = false;
+  bool unprepared_ = false;
+  std::vector<kept_statement> kept_;
   std::uint64_t sent_ = 0;
 };
 

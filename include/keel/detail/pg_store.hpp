@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -42,19 +43,46 @@
 
 namespace keel::detail {
 
+// Ends the server session `pid` (pg_terminate_backend) from an idle pooled
+// connection, if one is idle, within min(command_timeout, 250 ms): a write
+// abandoned at its timeout must not run on in the server, holding its row
+// locks. A commit waiting for a synchronous standby (wait event SyncRep)
+// ignores statement_timeout and the client's going away, and would wait
+// until the standby is back. Never waits for a connection, never connects
+// (the server may be frozen), never reports: it is a courtesy.
+inline void pg_end_session(client_pool<pg_connection>& pool, int pid, duration command_timeout) {
+  if (pid <= 0) return;
+  std::optional<client_pool<pg_connection>::handle> side = pool.try_idle();
+  if (!side) return;
+  const std::string p = std::to_string(pid);
+  pg_params<1> args;
+  args.add(p);
+  const duration bound = std::min<duration>(command_timeout, std::chrono::milliseconds(250));
+  (void)(*side)->exec("SELECT pg_terminate_backend($1::text::int4)", args, pg_effect::read, bound);
+  if ((*side)->broken()) side->mark_broken();
+}
+
 // One operation: a pooled connection (replaced if the server closed it while
 // idle), one prepared statement under the command timeout. A connection the
 // statement broke goes back marked broken and is not lent again.
+// `end_abandoned`: a write abandoned at command_timeout has its server
+// session ended (pg_end_session), which delays the caller's answer by at
+// most 250 ms.
 template <int N>
 absl::StatusOr<pg_result> pg_run_pooled(client_pool<pg_connection>& pool, duration acquire_timeout,
                                         duration command_timeout, std::string_view who,
                                         std::atomic<std::uint64_t>& round_trips, const char* stmt,
-                                        const pg_params<N>& p, pg_effect effect) {
+                                        const pg_params<N>& p, pg_effect effect, bool end_abandoned = true) {
   absl::StatusOr<client_pool<pg_connection>::handle> h = pool.acquire_alive(acquire_timeout, who);
   if (!h.ok()) return h.status();
   round_trips.fetch_add(1, std::memory_order_relaxed);
   absl::StatusOr<pg_result> r = (*h)->exec_prepared(stmt, p, effect, command_timeout);
   if ((*h)->broken()) h->mark_broken();
+  if (end_abandoned && (*h)->abandoned() && effect == pg_effect::write) {
+    const int pid = PQbackendPID((*h)->raw());
+    *h = client_pool<pg_connection>::handle{};  // discarded (broken): its socket closes now
+    pg_end_session(pool, pid, command_timeout);
+  }
   return r;
 }
 

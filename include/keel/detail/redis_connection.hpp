@@ -26,6 +26,8 @@
 #include <sys/time.h>
 
 #include <array>
+#include <atomic>
+#include <vector>
 #include <cerrno>
 #include <initializer_list>
 #include <chrono>
@@ -141,6 +143,11 @@ class sigpipe_guard {
   return with_outcome(absl::InternalError(msg), outcome_kind::permanent);
 }
 
+struct redis_address {
+  std::string host;  // a host name or address, or a Unix socket path (starting with '/')
+  int port = 6379;
+};
+
 struct redis_endpoint {
   std::string host;  // a host name or address, or a Unix socket path (starting with '/')
   int port = 6379;
@@ -149,12 +156,66 @@ struct redis_endpoint {
   int database = 0;
   duration connect_timeout{};
   duration command_timeout{};
+  // Several servers of one replicated set: when it holds more than one, a
+  // connection is made to the one that answers ROLE as a primary (host and
+  // port are then unused). `primary_hint` (shared by the connects of one
+  // component) is where the last primary was found, tried first.
+  std::vector<redis_address> addresses{};
+  std::shared_ptr<std::atomic<std::size_t>> primary_hint{};
 };
 
 class redis_connection {
  public:
+  // A connection to `e`; with several addresses, to the one that answers
+  // ROLE as a primary ("master"), starting where the last one was found. A
+  // replica, a server that refuses or does not answer is passed over; none
+  // answering as a primary is Unavailable, not started, naming each.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<redis_connection>> connect(const redis_endpoint& e,
                                                                                 std::string_view who) {
+    if (e.addresses.size() <= 1) {
+      if (e.addresses.empty()) return connect_one(e, who);
+      redis_endpoint one = e;
+      one.host = e.addresses[0].host;
+      one.port = e.addresses[0].port;
+      return connect_one(one, who);
+    }
+    const std::size_t n = e.addresses.size();
+    const std::size_t start = e.primary_hint ? e.primary_hint->load(std::memory_order_relaxed) % n : 0;
+    std::string tried;
+    for (std::size_t k = 0; k < n; ++k) {
+      const std::size_t i = (start + k) % n;
+      redis_endpoint one = e;
+      one.host = e.addresses[i].host;
+      one.port = e.addresses[i].port;
+      absl::StatusOr<std::unique_ptr<redis_connection>> c = connect_one(one, who);
+      std::string why;
+      if (!c.ok()) {
+        if (c.status().code() == absl::StatusCode::kPermissionDenied) return c.status();  // the same credentials everywhere
+        why = std::string(c.status().message());
+      } else {
+        absl::StatusOr<redis_reply> role = (*c)->command({"ROLE"}, redis_effect::read, "ROLE");
+        if (!role.ok()) {
+          why = std::string(role.status().message());
+        } else if ((*role)->type == REDIS_REPLY_ARRAY && (*role)->elements > 0 &&
+                   (*role)->element[0]->type == REDIS_REPLY_STRING &&
+                   std::string_view((*role)->element[0]->str, (*role)->element[0]->len) == "master") {
+          if (e.primary_hint) e.primary_hint->store(i, std::memory_order_relaxed);
+          return c;
+        } else if ((*role)->type == REDIS_REPLY_ERROR) {
+          why = absl::StrCat("ROLE refused: ", absl::string_view((*role)->str, (*role)->len));
+        } else {
+          why = absl::StrCat("a ", (*role)->type == REDIS_REPLY_ARRAY && (*role)->elements > 0
+                                       ? absl::string_view((*role)->element[0]->str, (*role)->element[0]->len)
+                                       : absl::string_view("server of unknown role"));
+        }
+      }
+      absl::StrAppend(&tried, tried.empty() ? "" : "; ", one.host, ":", one.port, ": ", why);
+    }
+    return store_unavailable_error(absl::StrCat(to_absl(who), ": no primary among ", n, " servers (", tried, ")"));
+  }
+
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<redis_connection>> connect_one(const redis_endpoint& e,
+                                                                                    std::string_view who) {
     const timeval ct = to_timeval(e.connect_timeout);
     std::unique_ptr<redisContext, redis_context_free> c(
         !e.host.empty() && e.host[0] == '/' ? redisConnectUnixWithTimeout(e.host.c_str(), ct)
@@ -209,14 +270,16 @@ class redis_connection {
       r = static_cast<redisReply*>(redisCommandArgv(c_.get(), argc, argv, lens));
       error = errno;
     }
-    if (r != nullptr) return redis_reply(r);
-    broken_ = true;
-    const bool timeout = c_->err == REDIS_ERR_IO && (error == EAGAIN || error == EWOULDBLOCK);
-    const absl::Status cause =
-        timeout ? absl::DeadlineExceededError(absl::StrCat("keel: ", who_, ": ", to_absl(what), ": no reply within the command timeout"))
-                : absl::UnavailableError(absl::StrCat("keel: ", who_, ": ", to_absl(what), ": connection lost: ", c_->errstr));
-    if (effect == redis_effect::write) return unknown_outcome_error(absl::StrCat(who_, ": ", to_absl(what)), cause);
-    return cause;
+    if (r != nullptr) {
+      // A server that is no longer the primary (demoted after a failover):
+      // this connection is never useful again; the pool replaces it and the
+      // new one goes to whichever server is the primary now.
+      if (r->type == REDIS_REPLY_ERROR && (absl::StartsWith(absl::string_view(r->str, r->len), "READONLY") ||
+                                          absl::StartsWith(absl::string_view(r->str, r->len), "MASTERDOWN")))
+        broken_ = true;
+      return redis_reply(r);
+    }
+    return exchange_failed(error, effect, what);
   }
   [[nodiscard]] absl::StatusOr<redis_reply> command(std::initializer_list<std::string_view> args, redis_effect effect,
                                                     std::string_view what) {
@@ -268,12 +331,88 @@ class redis_connection {
     return r;
   }
 
+  // eval(), then, in the same write (one round trip), PUBLISH <channel> ""
+  // and WAIT <replicas> <timeout_ms>: the script's reply and how many
+  // replicas WAIT counted. PUBLISH is replicated, so this connection's
+  // replication offset is the end of the stream when WAIT starts: WAIT then
+  // covers the script's own write and every write it read (a replayed
+  // decision another client committed), even when the script wrote nothing.
+  // The socket timeout (command_timeout) must exceed `timeout_ms`.
+  template <std::size_t N>
+  [[nodiscard]] absl::StatusOr<std::pair<redis_reply, long long>> eval_replicated(
+      const redis_script& s, const std::array<std::string_view, N>& args, redis_effect effect, std::string_view what,
+      std::string_view channel, int replicas, long long timeout_ms) {
+    std::array<const char*, N + 3> argv{};
+    std::array<std::size_t, N + 3> lens{};
+    argv[0] = "EVALSHA";
+    lens[0] = 7;
+    argv[1] = s.sha().data();
+    lens[1] = s.sha().size();
+    argv[2] = "1";
+    lens[2] = 1;
+    for (std::size_t i = 0; i < N; ++i) {
+      argv[i + 3] = args[i].data() == nullptr ? "" : args[i].data();
+      lens[i + 3] = args[i].size();
+    }
+    const std::string n = std::to_string(replicas), t = std::to_string(timeout_ms);
+    const char* pub[] = {"PUBLISH", channel.data(), ""};
+    const std::size_t pub_lens[] = {7, channel.size(), 0};
+    const char* wait[] = {"WAIT", n.c_str(), t.c_str()};
+    const std::size_t wait_lens[] = {4, n.size(), t.size()};
+    for (int attempt = 0;; ++attempt) {
+      std::array<redisReply*, 3> got{};
+      int error = 0;
+      bool ok = true;
+      {
+        sigpipe_guard guard;
+        ok = redisAppendCommandArgv(c_.get(), static_cast<int>(N + 3), argv.data(), lens.data()) == REDIS_OK &&
+             redisAppendCommandArgv(c_.get(), 3, pub, pub_lens) == REDIS_OK &&
+             redisAppendCommandArgv(c_.get(), 3, wait, wait_lens) == REDIS_OK;
+        for (std::size_t i = 0; ok && i < got.size(); ++i) {
+          void* r = nullptr;
+          ok = redisGetReply(c_.get(), &r) == REDIS_OK && r != nullptr;
+          got[i] = static_cast<redisReply*>(r);
+        }
+        error = errno;
+      }
+      redis_reply script(got[0]), published(got[1]), waited(got[2]);
+      if (!ok) return exchange_failed(error, effect, what);
+      if (script->type == REDIS_REPLY_ERROR && attempt == 0 &&
+          absl::StartsWith(absl::string_view(script->str, script->len), "NOSCRIPT")) {
+        ++script_loads_;
+        argv[0] = "EVAL";
+        lens[0] = 4;
+        argv[1] = s.source().data();
+        lens[1] = s.source().size();
+        continue;
+      }
+      if (script->type == REDIS_REPLY_ERROR) {
+        if (absl::StartsWith(absl::string_view(script->str, script->len), "READONLY")) broken_ = true;
+        return redis_error_reply(who_, what, std::string_view(script->str, script->len), effect);
+      }
+      const long long acked = waited->type == REDIS_REPLY_INTEGER ? waited->integer : -1;
+      return std::pair<redis_reply, long long>(std::move(script), acked);
+    }
+  }
+
   // Scripts sent in full because the server did not know them.
   [[nodiscard]] std::uint64_t script_loads() const noexcept { return script_loads_; }
 
  private:
   redis_connection(std::unique_ptr<redisContext, redis_context_free> c, std::string_view who)
       : c_(std::move(c)), who_(who) {}
+
+  // A command sent (or being sent) whose reply did not come: the connection
+  // is broken; for a write its effect is unknown.
+  absl::Status exchange_failed(int error, redis_effect effect, std::string_view what) {
+    broken_ = true;
+    const bool timeout = c_->err == REDIS_ERR_IO && (error == EAGAIN || error == EWOULDBLOCK);
+    const absl::Status cause =
+        timeout ? absl::DeadlineExceededError(absl::StrCat("keel: ", who_, ": ", to_absl(what), ": no reply within the command timeout"))
+                : absl::UnavailableError(absl::StrCat("keel: ", who_, ": ", to_absl(what), ": connection lost: ", c_->errstr));
+    if (effect == redis_effect::write) return unknown_outcome_error(absl::StrCat(who_, ": ", to_absl(what)), cause);
+    return cause;
+  }
 
   std::unique_ptr<redisContext, redis_context_free> c_;
   std::string who_;

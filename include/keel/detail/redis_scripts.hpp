@@ -24,7 +24,11 @@
 // time), so the new fence is above all of them: fences never go backwards
 // for a key, whatever Redis forgot — unless the server's clock was stepped
 // back by more than forget_after while the key lived. Fences of keys the
-// store still has go up by 1 per new owner, as on every backend.
+// store still has go up by 1 per new owner, as on every backend
+// (redis_fences::sequential), or to max(fence + 1, now) (from_clock: a
+// fence is then a time, so one handed out by a primary whose writes a
+// failover lost stays below the promoted replica's later fences). The
+// scripts call nextf(fence); the fence prelude defines it per mode.
 // Result hash fields: v value, e end (0: kept until erased).
 #pragma once
 
@@ -39,6 +43,14 @@ local function keep(key, until_us, forget)
   if ms < 1 then ms = 1 end
   redis.call('PEXPIRE', key, ms)
 end
+)lua";
+
+// The next owner's fence, per redis_fences (defined after the prelude).
+inline constexpr const char* redis_lua_fence_sequential = R"lua(
+local function nextf(f) return f + 1 end
+)lua";
+inline constexpr const char* redis_lua_fence_from_clock = R"lua(
+local function nextf(f) return math.max(f + 1, now) end
 )lua";
 
 // ARGV: 1 offset, 2 request, 3 owner, 4 lease, 5 retention, 6 supersede revision ('' none), 7 forget.
@@ -59,7 +71,7 @@ local function claim(fence, kind)
 end
 if not r[2] then return claim(math.max(1, now), 0) end
 local state, fence, le, re = tonumber(r[2]), tonumber(r[4]), tonumber(r[5]), tonumber(r[6])
-if re <= now or state == 2 then return claim(fence + 1, 0) end
+if re <= now or state == 2 then return claim(nextf(fence), 0) end
 if r[1] ~= ARGV[2] then return {3, fence, 0, state} end
 if state == 0 then
   if r[3] == ARGV[3] then
@@ -70,9 +82,9 @@ if state == 0 then
     return {0, fence, nle - now, 3}
   end
   if now < le then return {1, fence, le - now} end
-  return claim(fence + 1, 1)
+  return claim(nextf(fence), 1)
 end
-if ARGV[6] ~= '' and r[7] ~= ARGV[6] then return claim(fence + 1, 2) end
+if ARGV[6] ~= '' and r[7] ~= ARGV[6] then return claim(nextf(fence), 2) end
 local d = redis.call('HMGET', k, 'ca', 'ec', 'di', 'md', 'pr', 'r', 'em')
 return {2, fence, tonumber(d[1]), tonumber(d[2]), d[3], d[4], d[5], d[6], d[7]}
 )lua";
@@ -137,9 +149,10 @@ if held and r[1] == ARGV[2] then
   return {1, fence, ne - now, 3}
 end
 if held and now < e then return {0, fence, e - now} end
-redis.call('HSET', k, 'o', ARGV[2], 'f', num(fence + 1), 'e', num(now + ttl), 'h', '1')
+local nf = nextf(fence)
+redis.call('HSET', k, 'o', ARGV[2], 'f', num(nf), 'e', num(now + ttl), 'h', '1')
 keep(k, now + ttl, forget)
-return {1, fence + 1, ttl, held and 1 or 0}
+return {1, nf, ttl, held and 1 or 0}
 )lua";
 
 // Lease writes. Reply: {0} applied, {1} a repeated release, {-1} no lease,

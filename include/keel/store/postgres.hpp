@@ -33,7 +33,17 @@
 //     the session; it sends no cancel request, which would block against a
 //     frozen server), with the server's statement_timeout one second longer
 //     and, on PostgreSQL 14 and later, client_connection_check_interval as
-//     backstops that stop a statement whose client gave up or vanished.
+//     backstops that stop a statement whose client gave up or vanished;
+//     a write abandoned at its timeout also has its session ended
+//     (pg_terminate_backend from an idle pooled connection:
+//     end_abandoned_writes), since a commit waiting for a synchronous
+//     standby ignores both;
+//   - failover: give a multi-host conninfo ("host=a,b port=5432,5432
+//     target_session_attrs=read-write") and each new connection goes to the
+//     server that accepts writes; with a synchronous standby nothing
+//     acknowledged is lost, with an asynchronous one what it had not received
+//     is, and fences = postgres_fences::from_clock keeps a fence from ever
+//     being handed out twice (docs/scaleout.md, "Failover").
 //
 // Values always travel as bound parameters (binary format); the only text
 // put into a statement is the schema name, validated ([a-z_][a-z0-9_]*, at
@@ -102,6 +112,40 @@ namespace keel {
 // The schema version this keel reads and writes (table keel_meta).
 inline constexpr int postgres_schema_version = 1;
 
+// How a new owner's fence is made (docs/stores.md, rule 4; docs/scaleout.md,
+// "Failover").
+enum class postgres_fences {
+  // The previous fence + 1 (a key with no row: above the purge floor), as on
+  // every backend. After a failover to an asynchronous standby that lacks
+  // the last commits, a fence those commits handed out can be handed out again.
+  sequential,
+  // max(that, the server's clock in microseconds). A fence handed out by a
+  // primary whose commits a failover lost is then below every fence the
+  // promoted standby hands out later, as long as the standby's clock is not
+  // behind the old primary's by more than the failover took. Fences grow by
+  // more than 1 per owner (about 1.8e15); nothing else changes. With a
+  // synchronous standby nothing acknowledged is lost, and either mode holds.
+  from_clock,
+};
+
+// What sits between keel and the server.
+enum class postgres_pooling {
+  // keel's sessions are its own (a direct connection, or a pooler in
+  // session mode): each statement is prepared once per connection, and the
+  // session carries statement_timeout and client_connection_check_interval
+  // as backstops.
+  session,
+  // A pooler in transaction mode (PgBouncer's pool_mode = transaction, the
+  // usual way fleets run it): consecutive statements of one keel connection
+  // may run on different server connections. Every statement is sent with
+  // its text (an unnamed statement; a prepared one would exist on one server
+  // connection only), nothing is set on the session (give the role a
+  // statement_timeout instead: ALTER ROLE ... SET statement_timeout = '6s'),
+  // and abandoned writes are not ended (the backend behind keel's connection
+  // changes). Costs the statement's parse and plan on every execution.
+  transaction,
+};
+
 struct postgres_options {
   // libpq connection string or URI ("host=... port=... dbname=... user=...").
   std::string conninfo{};
@@ -110,7 +154,9 @@ struct postgres_options {
   std::string schema = "keel";
   // Connections at most; in [1, 1000].
   int pool_size = 8;
-  // Connecting, per attempt; in [1 s, 1 h] (libpq counts whole seconds, at least 2).
+  // Connecting, per host, to the millisecond (keel's own deadline around
+  // libpq's non-blocking connect; libpq alone counts whole seconds, at
+  // least 2); in [1 ms, 1 h].
   duration connect_timeout = std::chrono::seconds(5);
   // Every statement, from send to result; in [1 ms, 1 h]. The server's
   // statement_timeout is set one second longer (a backstop).
@@ -119,6 +165,20 @@ struct postgres_options {
   duration acquire_timeout = std::chrono::seconds(5);
   // Create the schema and tables when missing. Off: a missing schema is FailedPrecondition.
   bool create_schema = true;
+  // A write abandoned at command_timeout has its server session ended
+  // (pg_terminate_backend from an idle pooled connection, within 250 ms,
+  // when one is idle). Without it, a commit waiting for a synchronous
+  // standby that is gone waits in the server (wait event SyncRep) until the
+  // standby is back, holding its row locks: neither statement_timeout nor
+  // the client's going away ends that wait. Ending it makes that commit
+  // visible on the primary while the standby lacks it (as any end of that
+  // wait does); keel answered unknown outcome for it, so nothing was
+  // acknowledged. The answer comes at most 250 ms after command_timeout.
+  bool end_abandoned_writes = true;
+  // How a new owner's fence is made (postgres_store; see postgres_fences).
+  postgres_fences fences = postgres_fences::sequential;
+  // A pooler in transaction mode between keel and the server? (postgres_pooling)
+  postgres_pooling pooling = postgres_pooling::session;
   // Tests only: nanoseconds added to the server's clock inside every
   // statement, shared by every store given the same pointer (the
   // conformance suite's `advance`). Leave empty in production.
@@ -135,8 +195,8 @@ struct postgres_options {
       if (!ok) return detail::invalid_field(who, "schema", "match [a-z_][a-z0-9_]*", absl::StrCat("\"", schema, "\""));
     }
     if (pool_size < 1 || pool_size > 1000) return detail::invalid_field(who, "pool_size", "be in [1, 1000]", pool_size);
-    if (connect_timeout < std::chrono::seconds(1) || connect_timeout > std::chrono::hours(1))
-      return detail::invalid_field(who, "connect_timeout", "be in [1s, 1h]", connect_timeout);
+    if (connect_timeout < std::chrono::milliseconds(1) || connect_timeout > std::chrono::hours(1))
+      return detail::invalid_field(who, "connect_timeout", "be in [1ms, 1h]", connect_timeout);
     if (command_timeout < std::chrono::milliseconds(1) || command_timeout > std::chrono::hours(1))
       return detail::invalid_field(who, "command_timeout", "be in [1ms, 1h]", command_timeout);
     if (acquire_timeout < duration::zero() || acquire_timeout > std::chrono::hours(1))
@@ -282,10 +342,16 @@ struct pg_sql {
   static constexpr const char* first_fence =
       "(COALESCE((SELECT z.fence FROM $S.lease z WHERE z.work_key = '\\x00'::bytea), 0) + 1)";
 
-  static std::string make(std::string_view text, const std::string& schema, int offset_param) {
+  // from_clock (postgres_fences): every new owner's fence is at least the
+  // statement's time in microseconds.
+  static std::string make(std::string_view text, const std::string& schema, int offset_param, bool clock_fences = false) {
     const std::string off = absl::StrCat("$", offset_param);
     std::string clock_cte = absl::StrReplaceAll(clock, {{"$OFF", off}});
-    const std::string with_fence = absl::StrReplaceAll(to_absl(text), {{"FIRST_FENCE", first_fence}});
+    const std::string first = clock_fences ? absl::StrCat("greatest(", first_fence, ", NOW / 1000)") : first_fence;
+    const std::string with_fence = absl::StrReplaceAll(
+        to_absl(text), {{"FIRST_FENCE", first},
+                        {"r.fence + 1", clock_fences ? "greatest(r.fence + 1, NOW / 1000)" : "r.fence + 1"},
+                        {"l.fence + 1", clock_fences ? "greatest(l.fence + 1, NOW / 1000)" : "l.fence + 1"}});
     return absl::StrReplaceAll(with_fence, {{"CLOCK", clock_cte}, {"$S", schema}, {"NOW", "(SELECT now FROM clk)"}});
   }
 };
@@ -586,11 +652,15 @@ class postgres_store {
         detail::pg_connection::connect(options_.conninfo, options_.connect_timeout, application_name(), who_);
     if (!c.ok()) return c.status();
     detail::pg_connection& conn = **c;
-    // The client's timeout fires first (it gives up and knows why); the
-    // server's stop statements whose client has gone.
-    if (absl::Status s = conn.set_backstops(options_.command_timeout + std::chrono::seconds(1), options_.command_timeout);
-        !s.ok())
+    if (options_.pooling == postgres_pooling::transaction) {
+      conn.keep_statements_unprepared();  // and no session settings: the next statement may be on another session
+    } else if (absl::Status s = conn.set_backstops(options_.command_timeout + std::chrono::seconds(1),
+                                                   options_.command_timeout);
+               !s.ok()) {
+      // The client's timeout fires first (it gives up and knows why); the
+      // server's stop statements whose client has gone.
       return s;
+    }
     const std::string schema = conn.quote_identifier(options_.schema);
     using S = detail::pg_sql;
     constexpr unsigned b = detail::pg_bytea_oid, i = detail::pg_int8_oid;
@@ -600,15 +670,16 @@ class postgres_store {
       std::vector<unsigned> types;
     };
     const std::string rec_match = S::record_match;
+    const bool clock_fences = options_.fences == postgres_fences::from_clock;
     const item items[] = {
-        {detail::pg_begin, S::make(S::begin, schema, 9), {b, b, b, b, b, i, i, b, i}},
+        {detail::pg_begin, S::make(S::begin, schema, 9, clock_fences), {b, b, b, b, b, i, i, b, i}},
         {detail::pg_extend, S::make(absl::StrCat(S::extend_head, rec_match, S::record_tail), schema, 7),
          {b, b, b, b, i, i, i}},
         {detail::pg_commit, S::make(absl::StrCat(S::commit_head, rec_match, S::record_tail), schema, 13),
          {b, b, b, b, i, b, b, b, b, i, b, i, i}},
         {detail::pg_abandon, S::make(absl::StrCat(S::abandon_head, rec_match, S::record_tail), schema, 6),
          {b, b, b, b, i, i}},
-        {detail::pg_claim, S::make(S::claim, schema, 4), {b, b, i, i}},
+        {detail::pg_claim, S::make(S::claim, schema, 4, clock_fences), {b, b, i, i}},
         {detail::pg_renew, S::make(absl::StrCat(S::renew_head, S::lease_tail), schema, 5), {b, b, i, i, i}},
         {detail::pg_release, S::make(absl::StrCat(S::release_head, S::lease_tail), schema, 4), {b, b, i, i}},
         {detail::pg_save, S::make(S::save, schema, 4), {b, b, i, i}},
@@ -665,7 +736,8 @@ class postgres_store {
   template <int N>
   absl::StatusOr<detail::pg_result> run(const char* stmt, const detail::pg_params<N>& p, detail::pg_effect effect) {
     return detail::pg_run_pooled(pool_, options_.acquire_timeout, options_.command_timeout, who_, round_trips_, stmt,
-                                 p, effect);
+                                 p, effect,
+                                 options_.end_abandoned_writes && options_.pooling == postgres_pooling::session);
   }
 
   // A fenced write on a record; `done_state` is the state a repeat of it

@@ -487,7 +487,11 @@ class postgres_job_store {
         detail::pg_connection::connect(options_.conninfo, options_.connect_timeout, application_name(), who_);
     if (!c.ok()) return c.status();
     detail::pg_connection& conn = **c;
-    if (absl::Status s = conn.set_backstops(options_.command_timeout, options_.command_timeout); !s.ok()) return s;
+    if (options_.pooling == postgres_pooling::transaction) {
+      conn.keep_statements_unprepared();  // postgres_pooling::transaction: no prepared statements, no session settings
+    } else if (absl::Status s = conn.set_backstops(options_.command_timeout, options_.command_timeout); !s.ok()) {
+      return s;
+    }
     const std::string schema = conn.quote_identifier(options_.schema);
     using S = detail::pg_job_sql;
     constexpr unsigned b = detail::pg_bytea_oid, i = detail::pg_int8_oid;
@@ -571,7 +575,8 @@ class postgres_job_store {
   template <int N>
   absl::StatusOr<detail::pg_result> run(const char* stmt, const detail::pg_params<N>& p, detail::pg_effect effect) {
     return detail::pg_run_pooled(pool_, options_.acquire_timeout, options_.command_timeout, who_, round_trips_, stmt,
-                                 p, effect);
+                                 p, effect,
+                                 options_.end_abandoned_writes && options_.pooling == postgres_pooling::session);
   }
 
   postgres_options options_;

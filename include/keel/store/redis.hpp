@@ -29,12 +29,17 @@
 // the last snapshot). durability() reports what the server said at open;
 // require_aof_always refuses to open on anything weaker. Replication is
 // asynchronous: after a failover the new primary may lack the last writes —
-// a lease or an in-flight claim may vanish and be granted again: a key the
-// replica lacks starts again from the clock (above its lost fences), but
-// a key the replica has at an older state continues from that state's
-// fence, which the lost writes may already have used. Fencing tokens protect
-// downstream systems only if they reject a fence they have already seen
-// superseded; see docs/scaleout.md.
+// a decision may be made again, a lease or an in-flight claim may vanish
+// and be granted again, and with sequential fences a key the replica has at
+// an older state continues from that state's fence, which the lost writes
+// may already have used. keel's owner check still refuses the stale holder;
+// for downstream fence checks choose fences = redis_fences::from_clock (a
+// fence is never handed out twice), and for decisions wait_replicas (the
+// script, a PUBLISH and WAIT in one round trip: nothing acknowledged is
+// lost; too few replicas is unknown_outcome). With several servers in
+// `endpoints` each connection goes to the one answering ROLE as primary, so
+// the store follows a promotion by itself. docs/scaleout.md, "Failover",
+// has what each combination keeps, measured.
 //
 // Values and keys always travel as command arguments (never in script text).
 //
@@ -74,6 +79,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -111,10 +117,32 @@ enum class redis_durability {
   return "unknown";
 }
 
+// How a new owner's fence is made (docs/stores.md, rule 4; docs/scaleout.md,
+// "Failover").
+enum class redis_fences {
+  // The previous fence + 1, as on every backend. After a failover to a
+  // replica that lacks the last writes, a fence the lost writes handed out
+  // can be handed out again.
+  sequential,
+  // max(previous + 1, the server's clock in microseconds). Fences are then
+  // times: a fence handed out by a primary that is lost is below every
+  // fence its promoted replica hands out later, as long as the replica's
+  // clock is not behind the old primary's by more than the failover took
+  // (seconds, where NTP keeps clocks within milliseconds). Fences grow by
+  // more than 1 per owner (they are about 1.8e15); nothing else changes.
+  from_clock,
+};
+
 struct redis_options {
   // A host name or address, or a Unix socket path (starting with '/').
   std::string host = "127.0.0.1";
   int port = 6379;  // [1, 65535]
+  // Several servers of one replicated set (a primary and its replicas),
+  // instead of host and port: each new connection goes to the one that
+  // answers ROLE as a primary, and a connection whose server answers
+  // READONLY (demoted) is dropped and made again. Failing over is the
+  // operator's (REPLICAOF NO ONE) or Sentinel's; keel follows. At most 16.
+  std::vector<detail::redis_address> endpoints{};
   // ACL user (Redis 6+); empty: the default user. Sent with AUTH when a password is set.
   std::string username{};
   std::string password{};
@@ -130,11 +158,21 @@ struct redis_options {
   duration forget_after = std::chrono::hours(24);
   // Refuse to open unless the server runs AOF with appendfsync always.
   bool require_aof_always = false;
+  // How a new owner's fence is made (redis_store only; see redis_fences).
+  redis_fences fences = redis_fences::sequential;
+  // redis_store only: after every write, WAIT until this many replicas have
+  // everything the script wrote or read (one round trip with the script);
+  // fewer within wait_timeout is keel::unknown_outcome_error (the primary
+  // has it; a failover may lose it: repeat it). 0: do not wait. [0, 16]
+  int wait_replicas = 0;
+  // [1 ms, command_timeout): WAIT's own limit, below the socket timeout.
+  duration wait_timeout = std::chrono::milliseconds(500);
   // Tests only: nanoseconds added to the server's TIME inside every
   // script, shared by every store given the same pointer. Leave empty in production.
   std::shared_ptr<std::atomic<std::int64_t>> testing_clock_offset{};
 
-  // Where and how to connect, for detail::redis_connection.
+  // Where and how to connect, for detail::redis_connection (make it once per
+  // component: its connects share where the primary was last found).
   [[nodiscard]] detail::redis_endpoint endpoint() const {
     return {.host = host,
             .port = port,
@@ -142,12 +180,32 @@ struct redis_options {
             .password = password,
             .database = database,
             .connect_timeout = connect_timeout,
-            .command_timeout = command_timeout};
+            .command_timeout = command_timeout,
+            .addresses = endpoints,
+            .primary_hint = std::make_shared<std::atomic<std::size_t>>(0)};
+  }
+  // "host:port", or every endpoint's, for messages.
+  [[nodiscard]] std::string where() const {
+    if (endpoints.empty()) return absl::StrCat(host, ":", port);
+    std::string out;
+    for (const detail::redis_address& a : endpoints) absl::StrAppend(&out, out.empty() ? "" : ",", a.host, ":", a.port);
+    return out;
   }
 
   [[nodiscard]] absl::Status validate() const {
     constexpr std::string_view who = "redis_options";
     if (host.empty()) return detail::invalid_field(who, "host", "not be empty", "\"\"");
+    if (endpoints.size() > 16) return detail::invalid_field(who, "endpoints", "hold at most 16 servers", endpoints.size());
+    for (const detail::redis_address& a : endpoints) {
+      if (a.host.empty()) return detail::invalid_field(who, "endpoints", "name a host for every server", "\"\"");
+      if (a.host[0] != '/' && (a.port < 1 || a.port > 65535))
+        return detail::invalid_field(who, "endpoints", "have ports in [1, 65535]", a.port);
+    }
+    if (wait_replicas < 0 || wait_replicas > 16)
+      return detail::invalid_field(who, "wait_replicas", "be in [0, 16]", wait_replicas);
+    if (wait_replicas > 0 && (wait_timeout < std::chrono::milliseconds(1) || wait_timeout >= command_timeout))
+      return detail::invalid_field(who, "wait_timeout", "be in [1ms, command_timeout) when wait_replicas > 0",
+                                   wait_timeout);
     if (host[0] != '/' && (port < 1 || port > 65535)) return detail::invalid_field(who, "port", "be in [1, 65535]", port);
     if (database < 0) return detail::invalid_field(who, "database", "be >= 0", database);
     if (key_prefix.size() > 128) return detail::invalid_field(who, "key_prefix", "be at most 128 bytes", key_prefix.size());
@@ -340,19 +398,26 @@ class redis_key {
 struct redis_store_scripts {
   redis_script begin, extend, commit, abandon, claim, renew, release, save, load;
 
-  static const redis_store_scripts& get() {
-    static const redis_store_scripts s{
-        redis_script(absl::StrCat(redis_lua_prelude, redis_lua_begin)),
-        redis_script(absl::StrCat(redis_lua_prelude, redis_lua_record_check, redis_lua_extend)),
-        redis_script(absl::StrCat(redis_lua_prelude, redis_lua_record_check, redis_lua_commit)),
-        redis_script(absl::StrCat(redis_lua_prelude, redis_lua_record_check, redis_lua_abandon)),
-        redis_script(absl::StrCat(redis_lua_prelude, redis_lua_claim)),
-        redis_script(absl::StrCat(redis_lua_prelude, redis_lua_lease_check, redis_lua_renew)),
-        redis_script(absl::StrCat(redis_lua_prelude, redis_lua_lease_check, redis_lua_release)),
-        redis_script(absl::StrCat(redis_lua_prelude, redis_lua_save)),
-        redis_script(absl::StrCat(redis_lua_prelude, redis_lua_load)),
+  static const redis_store_scripts& get(redis_fences f = redis_fences::sequential) {
+    static const redis_store_scripts sequential = make(redis_lua_fence_sequential);
+    static const redis_store_scripts from_clock = make(redis_lua_fence_from_clock);
+    return f == redis_fences::from_clock ? from_clock : sequential;
+  }
+
+ private:
+  static redis_store_scripts make(const char* fence) {
+    const std::string p = absl::StrCat(redis_lua_prelude, fence);
+    return redis_store_scripts{
+        redis_script(absl::StrCat(p, redis_lua_begin)),
+        redis_script(absl::StrCat(p, redis_lua_record_check, redis_lua_extend)),
+        redis_script(absl::StrCat(p, redis_lua_record_check, redis_lua_commit)),
+        redis_script(absl::StrCat(p, redis_lua_record_check, redis_lua_abandon)),
+        redis_script(absl::StrCat(p, redis_lua_claim)),
+        redis_script(absl::StrCat(p, redis_lua_lease_check, redis_lua_renew)),
+        redis_script(absl::StrCat(p, redis_lua_lease_check, redis_lua_release)),
+        redis_script(absl::StrCat(p, redis_lua_save)),
+        redis_script(absl::StrCat(p, redis_lua_load)),
     };
-    return s;
   }
 };
 
@@ -407,7 +472,7 @@ class redis_store {
     const detail::redis_num off(offset_us()), lease(detail::redis_us(o.lease)), ret(detail::redis_us(o.retention)),
         forget(detail::redis_us(options_.forget_after));
     absl::StatusOr<detail::redis_reply> r =
-        run(detail::redis_store_scripts::get().begin,
+        run(scripts().begin,
             std::array<std::string_view, 8>{key, off.view(), request.view(), bytes_of(ob), lease.view(), ret.view(),
                                             o.supersede_revision, forget.view()},
             detail::redis_effect::write, "begin");
@@ -423,7 +488,7 @@ class redis_store {
     const auto ob = token.owner.bytes();
     const detail::redis_num off(offset_us()), fence(token.fence), t(detail::redis_us(ttl)),
         forget(detail::redis_us(options_.forget_after));
-    return fenced_record(detail::redis_store_scripts::get().extend,
+    return fenced_record(scripts().extend,
                          std::array<std::string_view, 6>{key, off.view(), bytes_of(ob), fence.view(), t.view(),
                                                          forget.view()},
                          token, "extend");
@@ -439,7 +504,7 @@ class redis_store {
     const auto ob = token.owner.bytes();
     const detail::redis_num off(offset_us()), fence(token.fence), code(static_cast<std::int64_t>(d.error_code)),
         ret(detail::redis_us(retention)), forget(detail::redis_us(options_.forget_after));
-    return fenced_record(detail::redis_store_scripts::get().commit,
+    return fenced_record(scripts().commit,
                          std::array<std::string_view, 12>{key, off.view(), bytes_of(ob), fence.view(), d.id,
                                                           d.model_digest, d.policy_revision, d.result, code.view(),
                                                           d.error_message, ret.view(), forget.view()},
@@ -452,7 +517,7 @@ class redis_store {
     const std::string_view key = key_buf.view();
     const auto ob = token.owner.bytes();
     const detail::redis_num off(offset_us()), fence(token.fence), forget(detail::redis_us(options_.forget_after));
-    return fenced_record(detail::redis_store_scripts::get().abandon,
+    return fenced_record(scripts().abandon,
                          std::array<std::string_view, 5>{key, off.view(), bytes_of(ob), fence.view(), forget.view()},
                          token, "abandon");
   }
@@ -468,7 +533,7 @@ class redis_store {
     const auto ob = owner.bytes();
     const detail::redis_num off(offset_us()), t(detail::redis_us(ttl)), forget(detail::redis_us(options_.forget_after));
     absl::StatusOr<detail::redis_reply> r =
-        run(detail::redis_store_scripts::get().claim,
+        run(scripts().claim,
             std::array<std::string_view, 5>{key, off.view(), bytes_of(ob), t.view(), forget.view()},
             detail::redis_effect::write, "claim");
     if (!r.ok()) return r.status();
@@ -483,7 +548,7 @@ class redis_store {
     const auto ob = token.owner.bytes();
     const detail::redis_num off(offset_us()), fence(token.fence), t(detail::redis_us(ttl)),
         forget(detail::redis_us(options_.forget_after));
-    return fenced_lease(detail::redis_store_scripts::get().renew,
+    return fenced_lease(scripts().renew,
                         std::array<std::string_view, 6>{key, off.view(), bytes_of(ob), fence.view(), t.view(),
                                                         forget.view()},
                         token, "renew");
@@ -495,7 +560,7 @@ class redis_store {
     const std::string_view key = key_buf.view();
     const auto ob = token.owner.bytes();
     const detail::redis_num off(offset_us()), fence(token.fence), forget(detail::redis_us(options_.forget_after));
-    return fenced_lease(detail::redis_store_scripts::get().release,
+    return fenced_lease(scripts().release,
                         std::array<std::string_view, 5>{key, off.view(), bytes_of(ob), fence.view(), forget.view()},
                         token, "release");
   }
@@ -511,7 +576,7 @@ class redis_store {
     const detail::redis_num off(offset_us()),
         ret(retention == duration::zero() ? 0 : detail::redis_us(retention)), grace(1'000'000);
     absl::StatusOr<detail::redis_reply> r =
-        run(detail::redis_store_scripts::get().save,
+        run(scripts().save,
             std::array<std::string_view, 5>{k, off.view(), value, ret.view(), grace.view()}, detail::redis_effect::write,
             "save_result");
     if (!r.ok()) return r.status();
@@ -523,7 +588,7 @@ class redis_store {
     const detail::redis_key key_buf = result_key_of(key);
     const std::string_view k = key_buf.view();
     const detail::redis_num off(offset_us());
-    absl::StatusOr<detail::redis_reply> r = run(detail::redis_store_scripts::get().load,
+    absl::StatusOr<detail::redis_reply> r = run(scripts().load,
                                                 std::array<std::string_view, 2>{k, off.view()},
                                                 detail::redis_effect::read, "load_result");
     if (!r.ok()) return r.status();
@@ -552,7 +617,7 @@ class redis_store {
 
   explicit redis_store(redis_options o)
       : options_(std::move(o)),
-        who_(absl::StrCat("redis store '", options_.host, ":", options_.port, "/", options_.key_prefix, "'")),
+        who_(absl::StrCat("redis store '", options_.where(), "/", options_.key_prefix, "'")),
         pool_(static_cast<std::size_t>(options_.pool_size), [this] { return connect(); }) {}
 
   [[nodiscard]] detail::redis_key record_key_of(const request_identity& id) const noexcept {
@@ -576,7 +641,7 @@ class redis_store {
   }
 
   absl::StatusOr<std::unique_ptr<detail::redis_connection>> connect() {
-    return detail::redis_connection::connect(options_.endpoint(), who_);
+    return detail::redis_connection::connect(endpoint_, who_);
   }
 
   absl::Status initialise() {
@@ -618,12 +683,34 @@ class redis_store {
 
   absl::StatusOr<handle> lend() { return pool_.acquire_alive(options_.acquire_timeout, who_); }
 
+  [[nodiscard]] const detail::redis_store_scripts& scripts() const noexcept {
+    return detail::redis_store_scripts::get(options_.fences);
+  }
+
   template <std::size_t N>
   absl::StatusOr<detail::redis_reply> run(const detail::redis_script& script, const std::array<std::string_view, N>& args,
                                           detail::redis_effect effect, std::string_view op) {
     absl::StatusOr<handle> h = lend();
     if (!h.ok()) return h.status();
     const std::uint64_t loads = (*h)->script_loads();
+    if (options_.wait_replicas > 0 && effect == detail::redis_effect::write) {
+      // The script, PUBLISH and WAIT in one round trip (redis_connection::eval_replicated).
+      const std::string channel = absl::StrCat(options_.key_prefix, "wait");
+      auto r = (*h)->eval_replicated(script, args, effect, op, channel, options_.wait_replicas,
+                                     std::chrono::duration_cast<std::chrono::milliseconds>(options_.wait_timeout).count());
+      round_trips_.fetch_add(1 + ((*h)->script_loads() - loads), std::memory_order_relaxed);
+      if ((*h)->broken()) h->mark_broken();
+      if (!r.ok()) return r.status();
+      if (r->second < options_.wait_replicas)
+        return unknown_outcome_error(
+            absl::StrCat(who_, ": ", detail::to_absl(op)),
+            absl::UnavailableError(absl::StrCat("keel: ", who_, ": ", detail::to_absl(op), ": the primary answered, but ",
+                                                std::max<long long>(r->second, 0), " of the ", options_.wait_replicas,
+                                                " replicas wait_replicas asks for confirmed it within ",
+                                                detail::describe(options_.wait_timeout),
+                                                "; a failover may lose it (repeat it: repeats are safe)")));
+      return std::move(r->first);
+    }
     absl::StatusOr<detail::redis_reply> r = (*h)->eval(script, args, effect, op);
     round_trips_.fetch_add(1 + ((*h)->script_loads() - loads), std::memory_order_relaxed);
     if ((*h)->broken()) h->mark_broken();
@@ -681,6 +768,7 @@ class redis_store {
   }
 
   redis_options options_;
+  detail::redis_endpoint endpoint_ = options_.endpoint();  // made once: its connects share the primary hint
   std::string who_;
   detail::client_pool<detail::redis_connection> pool_;
   redis_durability durability_ = redis_durability::unknown;

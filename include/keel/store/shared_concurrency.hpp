@@ -14,10 +14,10 @@
 //   - a permit has an owner (this object's random owner_id) and an expiry:
 //     a replica that dies (SIGKILL, a lost host) holds its permits only
 //     until they expire, then the fleet has them back;
-//   - release is fenced: every permit has a unique id (INCR'd per limit, a
-//     counter that never goes backwards: it restarts from the server clock
-//     in microseconds if Redis forgot it, as the stores' fences do), and a
-//     release removes exactly that member. A slow replica whose permit
+//   - release is fenced: every permit has a unique id (per limit,
+//     max(counter + 1, the server clock in microseconds): it never goes
+//     backwards, whether Redis forgot the counter or a promoted replica
+//     lacks the last grants), and a release removes exactly that member. A slow replica whose permit
 //     expired, and whose slot went to someone else, gets "not held" back
 //     and frees nothing that is not its own.
 //
@@ -259,7 +259,12 @@ namespace detail {
 
 // KEYS[1] the permits (a sorted set: "<id>:<owner>" -> expiry, us), KEYS[2]
 // the id counter (ids pass 1e15: formatted with %.0f, never tostring's 14
-// digits, or ids would collide). ARGV: 1 test offset (us), 2 limit, 3 ttl (us), 4 owner,
+// digits, or ids would collide). An id is max(counter + 1, now in us): a
+// replica promoted after losing the last grants (asynchronous replication)
+// has an older counter, and a counter alone would give a lost permit's id,
+// and so its member when the owner is the same object, to a new permit,
+// whose release the lost one's would then remove. From the clock, ids
+// after the failover are above every lost one. ARGV: 1 test offset (us), 2 limit, 3 ttl (us), 4 owner,
 // 5 forget (us). Reply: {1, id, held} granted; {0, held, retry after (us)}.
 inline constexpr const char* redis_lua_permit_acquire = R"lua(
 local t = redis.call('TIME')
@@ -271,8 +276,11 @@ if held >= tonumber(ARGV[2]) then
   local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
   return {0, held, math.max(0, math.ceil(tonumber(first[2]) - now))}
 end
-if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('SET', KEYS[2], num(math.max(1, now))) end
 local id = redis.call('INCR', KEYS[2])
+if id < now then
+  id = now
+  redis.call('SET', KEYS[2], num(now))
+end
 local forget = tonumber(ARGV[5])
 redis.call('PEXPIRE', KEYS[2], math.ceil(forget / 1000))
 local expiry = now + tonumber(ARGV[3])
@@ -441,7 +449,7 @@ class shared_concurrency {
   friend class shared_permit;
 
   absl::StatusOr<std::unique_ptr<detail::redis_connection>> connect() {
-    return detail::redis_connection::connect(redis_.endpoint(), who_);
+    return detail::redis_connection::connect(endpoint_, who_);
   }
 
   [[nodiscard]] std::int64_t offset_us() const noexcept {
@@ -489,6 +497,7 @@ class shared_concurrency {
   }
 
   redis_options redis_;
+  detail::redis_endpoint endpoint_ = redis_.endpoint();  // made once: its connects share the primary hint
   shared_concurrency_options options_;
   std::string permits_key_, ids_key_;
   std::string who_;

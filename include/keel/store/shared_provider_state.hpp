@@ -449,7 +449,7 @@ class shared_provider_state {
   }
 
   absl::StatusOr<std::unique_ptr<detail::redis_connection>> connect() {
-    return detail::redis_connection::connect(redis_.endpoint(), who_);
+    return detail::redis_connection::connect(endpoint_, who_);
   }
 
   // One script on the domain's key; a failure holds Redis off.
@@ -603,6 +603,7 @@ class shared_provider_state {
   }
 
   redis_options redis_;
+  detail::redis_endpoint endpoint_ = redis_.endpoint();  // made once: its connects share the primary hint
   shared_provider_state_options options_;
   breaker_registry* breakers_;
   breaker_scope scope_;

@@ -345,7 +345,7 @@ class shared_quota {
 
  private:
   absl::StatusOr<std::unique_ptr<detail::redis_connection>> connect() {
-    return detail::redis_connection::connect(redis_.endpoint(), who_);
+    return detail::redis_connection::connect(endpoint_, who_);
   }
 
   absl::StatusOr<detail::redis_reply> eval(double units, bool force = false) {
@@ -370,6 +370,7 @@ class shared_quota {
   }
 
   redis_options redis_;
+  detail::redis_endpoint endpoint_ = redis_.endpoint();  // made once: its connects share the primary hint
   shared_quota_options options_;
   std::string key_;
   std::string who_;
