@@ -949,8 +949,15 @@ class http_server {
       instead = refused_by_handler(j.request, e);
       out.failed_ = out.opened_;  // a body cut short: the connection cannot carry another response
     }
-    const bool written =
-        out.opened() ? out.finish() : c->write_blocking(detail::serialize(instead, keep, j.head_only));
+    if (!out.opened()) {
+      // Answered whole (a non-streamed chat completion, a refusal): handed
+      // to the strand like any whole response, without waiting for it;
+      // only a stream's chunks wait, for back-pressure.
+      auto bytes = std::make_shared<const std::string>(detail::serialize(instead, keep, j.head_only));
+      boost::asio::post(c->ex, [c, bytes = std::move(bytes), keep]() mutable { c->respond(std::move(bytes), keep); });
+      return;
+    }
+    const bool written = out.finish();
     boost::asio::post(c->ex, [c, keep, written] { c->served_one(keep, written); });
   }
 
