@@ -67,7 +67,6 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "text.hpp"
-#include "keel/compose/deadline_timer.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/fallback.hpp"
 #include "keel/compose/pipeline.hpp"
