@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -680,6 +681,23 @@ std::string metrics_text(int port) {
   return r ? r->body : std::string();
 }
 
+// A config file's [gateway] (a free port, data in `dir`, then `gateway_extra`
+// lines) and one [upstreams.NAME] per mock, named as the mock is; a test
+// adds its models.
+std::string config_head(const std::string& dir, std::initializer_list<const mock_upstream*> mocks,
+                        const std::string& gateway_extra = {}) {
+  std::string text = "[gateway]\nlisten = \"127.0.0.1:0\"\ndata_dir = \"" + dir + "\"\n" + gateway_extra;
+  for (const mock_upstream* m : mocks) text += "[upstreams." + m->name + "]\nbase_url = \"" + m->url() + "\"\n";
+  return text;
+}
+
+// The state /healthz shows for the breaker whose domain names `deployment`; "none" without one.
+std::string breaker_state(int port, const std::string& deployment) {
+  for (const json& e : healthz(port)["breakers"])
+    if (e.value("domain", "").find(deployment) != std::string::npos) return e.value("state", "");
+  return "none";
+}
+
 json chat_for(const std::string& model, int max_tokens, bool stream) {
   return {{"model", model},
           {"messages", {{{"role", "user"}, {"content", "How long may one stage take?"}}}},
@@ -992,10 +1010,7 @@ TEST_CASE("each model's stream budgets are its own: the file's first-token budge
           "[service][upstreams][chat][config]") {
   temp_dir dir;
   mock_upstream a(dir, "mock-a", {"--latency-ms", "5", "--tokens", "6"}), b(dir, "mock-b", {"--latency-ms", "5", "--tokens", "6"});
-  const std::string text = "[gateway]\nlisten = \"127.0.0.1:0\"\ndata_dir = \"" + dir.path() +
-                           "\"\ndefault_model = \"patient\"\n"
-                           "[upstreams.mock-a]\nbase_url = \"" + a.url() + "\"\n"
-                           "[upstreams.mock-b]\nbase_url = \"" + b.url() + "\"\n"
+  const std::string text = config_head(dir.path(), {&a, &b}, "default_model = \"patient\"\n") +
                            "[models.patient]\n"
                            "deployments = [{ upstream = \"mock-a\", model = \"p-1\" }, { upstream = \"mock-b\", model = \"p-2\" }]\n"
                            "deadline = \"10s\"\nfirst_token = \"3s\"\nattempts = 1\n"
@@ -1030,10 +1045,7 @@ TEST_CASE("a model's third deployment serves when the first two fail before the 
   temp_dir dir;
   const std::vector<std::string> fast = {"--latency-ms", "5", "--tokens", "6"};
   mock_upstream a(dir, "mock-a", fast), b(dir, "mock-b", fast), c(dir, "mock-c", fast);
-  const std::string text = "[gateway]\nlisten = \"127.0.0.1:0\"\ndata_dir = \"" + dir.path() + "\"\n"
-                           "[upstreams.mock-a]\nbase_url = \"" + a.url() + "\"\n"
-                           "[upstreams.mock-b]\nbase_url = \"" + b.url() + "\"\n"
-                           "[upstreams.mock-c]\nbase_url = \"" + c.url() + "\"\n"
+  const std::string text = config_head(dir.path(), {&a, &b, &c}) +
                            "[models.three]\n"
                            "deployments = [{ upstream = \"mock-a\", model = \"t-1\" }, { upstream = \"mock-b\", model = \"t-2\" },"
                            " { upstream = \"mock-c\", model = \"t-3\" }]\n"
@@ -1055,11 +1067,7 @@ TEST_CASE("a model's third deployment serves when the first two fail before the 
   CHECK(third.body["keel"]["served_by"] == "backup:mock-c/t-3");
   CHECK(third.body["keel"]["failed_over"] == true);
   CHECK(stat(c.stats(), "requests", "chat") == 1);
-  bool has_breaker = false;
-  const json breakers = healthz(svc->port())["breakers"];
-  INFO(breakers.dump());
-  for (const json& e : breakers) has_breaker |= e.value("domain", "").find("mock-c/t-3") != std::string::npos;
-  CHECK(has_breaker);
+  CHECK(breaker_state(svc->port(), "mock-c/t-3") == "closed");  // its own, and it served
 }
 
 TEST_CASE("each model has its own breaker options and retry budget; embeddings fail over only to the same upstream "
@@ -1071,10 +1079,7 @@ TEST_CASE("each model has its own breaker options and retry budget; embeddings f
   // main: the default model (the gateway's breaker, minimum_calls 10, and its
   // budget); touchy: a breaker that opens after 3 calls, and a budget with
   // no retries at all.
-  const std::string text = "[gateway]\nlisten = \"127.0.0.1:0\"\ndata_dir = \"" + dir.path() + "\"\n"
-                           "[upstreams.mock-a]\nbase_url = \"" + a.url() + "\"\n"
-                           "[upstreams.mock-b]\nbase_url = \"" + b.url() + "\"\n"
-                           "[upstreams.mock-c]\nbase_url = \"" + c.url() + "\"\n"
+  const std::string text = config_head(dir.path(), {&a, &b, &c}) +
                            "[models.main]\n"
                            "deployments = [{ upstream = \"mock-a\", model = \"m-1\" }, { upstream = \"mock-b\", model = \"m-2\" }]\n"
                            "[models.touchy]\n"
@@ -1105,15 +1110,9 @@ TEST_CASE("each model has its own breaker options and retry budget; embeddings f
   for (int i = 0; i < 3; ++i) CHECK(chat("main").status == 200);
   CHECK(stat(a.stats(), "requests", "chat") == 6);  // two each: the gateway's budget lets the retry go
 
-  const json breakers = healthz(port)["breakers"];
-  INFO(breakers.dump());
-  auto state_of = [&](const std::string& deployment) {
-    for (const json& e : breakers)
-      if (e.value("domain", "").find(deployment) != std::string::npos) return e.value("state", "");
-    return std::string("none");
-  };
-  CHECK(state_of("mock-c/t-1") == "open");    // 3 failures: touchy's own minimum
-  CHECK(state_of("mock-a/m-1") == "closed");  // 6 failures, under the gateway's 10
+  INFO(healthz(port)["breakers"].dump());
+  CHECK(breaker_state(port, "mock-c/t-1") == "open");    // 3 failures: touchy's own minimum
+  CHECK(breaker_state(port, "mock-a/m-1") == "closed");  // 6 failures, under the gateway's 10
   CHECK(chat("touchy").status == 200);
   CHECK(stat(c.stats(), "requests", "chat") == 3);  // its breaker refused before the upstream
   const std::string metrics = metrics_text(port);
@@ -1142,9 +1141,7 @@ TEST_CASE("the interactive path hedges on the model's second deployment: a hung 
   // `plain` without one.
   const std::string deployments =
       "deployments = [{ upstream = \"mock-a\", model = \"m-1\" }, { upstream = \"mock-b\", model = \"m-2\" }]\n";
-  const std::string text = "[gateway]\nlisten = \"127.0.0.1:0\"\ndata_dir = \"" + dir.path() + "\"\n"
-                           "[upstreams.mock-a]\nbase_url = \"" + a.url() + "\"\n"
-                           "[upstreams.mock-b]\nbase_url = \"" + b.url() + "\"\n"
+  const std::string text = config_head(dir.path(), {&a, &b}) +
                            "[models.plain]\n" + deployments +
                            "[models.hedged]\n" + deployments + "hedge = { delay = \"100ms\" }\n";
   absl::StatusOr<gateway::gateway_options> o = options_of(text);
