@@ -35,13 +35,15 @@
 //                -> breaker -> the deadline cut; on failure, the model's
 //                other deployments of the same upstream model
 //
-// Example (what gateway_core does):
+// Example (what gateway_core does with the resources it owns):
 //
-//   gateway::plan_builder<keel::real_clock> plans({.options = options, ...});
-//   std::shared_ptr<gateway::plan_builder<keel::real_clock>::routing> plan =
-//       plans.build(options, /*generation=*/1, /*serving=*/nullptr);
-//   auto* model = plan->find("feedback-large");
-//   absl::StatusOr<gateway::detail::answer> a = model->interactive(call, now);
+//   using plans_type = gateway::plan_builder<keel::real_clock>;
+//   plans_type plans({.options = options, .clock = {}, .listener = listener, .breakers = breakers,
+//                     .budget = budget, .pools = pools, .shed = shed, .fleet = fleet, .once = once,
+//                     .rubrics = rubrics, .primary = &primary, .second = &second, .hedge_pool = pool});
+//   std::shared_ptr<plans_type::routing> plan = plans.build(options, /*generation=*/1, /*serving=*/nullptr);
+//   plans_type::model_state* model = plan->find("feedback-large");
+//   absl::StatusOr<gateway::detail::answer> a = model->interactive(call, now);  // the call carries the request
 //
 // Thread-safety: build() from one thread at a time (the gateway's reload
 // lock); stream_totals() from any thread. A built plan is read-only: its
