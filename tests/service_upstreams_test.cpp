@@ -693,7 +693,8 @@ std::string config_head(const std::string& dir, std::initializer_list<const mock
 
 // The state /healthz shows for the breaker whose domain names `deployment`; "none" without one.
 std::string breaker_state(int port, const std::string& deployment) {
-  for (const json& e : healthz(port)["breakers"])
+  const json h = healthz(port);  // held: a range over a temporary's member would dangle
+  for (const json& e : h["breakers"])
     if (e.value("domain", "").find(deployment) != std::string::npos) return e.value("state", "");
   return "none";
 }
