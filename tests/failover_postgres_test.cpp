@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <map>
 #include <string>
+#include <latch>
 #include <thread>
 
 #include <libpq-fe.h>
@@ -236,10 +237,19 @@ double sync_rep_wait_after_timeout(bool end_abandoned, std::chrono::milliseconds
                                        .command_timeout = 1s,
                                        .end_abandoned_writes = end_abandoned});
   REQUIRE(s.ok());
-  {  // Two connections in the pool: one will be idle when the other's write is abandoned.
-    std::jthread other([&] { (void)(*s)->load_result("warm"); });
+  // Two connections in the pool: one will be idle when the other's write is
+  // abandoned. Two reads at once open the second only when they overlap, so
+  // they are repeated until the pool holds both.
+  for (int i = 0; i < 200 && (*s)->connections() < 2; ++i) {
+    std::latch go(2);
+    std::jthread other([&] {
+      go.arrive_and_wait();
+      (void)(*s)->load_result("warm");
+    });
+    go.arrive_and_wait();
     (void)(*s)->load_result("warm");
   }
+  REQUIRE((*s)->connections() == 2);
   REQUIRE(pair.run("cut-link"));
   const auto sent = std::chrono::steady_clock::now();
   auto b = (*s)->begin(keel_failover::identity_of("k"), keel_failover::digest_of("k"), keel::owner_id::random(),
