@@ -8,6 +8,7 @@ keel_packages=(
   libpq-dev postgresql pgbouncer
   libhiredis-dev redis-server
   libcpp-httplib-dev nlohmann-json3-dev libtomlplusplus-dev libboost1.74-dev
+  libasio-dev libboost-context1.74-dev
   libcurl4-openssl-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   python3 python3-prometheus-client
