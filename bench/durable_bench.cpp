@@ -22,6 +22,7 @@
 #include <sqlite3.h>
 #include <unistd.h>
 
+#include "keel/core/condition.hpp"
 #include "keel/durable/digest.hpp"
 #include "keel/durable/idempotency.hpp"
 #include "keel/durable/lease.hpp"
@@ -72,7 +73,7 @@ struct jumping_clock {
     return keel::real_clock{}.sleep_until(t - keel::duration(offset->load()), std::move(stop));
   }
   template <class Ready>
-  bool wait_until(std::unique_lock<std::mutex>& lock, std::condition_variable_any& cv, keel::time_point t,
+  bool wait_until(std::unique_lock<std::mutex>& lock, keel::condition& cv, keel::time_point t,
                   std::stop_token stop, Ready ready) const {
     return keel::real_clock{}.wait_until(lock, cv, t - keel::duration(offset->load()), std::move(stop),
                                          std::move(ready));

@@ -1,6 +1,7 @@
 // The clocks: the real steady clock, and the manual clock every other test
 // drives time with.
 #include "keel/core/clock.hpp"
+#include "keel/core/condition.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -98,7 +99,7 @@ TEST_CASE("manual_clock sleep ends early when stop is requested", "[clock]") {
 TEST_CASE("manual_clock wait_until wakes on notify, on time, and on stop", "[clock]") {
   manual_clock clock;
   std::mutex mu;
-  std::condition_variable_any cv;
+  keel::condition cv;
   bool ready = false;
 
   SECTION("notified by another thread") {

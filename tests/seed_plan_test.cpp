@@ -23,6 +23,7 @@
 #include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/core/call.hpp"
+#include "keel/core/condition.hpp"
 #include "keel/policy/adaptive_timeout.hpp"
 #include "keel/policy/admission.hpp"
 #include "keel/policy/breaker_registry.hpp"
@@ -62,7 +63,7 @@ class counting_clock {
   }
   bool sleep_until(keel::time_point t, std::stop_token stop) const { return clock_.sleep_until(t, std::move(stop)); }
   template <class Ready>
-  bool wait_until(std::unique_lock<std::mutex>& lock, std::condition_variable_any& cv, keel::time_point t,
+  bool wait_until(std::unique_lock<std::mutex>& lock, keel::condition& cv, keel::time_point t,
                   std::stop_token stop, Ready ready) const {
     return clock_.wait_until(lock, cv, t, std::move(stop), std::move(ready));
   }

@@ -25,11 +25,13 @@
 #include <thread>
 #include <utility>
 
+#include "keel/core/condition.hpp"
+
 namespace keel_test {
 
 inline void block_until_stopped(const std::stop_token& stop) {
   std::mutex m;
-  std::condition_variable_any cv;
+  keel::condition cv;
   std::unique_lock lock(m);
   cv.wait(lock, stop, [] { return false; });
 }

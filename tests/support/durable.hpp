@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "keel/core/clock.hpp"
+#include "keel/core/condition.hpp"
 #include "keel/store/sqlite.hpp"
 
 #include "support/child_process.hpp"
@@ -85,7 +86,7 @@ class shared_clock {
     return true;
   }
   template <class Ready>
-  bool wait_until(std::unique_lock<std::mutex>& lock, std::condition_variable_any& cv, keel::time_point t,
+  bool wait_until(std::unique_lock<std::mutex>& lock, keel::condition& cv, keel::time_point t,
                   std::stop_token stop, Ready ready) const {
     while (!ready() && now() < t && !stop.stop_requested()) cv.wait_for(lock, std::chrono::milliseconds(1));
     return ready();

@@ -42,7 +42,7 @@
 //   keel::call call(keel::real_clock{}.now(), {.timeout = std::chrono::seconds(2)});
 //   absl::StatusOr<int> r = pipe.run(call, [](const keel::attempt& a) -> absl::StatusOr<int> {
 //     std::mutex m;
-//     std::condition_variable_any cv;
+//     keel::condition cv;
 //     std::unique_lock lock(m);
 //     cv.wait(lock, a.stop, [] { return false; });  // watches only its stop token
 //     return absl::CancelledError("stopped");       // r: DeadlineExceeded after two cut attempts
@@ -90,6 +90,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "keel/core/clock.hpp"
+#include "keel/core/condition.hpp"
 #include "keel/core/deadline.hpp"
 #include "keel/core/outcome.hpp"
 #include "keel/core/policy.hpp"
@@ -229,7 +230,7 @@ class deadline_timer_base {
   std::array<detail::cut_shard, shard_count> shards_{};
   std::atomic<duration::rep> next_wake_{scanning};
   std::mutex wake_mu_;
-  std::condition_variable_any wake_cv_;
+  keel::condition wake_cv_;
   bool poked_ = false;  // guarded by wake_mu_
   std::atomic<std::int64_t> fired_{0};
   std::atomic<std::int64_t> wakeups_{0};

@@ -135,6 +135,7 @@
 #include "keel/compose/executor.hpp"
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
+#include "keel/core/condition.hpp"
 #include "keel/core/outcome.hpp"
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
@@ -772,7 +773,7 @@ class hedge {
     attempt_plan plan;
     std::stop_token caller_stop;  // plan.stop refers to it
     std::mutex mu;
-    std::condition_variable done;
+    keel::condition done;
     std::array<slot, hedge_options::max_hedges_limit + 1> slots;
     int launched = 0;  // attempts started, the primary included
     int returned = 0;  // attempts that have returned
@@ -900,7 +901,7 @@ class hedge {
   std::atomic<std::int64_t> outstanding_{0};
 
   std::mutex mu_;                     // the timer list and races_
-  std::condition_variable_any wake_;  // the timer thread waits here (through the clock)
+  keel::condition wake_;  // the timer thread waits here (through the clock)
   std::condition_variable drained_;   // the destructor waits here for races_ == 0
   detail::hedge_timer* head_ = nullptr;
   time_point armed_ = time_point::max();  // when the timer thread will next wake by itself

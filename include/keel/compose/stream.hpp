@@ -120,6 +120,7 @@
 #include "keel/compose/tool_calls.hpp"
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
+#include "keel/core/condition.hpp"
 #include "keel/core/outcome.hpp"
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
@@ -643,7 +644,7 @@ class stream_hub {
   }
 
   std::mutex mu_;
-  std::condition_variable_any wake_;
+  keel::condition wake_;
   stream_watch* head_ = nullptr;
   bool changed_ = false;
   // What the watchdog sleeps until (under mu_); max while it is idle or
@@ -654,7 +655,7 @@ class stream_hub {
 // Two streams of one attempt racing to the first content token.
 struct stream_race {
   std::mutex mu;
-  std::condition_variable done;
+  keel::condition done;
   int winner = -1;
   bool hedge_launched = false;
   bool hedge_running = false;

@@ -170,6 +170,10 @@ class call {
   }
 
   [[nodiscard]] const std::stop_token& stop_token() const noexcept { return stop_; }
+  // The stop token the call honours from now on: keel::asio::async_run ties
+  // an operation's cancellation slot to the call with it. Not while a
+  // pipeline runs the call.
+  void stop_with(std::stop_token t) noexcept { stop_ = std::move(t); }
   [[nodiscard]] const keel::labels& labels() const noexcept { return labels_; }
   [[nodiscard]] const keel::operation& operation() const noexcept { return operation_; }
 

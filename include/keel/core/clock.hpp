@@ -30,6 +30,9 @@
 #include <stop_token>
 #include <thread>
 
+#include "keel/core/condition.hpp"
+#include "keel/core/fiber.hpp"
+
 namespace keel {
 
 using time_point = std::chrono::steady_clock::time_point;
@@ -50,11 +53,14 @@ struct never_ready {
 //
 // wait_until is how a component's waiters (a bulkhead queue, a duplicate
 // waiting for the first request) wake when either another thread notifies cv
-// or time passes, on a real or a manual clock alike.
+// or time passes, on a real or a manual clock alike. Both waits park a fiber
+// instead of blocking its thread when a pipeline runs asynchronously
+// (keel/core/fiber.hpp): a clock's sleep goes through the fiber's timers,
+// and cv is a keel::condition.
 template <class C>
 concept clock = requires(const C& c, time_point t, std::stop_token stop,
                          std::unique_lock<std::mutex>& lock,
-                         std::condition_variable_any& cv) {
+                         keel::condition& cv) {
   { c.now() } noexcept -> std::same_as<time_point>;
   { c.sleep_until(t, stop) } -> std::same_as<bool>;
   { c.wait_until(lock, cv, t, stop, detail::never_ready{}) } -> std::same_as<bool>;
@@ -66,6 +72,7 @@ struct real_clock {
 
   // Returns true when t was reached, false when stop was requested first.
   bool sleep_until(time_point t, std::stop_token stop) const {
+    if (detail::fiber* f = detail::current_fiber) return detail::fiber_sleep_until(*f, t, stop);
     if (!stop.stop_possible()) {
       std::this_thread::sleep_until(t);
       return true;
@@ -78,8 +85,8 @@ struct real_clock {
   }
 
   template <class Ready>
-  bool wait_until(std::unique_lock<std::mutex>& lock, std::condition_variable_any& cv, time_point t,
-                  std::stop_token stop, Ready ready) const {
+  bool wait_until(std::unique_lock<std::mutex>& lock, keel::condition& cv, time_point t, std::stop_token stop,
+                  Ready ready) const {
     return cv.wait_until(lock, std::move(stop), t, std::move(ready));
   }
 };

@@ -116,6 +116,7 @@
 #include "keel/compose/executor.hpp"
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
+#include "keel/core/condition.hpp"
 #include "keel/core/deadline.hpp"
 #include "keel/core/environment.hpp"
 #include "keel/core/outcome.hpp"
@@ -765,7 +766,7 @@ class fan_out {
     fan_out_report<T> report;
     std::vector<std::size_t> success_order;  // guarded by mu
     std::mutex mu;
-    std::condition_variable_any cv;
+    keel::condition cv;
     int in_flight = 0;            // guarded by mu
     std::uint64_t completions = 0;  // guarded by mu
     time_point started_at{};        // read only when the listener wants fan_out_finished

@@ -79,6 +79,7 @@
 #include "absl/strings/str_cat.h"
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
+#include "keel/core/condition.hpp"
 #include "keel/core/deadline.hpp"
 #include "keel/core/outcome.hpp"
 #include "keel/core/policy.hpp"
@@ -482,7 +483,7 @@ class bulkhead {
     duration max_age{};
     std::vector<int> lends_via, borrows_via;  // lending rules by index
     std::mutex mu;                            // the queue
-    std::condition_variable_any cv;
+    keel::condition cv;
     waiter* head = nullptr;
     waiter* tail = nullptr;
   };

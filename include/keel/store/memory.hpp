@@ -51,6 +51,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "keel/core/clock.hpp"
+#include "keel/core/condition.hpp"
 #include "keel/core/status.hpp"
 #include "keel/durable/digest.hpp"
 #include "keel/durable/idempotency.hpp"
@@ -401,7 +402,7 @@ class memory_store {
 
   Clock clock_;
   std::mutex mu_;
-  std::condition_variable_any changed_;
+  keel::condition changed_;
   std::uint64_t version_ = 0;
   std::int64_t high_water_ = INT64_MIN;
   std::int64_t purged_fence_ = 0;  // the highest fence purge_expired removed

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "keel/core/clock.hpp"
+#include "keel/core/condition.hpp"
 
 namespace keel::testing {
 
@@ -83,7 +84,7 @@ class manual_clock {
       return true;
     }
     std::mutex m;
-    std::condition_variable_any cv;
+    keel::condition cv;
     registration reg(*state_, m, cv);
     std::unique_lock lock(m);
     cv.wait(lock, stop, [&] { return now() >= t; });
@@ -91,7 +92,7 @@ class manual_clock {
   }
 
   template <class Ready>
-  bool wait_until(std::unique_lock<std::mutex>& lock, std::condition_variable_any& cv, time_point t,
+  bool wait_until(std::unique_lock<std::mutex>& lock, keel::condition& cv, time_point t,
                   std::stop_token stop, Ready ready) const {
     if (ready()) return true;
     if (state_->auto_advance.load(std::memory_order_relaxed)) {
@@ -146,7 +147,7 @@ class manual_clock {
  private:
   struct waiter {
     std::mutex* mutex;
-    std::condition_variable_any* cv;
+    keel::condition* cv;
   };
   struct state {
     std::atomic<duration::rep> now_ns{0};
@@ -156,7 +157,7 @@ class manual_clock {
     std::vector<waiter> waiters;
   };
   struct registration {
-    registration(state& s, std::mutex& m, std::condition_variable_any& cv) : s_(s), cv_(&cv) {
+    registration(state& s, std::mutex& m, keel::condition& cv) : s_(s), cv_(&cv) {
       std::lock_guard registry(s_.mu);
       s_.waiters.push_back({&m, &cv});
       s_.changed.notify_all();
@@ -171,7 +172,7 @@ class manual_clock {
     registration(const registration&) = delete;
     registration& operator=(const registration&) = delete;
     state& s_;
-    std::condition_variable_any* cv_;
+    keel::condition* cv_;
   };
 
   std::shared_ptr<state> state_;

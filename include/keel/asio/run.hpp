@@ -1,0 +1,307 @@
+// keel/asio/run.hpp — a keel pipeline run that completes through an Asio
+// completion token: the same policies, no thread held per call.
+//
+// keel::asio::async_run(ex, pipeline, call, provider, token) runs
+// `pipeline.run(call, ...)` on a fiber on `ex` (keel/asio/fiber.hpp) and
+// completes `token` with the result: a callback, asio::use_future, or
+// asio::use_awaitable in a coroutine. The pipeline is the one a synchronous
+// service builds (keel/compose/pipeline.hpp), its policies unchanged: where
+// one waits (a retry's backoff, a bulkhead queue, a hedge's race) the fiber
+// parks on the executor's timers instead of sleeping a thread.
+//
+// The provider is asynchronous: a copyable callable with
+//
+//   using result_type = R;   // absl::Status or absl::StatusOr<T>
+//   template <class CompletionToken>
+//   auto operator()(const keel::attempt& a, CompletionToken&& token);   // completes with void(R)
+//
+// (asio::async_initiate<CompletionToken, void(R)> makes one from any
+// operation). It completes once, never inline, and honours the handler's
+// cancellation slot: a deadline cut, a hedge's loser, a stopped call or a
+// cancelled run emit on it (terminal), so the upstream operation stops at
+// once. `a` is valid until it completes.
+//
+// Cancellation both ways: a cancellation slot bound to `token` (a parallel
+// group, `||` on awaitables, asio::bind_cancellation_slot) stops the call (its
+// stop token is requested; every policy sees it), and a stop of the call's
+// token cancels the provider's operation through its slot.
+//
+// Example (inside an asio::awaitable<void> coroutine):
+//
+//   keel::retry_budget budget({.ratio = 0.1, .min_per_second = 5});
+//   static const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .budget = &budget}));
+//   keel::call call(keel::real_clock{}.now(), {.timeout = std::chrono::seconds(2)});
+//   absl::StatusOr<std::string> answer =
+//       co_await keel::asio::async_run(ex, pipe, call, model, asio::use_awaitable);
+//
+// The pipeline, the call and what the provider refers to must outlive the
+// run (a hedge's losers: see keel/compose/hedge.hpp). The run allocates
+// nothing of its own once the thread's fiber pool holds a stack for each
+// call in flight; the executor's post of the first switch and the
+// provider's own operation are what Asio allocates (recycled per thread).
+//
+// Thread-safety: async_run from any thread; the call belongs to its run
+// until the run completes.
+#pragma once
+
+#include <atomic>
+#include <concepts>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
+#include <stop_token>
+#include <type_traits>
+#include <utility>
+
+#include <asio/any_io_executor.hpp>
+#include <asio/associated_cancellation_slot.hpp>
+#include <asio/associated_executor.hpp>
+#include <asio/async_result.hpp>
+#include <asio/cancellation_signal.hpp>
+#include <asio/cancellation_type.hpp>
+#include <asio/dispatch.hpp>
+#include <asio/executor_work_guard.hpp>
+#include <asio/post.hpp>
+
+#include "absl/status/status.h"
+#include "keel/asio/fiber.hpp"
+#include "keel/core/call.hpp"
+#include "keel/core/condition.hpp"
+#include "keel/core/policy.hpp"
+
+namespace keel::asio {
+
+// A provider whose attempts complete through an Asio completion token.
+template <class P>
+concept async_provider = std::copy_constructible<P> && result<typename P::result_type>;
+
+namespace detail {
+
+template <class P>
+struct declared_operation {};
+template <class P>
+  requires keel::declares_operation<P>
+struct declared_operation<P> {
+  static constexpr keel::operation operation = keel::declared_provider_t<P>::operation;
+};
+
+// One attempt's wait for the provider's answer, on the attempt's fiber (or,
+// off any fiber, on its thread).
+template <class R>
+struct attempt_wait {
+  fiber* f = nullptr;  // null: a plain thread waits on `cv`
+  std::optional<R> result;
+  ::asio::cancellation_signal cancel;
+  std::atomic<bool> stop_asked{false};
+  bool emitted = false;
+  // off a fiber
+  std::mutex mu;
+  keel::condition cv;
+};
+
+// The completion handler the provider's operation gets: the fiber's
+// executor, and a cancellation slot the attempt's stop emits on.
+template <class R>
+struct answer_handler {
+  attempt_wait<R>* w;
+  ::asio::any_io_executor ex;
+
+  using executor_type = ::asio::any_io_executor;
+  [[nodiscard]] executor_type get_executor() const noexcept { return ex; }
+  using cancellation_slot_type = ::asio::cancellation_slot;
+  [[nodiscard]] cancellation_slot_type get_cancellation_slot() const noexcept { return w->cancel.slot(); }
+
+  void operator()(R r) {
+    attempt_wait<R>& me = *w;
+    if (me.f != nullptr) {
+      me.result.emplace(std::move(r));
+      me.f->unpark_here();
+      return;
+    }
+    std::lock_guard lock(me.mu);
+    me.result.emplace(std::move(r));
+    me.cv.notify_all();
+  }
+};
+
+}  // namespace detail
+
+// The synchronous face of an asynchronous provider, the one a pipeline
+// calls: it starts the operation and parks the attempt's fiber until it
+// completes; off a fiber (a plain thread, a synchronous run) the thread
+// waits, and `ex` runs the operation. Copied into a hedge's race with the
+// provider it owns.
+template <class Provider>
+class awaited_provider : public detail::declared_operation<Provider> {
+ public:
+  using R = typename Provider::result_type;
+
+  awaited_provider(Provider p, ::asio::any_io_executor ex) : provider_(std::move(p)), ex_(std::move(ex)) {}
+
+  R operator()(const keel::attempt& a) {
+    detail::attempt_wait<R> w;
+    w.f = detail::current_asio_fiber();
+    provider_(a, detail::answer_handler<R>{&w, w.f != nullptr ? w.f->executor() : ex_});
+    if (w.f != nullptr) {
+      std::optional<std::stop_callback<on_stop>> stop;
+      if (a.stop.stop_possible()) stop.emplace(a.stop, on_stop{&w});
+      while (!w.result) {
+        // The slot's handler belongs to the executor: emitted from the fiber, there.
+        if (!w.emitted && w.stop_asked.load(std::memory_order_acquire)) {
+          w.emitted = true;
+          if (w.cancel.slot().has_handler()) w.cancel.emit(::asio::cancellation_type::terminal);
+          continue;
+        }
+        w.f->park();
+      }
+      return std::move(*w.result);
+    }
+    // Off a fiber (a hedge on a thread pool): this thread waits, and a stop
+    // is emitted on the executor.
+    std::optional<std::stop_callback<post_cancel>> stop;
+    if (a.stop.stop_possible()) stop.emplace(a.stop, post_cancel{&w, ex_});
+    std::unique_lock lock(w.mu);
+    w.cv.wait(lock, [&] { return w.result.has_value(); });
+    lock.unlock();
+    stop.reset();
+    return std::move(*w.result);
+  }
+
+ private:
+  struct on_stop {
+    detail::attempt_wait<R>* w;
+    void operator()() const noexcept {
+      w->stop_asked.store(true, std::memory_order_release);
+      w->f->unpark();
+    }
+  };
+  // Waits in the stop callback's destructor keep `w` alive until it ran.
+  struct post_cancel {
+    detail::attempt_wait<R>* w;
+    ::asio::any_io_executor ex;
+    void operator()() const {
+      std::mutex m;
+      keel::condition cv;
+      bool emitted = false;
+      ::asio::post(ex, [&] {
+        std::lock_guard lock(w->mu);
+        if (!w->result && w->cancel.slot().has_handler()) w->cancel.emit(::asio::cancellation_type::terminal);
+        std::lock_guard l(m);
+        emitted = true;
+        cv.notify_all();
+      });
+      std::unique_lock l(m);
+      cv.wait(l, [&] { return emitted; });
+    }
+  };
+
+  Provider provider_;
+  ::asio::any_io_executor ex_;
+};
+
+template <async_provider Provider>
+[[nodiscard]] awaited_provider<Provider> awaited(Provider p, ::asio::any_io_executor ex) {
+  return {std::move(p), std::move(ex)};
+}
+
+namespace detail {
+
+// A run in flight: lives at the top of its fiber's stack.
+template <class Pipeline, class Provider, class Handler>
+struct run_op {
+  using R = typename Provider::result_type;
+
+  struct forward_stop {
+    std::stop_source* to;
+    void operator()() const noexcept { to->request_stop(); }
+  };
+  struct on_cancel {
+    std::stop_source* to;
+    void operator()(::asio::cancellation_type) const noexcept { to->request_stop(); }
+  };
+
+  run_op(const Pipeline& p, keel::call& c, awaited_provider<Provider> pr, Handler h, fiber* fb,
+         ::asio::any_io_executor w)
+      : pipe(p), call(c), provider(std::move(pr)), handler(std::move(h)), f(fb), work(std::move(w)) {}
+
+  const Pipeline& pipe;
+  keel::call& call;
+  awaited_provider<Provider> provider;
+  Handler handler;
+  fiber* f;
+  ::asio::any_io_executor work;  // keeps the run's executor busy while the fiber waits off it
+  std::optional<R> result;
+  // A cancellation slot on the handler stops the call: through a source of
+  // the run's own, linked to the call's token (`outer`, restored after).
+  std::optional<std::stop_source> stop;
+  std::stop_token outer;
+  std::optional<std::stop_callback<forward_stop>> link;
+
+  static void body(void* self) {
+    auto& op = *static_cast<run_op*>(self);
+    op.result.emplace(op.pipe.run(op.call, op.provider));
+  }
+
+  static void done(void* self) {
+    auto* op = static_cast<run_op*>(self);
+    fiber* const f = op->f;
+    Handler h = std::move(op->handler);
+    R r = std::move(*op->result);
+    if (op->stop) {
+      op->call.stop_with(op->outer);
+      auto slot = ::asio::get_associated_cancellation_slot(h);
+      if (slot.is_connected()) slot.clear();
+    }
+    // A handler without an executor of its own runs on the run's.
+    ::asio::any_io_executor work = std::move(op->work);
+    op->~run_op();
+    f->release();
+    const auto ex = ::asio::get_associated_executor(h, work);
+    ::asio::dispatch(ex, completion{std::move(h), std::move(r)});
+  }
+
+  struct completion {
+    Handler h;
+    R r;
+    void operator()() { std::move(h)(std::move(r)); }
+  };
+};
+
+}  // namespace detail
+
+// Runs `provider` through `pipeline` for `call` on a fiber on `ex`; completes
+// `token` with the provider's result type. See the header comment.
+template <class Pipeline, async_provider Provider, class CompletionToken>
+auto async_run(::asio::any_io_executor ex, const Pipeline& pipeline, keel::call& call, Provider provider,
+               CompletionToken&& token) {
+  using R = typename Provider::result_type;
+  return ::asio::async_initiate<CompletionToken, void(R)>(
+      [&pipeline, &call](auto handler, ::asio::any_io_executor ex, Provider provider) {
+        using Handler = decltype(handler);
+        using Op = detail::run_op<Pipeline, Provider, Handler>;
+        detail::fiber* f = detail::fiber::make(ex);
+        if (f == nullptr) {
+          const auto hex = ::asio::get_associated_executor(handler, ex);
+          ::asio::post(hex, [h = std::move(handler)]() mutable {
+            std::move(h)(R(absl::ResourceExhaustedError("keel::asio: no stack could be mapped for the run's fiber")));
+          });
+          return;
+        }
+        auto work = ::asio::prefer(ex, ::asio::execution::outstanding_work.tracked);
+        auto* op = ::new (f->reserve(sizeof(Op), alignof(Op)))
+            Op(pipeline, call, awaited_provider<Provider>(std::move(provider), ex), std::move(handler), f,
+               std::move(work));
+        auto slot = ::asio::get_associated_cancellation_slot(op->handler);
+        if (slot.is_connected()) {
+          op->stop.emplace();
+          op->outer = call.stop_token();
+          if (op->outer.stop_possible()) op->link.emplace(op->outer, typename Op::forward_stop{&*op->stop});
+          call.stop_with(op->stop->get_token());
+          slot.template emplace<typename Op::on_cancel>(typename Op::on_cancel{&*op->stop});
+        }
+        f->start(&Op::body, &Op::done, op);
+      },
+      token, std::move(ex), std::move(provider));
+}
+
+}  // namespace keel::asio

@@ -1,0 +1,250 @@
+// keel::asio: the same pipelines run synchronously (a thread waits) and
+// asynchronously (a fiber parks on the executor), from the same cases; the
+// manual clock drives every wait.
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <future>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <asio/bind_cancellation_slot.hpp>
+#include <asio/cancellation_signal.hpp>
+#include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
+#include <asio/executor_work_guard.hpp>
+#include <asio/io_context.hpp>
+#include <asio/use_awaitable.hpp>
+#include <asio/use_future.hpp>
+#include <catch2/catch.hpp>
+
+#include "keel/asio/run.hpp"
+#include "keel/compose/pipeline.hpp"
+#include "keel/policy/bulkhead.hpp"
+#include "keel/policy/retry.hpp"
+#include "keel/testing/manual_clock.hpp"
+#include "support/async_provider.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+using keel_test::gate;
+
+// One io_context run by one thread for the whole test.
+struct loop {
+  asio::io_context io{1};
+  asio::executor_work_guard<asio::io_context::executor_type> work = asio::make_work_guard(io);
+  std::thread runner{[this] { io.run(); }};
+  ~loop() {
+    work.reset();
+    runner.join();
+  }
+  [[nodiscard]] asio::any_io_executor ex() { return io.get_executor(); }
+};
+
+enum class mode { sync, async };
+
+// Starts `pipe.run(call, provider)`: on a thread of its own (sync), or as
+// an asynchronous run on the loop (async).
+template <class Pipe>
+std::future<gate::result_type> start(mode m, loop& l, const Pipe& pipe, keel::call& call, gate& g) {
+  if (m == mode::sync) {
+    return std::async(std::launch::async,
+                      [&pipe, &call, p = keel::asio::awaited(g.as_provider(), l.ex())]() mutable {
+                        return pipe.run(call, p);
+                      });
+  }
+  return keel::asio::async_run(l.ex(), pipe, call, g.as_provider(), asio::use_future);
+}
+
+void await_waiting(const gate& g, std::size_t n) {
+  for (int i = 0; i < 60000 && g.waiting() != n; ++i) std::this_thread::sleep_for(1ms);
+  REQUIRE(g.waiting() == n);
+}
+
+int threads_in_process() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+  return -1;
+}
+
+}  // namespace
+
+TEST_CASE("an asynchronous run answers through a callback, a future and a coroutine", "[asio]") {
+  loop l;
+  gate g;
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}));
+
+  keel::call by_future(keel::real_clock{}.now(), {.timeout = 10s});
+  auto f = keel::asio::async_run(l.ex(), pipe, by_future, g.as_provider(), asio::use_future);
+  await_waiting(g, 1);
+  g.answer(7);
+  CHECK(f.get().value() == 7);
+  CHECK(by_future.record().attempts == 1);
+
+  keel::call by_callback(keel::real_clock{}.now(), {.timeout = 10s});
+  std::promise<int> got;
+  keel::asio::async_run(l.ex(), pipe, by_callback, g.as_provider(),
+                        [&](gate::result_type r) { got.set_value(r.value_or(-1)); });
+  await_waiting(g, 1);
+  g.answer(8);
+  CHECK(got.get_future().get() == 8);
+
+  keel::call by_coroutine(keel::real_clock{}.now(), {.timeout = 10s});
+  auto co = asio::co_spawn(
+      l.io,
+      [&]() -> asio::awaitable<int> {
+        gate::result_type r =
+            co_await keel::asio::async_run(l.ex(), pipe, by_coroutine, g.as_provider(), asio::use_awaitable);
+        co_return r.value_or(-1);
+      },
+      asio::use_future);
+  await_waiting(g, 1);
+  g.answer(9);
+  CHECK(co.get() == 9);
+}
+
+TEST_CASE("a retry waits out its backoff on the clock in both modes", "[asio]") {
+  for (mode m : {mode::sync, mode::async}) {
+    INFO((m == mode::sync ? "sync" : "async"));
+    loop l;
+    gate g;
+    keel::testing::manual_clock clock;
+    const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}, keel::constant_backoff{.delay_each = 2s}))
+                          .in(keel::environment{clock});
+    keel::call call(clock.now(), {.timeout = 60s});
+    auto f = start(m, l, pipe, call, g);
+    await_waiting(g, 1);
+    g.answer(absl::UnavailableError("busy"));
+    clock.await_sleepers(1);  // the backoff: a thread, or a fiber parked on the clock
+    if (m == mode::async) {
+      // The loop's thread is free meanwhile: it runs other work.
+      auto other = asio::post(l.io, asio::use_future([] { return 1; }));
+      CHECK(other.get() == 1);
+    }
+    CHECK(g.started() == 1);
+    clock.advance(2s);
+    await_waiting(g, 1);
+    g.answer(5);
+    CHECK(f.get().value() == 5);
+    CHECK(call.record().attempts == 2);
+    CHECK(call.record().retries == 1);
+  }
+}
+
+TEST_CASE("a bulkhead's queue holds the second call until the first is done, in both modes", "[asio]") {
+  for (mode m : {mode::sync, mode::async}) {
+    INFO((m == mode::sync ? "sync" : "async"));
+    loop l;
+    gate g;
+    keel::testing::manual_clock clock;
+    keel::bulkhead_options o;
+    o.classes.push_back({.name = "all", .capacity = 1, .max_queue = 1, .max_queue_age = 10s});
+    o.default_class = "all";
+    keel::bulkhead slots(o);
+    const auto pipe = keel::pipeline(slots).in(keel::environment{clock});
+    keel::call first(clock.now(), {.timeout = 60s});
+    keel::call second(clock.now(), {.timeout = 60s});
+    auto f1 = start(m, l, pipe, first, g);
+    await_waiting(g, 1);
+    auto f2 = start(m, l, pipe, second, g);
+    clock.await_sleepers(1);  // queued for the slot
+    CHECK(g.started() == 1);
+    g.answer(1);
+    CHECK(f1.get().value() == 1);
+    await_waiting(g, 1);  // the slot passed to the second call
+    g.answer(2);
+    CHECK(f2.get().value() == 2);
+  }
+}
+
+TEST_CASE("a queued call that waits past its queue age is refused, in both modes", "[asio]") {
+  for (mode m : {mode::sync, mode::async}) {
+    INFO((m == mode::sync ? "sync" : "async"));
+    loop l;
+    gate g;
+    keel::testing::manual_clock clock;
+    keel::bulkhead_options o;
+    o.classes.push_back({.name = "all", .capacity = 1, .max_queue = 1, .max_queue_age = 1s});
+    o.default_class = "all";
+    keel::bulkhead slots(o);
+    const auto pipe = keel::pipeline(slots).in(keel::environment{clock});
+    keel::call first(clock.now(), {.timeout = 60s});
+    keel::call second(clock.now(), {.timeout = 60s});
+    auto f1 = start(m, l, pipe, first, g);
+    await_waiting(g, 1);
+    auto f2 = start(m, l, pipe, second, g);
+    clock.await_sleepers(1);
+    clock.advance(1s);
+    const gate::result_type refused = f2.get();
+    CHECK(absl::IsResourceExhausted(refused.status()));
+    CHECK(g.started() == 1);
+    g.answer(1);
+    CHECK(f1.get().value() == 1);
+  }
+}
+
+TEST_CASE("stopping the call cancels the provider's operation, in both modes", "[asio]") {
+  for (mode m : {mode::sync, mode::async}) {
+    INFO((m == mode::sync ? "sync" : "async"));
+    loop l;
+    gate g;
+    std::stop_source stop;
+    const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}));
+    keel::call call(keel::real_clock{}.now(), {.timeout = 60s, .stop = stop.get_token()});
+    auto f = start(m, l, pipe, call, g);
+    await_waiting(g, 1);
+    stop.request_stop();
+    const gate::result_type r = f.get();
+    CHECK(absl::IsCancelled(r.status()));
+    CHECK(g.cancelled() == 1);
+    CHECK(g.started() == 1);  // a stopped call is not retried
+  }
+}
+
+TEST_CASE("a cancellation slot on the run's token stops the call and its operation", "[asio]") {
+  loop l;
+  gate g;
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}));
+  keel::call call(keel::real_clock{}.now(), {.timeout = 60s});
+  asio::cancellation_signal cancel;
+  auto f = keel::asio::async_run(l.ex(), pipe, call, g.as_provider(),
+                                 asio::bind_cancellation_slot(cancel.slot(), asio::use_future));
+  await_waiting(g, 1);
+  // Emitted on the loop, as Asio requires.
+  asio::post(l.io, [&] { cancel.emit(asio::cancellation_type::terminal); });
+  const gate::result_type r = f.get();
+  CHECK(absl::IsCancelled(r.status()));
+  CHECK(g.cancelled() == 1);
+  CHECK(g.started() == 1);
+  CHECK(!call.stop_token().stop_possible());  // the call's own token is back
+}
+
+TEST_CASE("two thousand runs in flight park on one thread", "[asio]") {
+  loop l;
+  gate g;
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}));
+  constexpr int n = 2000;
+  std::vector<std::optional<keel::call>> calls(n);
+  std::atomic<int> ok{0};
+  std::atomic<int> finished{0};
+  const int threads_before = threads_in_process();
+  for (int i = 0; i < n; ++i) {
+    calls[static_cast<std::size_t>(i)].emplace(keel::real_clock{}.now(), keel::call_options{.timeout = 60s});
+    keel::asio::async_run(l.ex(), pipe, *calls[static_cast<std::size_t>(i)], g.as_provider(),
+                          [&](gate::result_type r) {
+                            if (r.ok()) ok.fetch_add(1);
+                            finished.fetch_add(1);
+                          });
+  }
+  await_waiting(g, n);
+  CHECK(threads_in_process() == threads_before);
+  for (int i = 0; i < n; ++i) g.answer(i);
+  for (int i = 0; i < 60000 && finished.load() != n; ++i) std::this_thread::sleep_for(1ms);
+  CHECK(finished.load() == n);
+  CHECK(ok.load() == n);
+}
