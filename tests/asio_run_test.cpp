@@ -20,7 +20,10 @@
 #include <asio/use_future.hpp>
 #include <catch2/catch.hpp>
 
+#include "keel/asio/executor.hpp"
 #include "keel/asio/run.hpp"
+#include "keel/compose/executor.hpp"
+#include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/policy/bulkhead.hpp"
 #include "keel/policy/retry.hpp"
@@ -247,4 +250,57 @@ TEST_CASE("two thousand runs in flight park on one thread", "[asio]") {
   for (int i = 0; i < 60000 && finished.load() != n; ++i) std::this_thread::sleep_for(1ms);
   CHECK(finished.load() == n);
   CHECK(ok.load() == n);
+}
+
+namespace {
+
+// A hedge on the manual clock: its primary waits at the gate, the hedge
+// starts after 1 s and wins, and the primary is cancelled through its
+// operation's slot. Run synchronously with a thread pool for the attempts,
+// and asynchronously with fibers.
+template <class Executor>
+void hedge_case(mode m, loop& l, Executor& attempts, bool primary_on_caller) {
+  gate g;
+  keel::testing::manual_clock clock;
+  keel::retry_budget budget({.ratio = 1.0, .min_per_second = 10});
+  keel::hedge<Executor, keel::testing::manual_clock> hedger(
+      {.delay = 1s, .max_hedges = 1, .budget = &budget, .primary_on_caller_thread = primary_on_caller}, attempts,
+      clock);
+  const auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
+  keel::call call(clock.now(), {.timeout = 60s});
+  auto f = start(m, l, pipe, call, g);
+  await_waiting(g, 1);
+  clock.await_sleepers(1);  // the hedge's timer, armed for this call
+  clock.advance(1s);
+  await_waiting(g, 2);
+  CHECK(g.last_hedge() == 1);
+  g.answer_newest(11);  // the hedge wins
+  const gate::result_type r = f.get();
+  CHECK(r.value() == 11);
+  CHECK(call.record().attempts == 2);
+  for (int i = 0; i < 60000 && g.cancelled() != 1; ++i) std::this_thread::sleep_for(1ms);
+  CHECK(g.cancelled() == 1);  // the primary, stopped through its slot
+  for (int i = 0; i < 60000 && hedger.figures().outstanding != 0; ++i) std::this_thread::sleep_for(1ms);
+  CHECK(hedger.figures().hedge_wins == 1);
+  CHECK(hedger.figures().outstanding == 0);
+}
+
+}  // namespace
+
+TEST_CASE("a hedge races its attempts and stops the loser, in both modes", "[asio][hedge]") {
+  for (bool on_caller : {false, true}) {
+    INFO("primary_on_caller_thread " << on_caller);
+    {
+      INFO("sync, attempts on a thread pool");
+      loop l;
+      keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+      hedge_case(mode::sync, l, pool, on_caller);
+    }
+    {
+      INFO("async, attempts on fibers");
+      loop l;
+      keel::asio::fiber_executor fibers(l.ex());
+      hedge_case(mode::async, l, fibers, on_caller);
+    }
+  }
 }

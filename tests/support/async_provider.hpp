@@ -59,6 +59,19 @@ class gate {
     return true;
   }
 
+  // Answers the newest waiting attempt; false when none waits.
+  bool answer_newest(result_type r) {
+    std::unique_ptr<entry> e;
+    {
+      std::lock_guard l(mu_);
+      if (waiting_.empty()) return false;
+      e = std::move(waiting_.back());
+      waiting_.pop_back();
+    }
+    e->complete(std::move(r));
+    return true;
+  }
+
   // The provider: copies share the gate.
   struct provider {
     using result_type = gate::result_type;

@@ -88,7 +88,8 @@ class shared_clock {
   template <class Ready>
   bool wait_until(std::unique_lock<std::mutex>& lock, keel::condition& cv, keel::time_point t,
                   std::stop_token stop, Ready ready) const {
-    while (!ready() && now() < t && !stop.stop_requested()) cv.wait_for(lock, std::chrono::milliseconds(1));
+    while (!ready() && now() < t && !stop.stop_requested())
+      (void)cv.wait_until(lock, std::chrono::steady_clock::now() + std::chrono::milliseconds(1), ready);
     return ready();
   }
 
