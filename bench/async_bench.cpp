@@ -9,6 +9,13 @@
 //                                       (keel_bench_protection) run by
 //                                       async_run; one thread runs the executor
 //   BM_SyncPipeline_Full_Success        the same pipeline, synchronously, here
+//   BM_AsyncPipeline_Full_Success_Posted  the same, the operation completing
+//                                       through a post to the executor
+//   BM_AsyncBaseline_PostedAnswer       that operation alone, back to back
+//   BM_AsyncPipeline_Full_Success_OnFiber  the pipeline run on a fiber the
+//                                       service already has (no fiber per
+//                                       call); _Posted: the posting operation
+//   BM_Fiber_SpawnFinish                a fiber started and finished
 //   BM_AsyncHedge_PrimaryWins           a hedged async run whose primary
 //                                       (on the caller's fiber) answers first
 //   BM_SyncHedge_PrimaryWins_OnCallerThread  BM_Hedge_PrimaryWins_OnCallerThread
@@ -16,13 +23,17 @@
 //
 // Each benchmark thread runs its own io_context: the next run starts from
 // the completion handler of the last, on the executor's thread, as a
-// service's would. The asynchronous provider answers at once by posting its
-// handler, as an operation that completes immediately does.
+// service's would. The asynchronous provider completes at once through a
+// dispatch (on the executor's thread: before it returns), the twin of the
+// synchronous benchmarks' trivial provider; _Posted variants complete
+// through a post, as a ready socket read does.
 #include <chrono>
 #include <optional>
 
 #include <asio/associated_executor.hpp>
 #include <asio/async_result.hpp>
+#include <asio/bind_executor.hpp>
+#include <asio/dispatch.hpp>
 #include <asio/io_context.hpp>
 #include <asio/post.hpp>
 #include <benchmark/benchmark.h>
@@ -61,13 +72,29 @@ struct posted_answer {
   }
 };
 
+// Completes at once through a dispatch: on the executor's thread (where an
+// attempt's fiber runs) the handler runs before the operation returns, the
+// asynchronous twin of keel_bench::trivial_provider.
+struct immediate_answer {
+  using result_type = absl::StatusOr<int>;
+  template <class Token>
+  auto operator()(const keel::attempt& a, Token&& token) const {
+    return asio::async_initiate<Token, void(result_type)>(
+        [](auto handler, int number) {
+          auto ex = asio::get_associated_executor(handler);
+          asio::dispatch(ex, [h = std::move(handler), number]() mutable { std::move(h)(result_type(number)); });
+        },
+        token, a.number);
+  }
+};
+
 struct session_request {
   const keel::admission_key* tenant = nullptr;
 };
 
 // Runs `make_call` + async_run back to back on this thread's io_context
 // until the benchmark is done.
-template <class Pipe, class MakeCall>
+template <class Provider = immediate_answer, class Pipe, class MakeCall>
 void drive_async(benchmark::State& state, const Pipe& pipe, MakeCall make_call) {
   asio::io_context io(1);
   struct driver {
@@ -86,7 +113,7 @@ void drive_async(benchmark::State& state, const Pipe& pipe, MakeCall make_call) 
     void next() {
       if (!state.KeepRunning()) return;
       make_call(call);
-      keel::asio::async_run(io.get_executor(), pipe, *call, posted_answer{}, on_answer{this});
+      keel::asio::async_run(io.get_executor(), pipe, *call, Provider{}, on_answer{this});
     }
   };
   driver d{state, io, pipe, make_call, std::nullopt};
@@ -161,6 +188,63 @@ void BM_AsyncPipeline_Full_Success(benchmark::State& state) {
 }
 BENCHMARK(BM_AsyncPipeline_Full_Success)->Threads(1)->Threads(2);
 
+// The same pipeline run on a fiber the service already has (a connection's,
+// a coroutine's, spawned once): each call parks the fiber on the operation's
+// completion, with no fiber started per call.
+template <class Provider>
+void drive_on_fiber(benchmark::State& state) {
+  static const auto pipe = full::get().pipeline();
+  asio::io_context io(1);
+  keel_bench::count_allocations allocs(state);
+  keel::asio::spawn(io.get_executor(), [&] {
+    auto make_call = full::get().make_call();
+    auto provider = keel::asio::awaited(Provider{}, io.get_executor());
+    std::optional<keel::call> call;
+    for (auto _ : state) {
+      make_call(call);
+      absl::StatusOr<int> r = pipe.run(*call, provider);
+      benchmark::DoNotOptimize(r);
+    }
+  });
+  io.run();
+}
+void BM_AsyncPipeline_Full_Success_OnFiber(benchmark::State& state) { drive_on_fiber<immediate_answer>(state); }
+BENCHMARK(BM_AsyncPipeline_Full_Success_OnFiber)->Threads(1)->Threads(2);
+void BM_AsyncPipeline_Full_Success_OnFiber_Posted(benchmark::State& state) { drive_on_fiber<posted_answer>(state); }
+BENCHMARK(BM_AsyncPipeline_Full_Success_OnFiber_Posted)->Threads(1)->Threads(2);
+
+// The same with an operation that completes through a post (a socket read
+// that is ready completes so): the post and the scheduler's turn are the
+// operation's, measured alone in BM_AsyncBaseline_PostedAnswer.
+void BM_AsyncPipeline_Full_Success_Posted(benchmark::State& state) {
+  static const auto pipe = full::get().pipeline();
+  drive_async<posted_answer>(state, pipe, full::get().make_call());
+}
+BENCHMARK(BM_AsyncPipeline_Full_Success_Posted)->Threads(1)->Threads(2);
+
+// posted_answer called back to back from its own completion handler: what the
+// operation and the executor cost without keel.
+void BM_AsyncBaseline_PostedAnswer(benchmark::State& state) {
+  asio::io_context io(1);
+  struct driver {
+    benchmark::State& state;
+    asio::io_context* io;
+    keel::attempt a{};
+    void next() {
+      if (!state.KeepRunning()) return;
+      posted_answer{}(a, asio::bind_executor(*io, [this](absl::StatusOr<int> r) {
+                        benchmark::DoNotOptimize(r);
+                        next();
+                      }));
+    }
+  };
+  driver d{state, &io};
+  keel_bench::count_allocations allocs(state);
+  asio::post(io, [&] { d.next(); });
+  io.run();
+}
+BENCHMARK(BM_AsyncBaseline_PostedAnswer)->Threads(1)->Threads(2);
+
 void BM_SyncPipeline_Full_Success(benchmark::State& state) {
   static const auto pipe = full::get().pipeline();
   drive_sync(state, pipe, full::get().make_call());
@@ -192,4 +276,25 @@ void BM_SyncHedge_PrimaryWins_OnCallerThread(benchmark::State& state) {
 }
 BENCHMARK(BM_SyncHedge_PrimaryWins_OnCallerThread)->Threads(1)->Threads(2);
 
+}  // namespace
+
+namespace {
+// A fiber started and finished back to back (what every run pays): taken
+// from the thread's pool, switched into, switched out of, put back.
+void BM_Fiber_SpawnFinish(benchmark::State& state) {
+  asio::io_context io(1);
+  struct driver {
+    benchmark::State& state;
+    asio::io_context* io;
+    void next() {
+      if (!state.KeepRunning()) return;
+      keel::asio::spawn(io->get_executor(), [this] { asio::post(*io, [this] { next(); }); });
+    }
+  };
+  driver d{state, &io};
+  keel_bench::count_allocations allocs(state);
+  asio::post(io, [&] { d.next(); });
+  io.run();
+}
+BENCHMARK(BM_Fiber_SpawnFinish);
 }  // namespace

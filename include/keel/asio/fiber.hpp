@@ -46,6 +46,8 @@
 #include <vector>
 
 #include <asio/any_io_executor.hpp>
+#include <asio/dispatch.hpp>
+#include <asio/io_context.hpp>
 #include <asio/post.hpp>
 #include <asio/steady_timer.hpp>
 #include <boost/context/detail/fcontext.hpp>
@@ -109,7 +111,12 @@ class fiber final : public keel::detail::fiber {
         return nullptr;
       }
     }
+    // Counted as work while the fiber lives: the executor's run() does not
+    // return while a fiber waits off it (on a keel::condition another thread
+    // notifies). Once, not on every copy of ex_.
+    f->work_ = ::asio::prefer(ex, ::asio::execution::outstanding_work.tracked);
     f->ex_ = std::move(ex);
+    f->io_ = f->ex_.target<::asio::io_context::executor_type>();
     return f;
   }
 
@@ -122,10 +129,11 @@ class fiber final : public keel::detail::fiber {
     return top_;
   }
 
-  // Starts `body(arg)` on the fiber from a handler posted to the executor;
-  // `done(arg)` runs on the host after the body has returned: it must call
-  // release() once it no longer needs what lives on the stack.
-  void start(body_fn body, body_fn done, void* arg) {
+  // Starts `body(arg)` on the fiber from a handler posted to the executor
+  // (or, `here`, at once when this thread runs the executor outside any
+  // fiber); `done(arg)` runs on the host after the body has returned: it
+  // must call release() once it no longer needs what lives on the stack.
+  void start(body_fn body, body_fn done, void* arg, bool here = false) {
     body_ = body;
     done_ = done;
     arg_ = arg;
@@ -134,10 +142,16 @@ class fiber final : public keel::detail::fiber {
     // 64 bytes below what was reserved: make_fcontext puts its own record there.
     const std::size_t usable = static_cast<std::size_t>(top_ - stack_lo_) & ~std::size_t{63};
     self_ = fctx::make_fcontext(stack_lo_ + usable, usable, &entry);
-    ::asio::post(ex_, resume_op{this});
+    if (here && keel::detail::current_fiber == nullptr) {
+      dispatch_resume();
+    } else {
+      post_resume();
+    }
   }
 
   [[nodiscard]] const ::asio::any_io_executor& executor() const noexcept { return ex_; }
+  // The io_context executor behind executor(), or null when it is another kind.
+  [[nodiscard]] const ::asio::io_context::executor_type* io_executor() const noexcept { return io_; }
 
   // --- keel::detail::fiber --------------------------------------------------
 
@@ -148,7 +162,7 @@ class fiber final : public keel::detail::fiber {
   }
 
   void unpark() noexcept override {
-    if (take_parked()) ::asio::post(ex_, resume_op{this});
+    if (take_parked()) post_resume();
   }
 
   // Unparks from a handler that runs on this fiber's executor outside any
@@ -196,6 +210,20 @@ class fiber final : public keel::detail::fiber {
     fiber* f;
     void operator()() const { f->resume(); }
   };
+  void post_resume() {
+    if (io_ != nullptr) {
+      ::asio::post(*io_, resume_op{this});
+    } else {
+      ::asio::post(ex_, resume_op{this});
+    }
+  }
+  void dispatch_resume() {
+    if (io_ != nullptr) {
+      ::asio::dispatch(*io_, resume_op{this});
+    } else {
+      ::asio::dispatch(ex_, resume_op{this});
+    }
+  }
 
   // The one timed wake a fiber may have armed: the executor's timer.
   class timer_wake final : public timed_wake {
@@ -281,7 +309,9 @@ class fiber final : public keel::detail::fiber {
     timer_.reset();  // its executor may not outlive the pool
     top_ = stack_lo_ + fiber_stack_bytes;
     invocation_ = nullptr;
+    io_ = nullptr;
     ex_ = {};
+    work_ = {};
     pool& p = thread_pool();
     if (p.free.size() < kept_per_thread) {
       p.free.push_back(this);
@@ -351,6 +381,10 @@ class fiber final : public keel::detail::fiber {
   }
 
   ::asio::any_io_executor ex_;
+  ::asio::any_io_executor work_;  // ex_, tracked
+  // ex_'s io_context executor, when it is one: posted to without the
+  // type-erased wrapper's conversions (a third of a run's cost otherwise).
+  const ::asio::io_context::executor_type* io_ = nullptr;
   std::atomic<int> state_{idle};
   fctx::fcontext_t self_ = nullptr;  // the fiber, while it is switched out
   fctx::fcontext_t host_ = nullptr;  // its host, while it runs

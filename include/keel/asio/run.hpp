@@ -61,12 +61,12 @@
 #include <asio/cancellation_type.hpp>
 #include <asio/dispatch.hpp>
 #include <asio/executor_work_guard.hpp>
+#include <asio/io_context.hpp>
 #include <asio/post.hpp>
 
 #include "absl/status/status.h"
 #include "keel/asio/fiber.hpp"
 #include "keel/core/call.hpp"
-#include "keel/core/condition.hpp"
 #include "keel/core/policy.hpp"
 
 namespace keel::asio {
@@ -90,24 +90,26 @@ struct declared_operation<P> {
 template <class R>
 struct attempt_wait {
   fiber* f = nullptr;  // null: a plain thread waits on `cv`
+  const ::asio::any_io_executor* ex = nullptr;  // where the operation completes
   std::optional<R> result;
   ::asio::cancellation_signal cancel;
   std::atomic<bool> stop_asked{false};
   bool emitted = false;
-  // off a fiber
+  // off a fiber (std::condition_variable: no allocation, unlike _any's)
   std::mutex mu;
-  keel::condition cv;
+  std::condition_variable cv;
 };
 
 // The completion handler the provider's operation gets: the fiber's
 // executor, and a cancellation slot the attempt's stop emits on.
+// One pointer: what the operation stores and posts stays small, so Asio's
+// per-thread recycling of handler memory serves it.
 template <class R>
 struct answer_handler {
   attempt_wait<R>* w;
-  ::asio::any_io_executor ex;
 
   using executor_type = ::asio::any_io_executor;
-  [[nodiscard]] executor_type get_executor() const noexcept { return ex; }
+  [[nodiscard]] executor_type get_executor() const noexcept { return *w->ex; }
   using cancellation_slot_type = ::asio::cancellation_slot;
   [[nodiscard]] cancellation_slot_type get_cancellation_slot() const noexcept { return w->cancel.slot(); }
 
@@ -115,7 +117,9 @@ struct answer_handler {
     attempt_wait<R>& me = *w;
     if (me.f != nullptr) {
       me.result.emplace(std::move(r));
-      me.f->unpark_here();
+      // Completed on the attempt's own fiber (a dispatch from inside it): it
+      // has not parked, and finds the result without a switch.
+      if (keel::detail::current_fiber != me.f) me.f->unpark_here();
       return;
     }
     std::lock_guard lock(me.mu);
@@ -141,7 +145,8 @@ class awaited_provider : public detail::declared_operation<Provider> {
   R operator()(const keel::attempt& a) {
     detail::attempt_wait<R> w;
     w.f = detail::current_asio_fiber();
-    provider_(a, detail::answer_handler<R>{&w, w.f != nullptr ? w.f->executor() : ex_});
+    w.ex = w.f != nullptr ? &w.f->executor() : &ex_;
+    provider_(a, detail::answer_handler<R>{&w});
     if (w.f != nullptr) {
       std::optional<std::stop_callback<on_stop>> stop;
       if (a.stop.stop_possible()) stop.emplace(a.stop, on_stop{&w});
@@ -181,7 +186,7 @@ class awaited_provider : public detail::declared_operation<Provider> {
     ::asio::any_io_executor ex;
     void operator()() const {
       std::mutex m;
-      keel::condition cv;
+      std::condition_variable cv;
       bool emitted = false;
       ::asio::post(ex, [&] {
         std::lock_guard lock(w->mu);
@@ -220,17 +225,16 @@ struct run_op {
     void operator()(::asio::cancellation_type) const noexcept { to->request_stop(); }
   };
 
-  run_op(const Pipeline& p, keel::call& c, awaited_provider<Provider> pr, Handler h, fiber* fb,
-         ::asio::any_io_executor w)
-      : pipe(p), call(c), provider(std::move(pr)), handler(std::move(h)), f(fb), work(std::move(w)) {}
+  run_op(const Pipeline& p, keel::call& c, Provider pr, Handler h, fiber* fb)
+      : pipe(p), call(c), provider(std::move(pr), fb->executor()), handler(std::move(h)), f(fb) {}
 
   const Pipeline& pipe;
   keel::call& call;
   awaited_provider<Provider> provider;
   Handler handler;
   fiber* f;
-  ::asio::any_io_executor work;  // keeps the run's executor busy while the fiber waits off it
   std::optional<R> result;
+  bool* initiating = nullptr;  // while async_run has not returned: set when the run ends
   // A cancellation slot on the handler stops the call: through a source of
   // the run's own, linked to the call's token (`outer`, restored after).
   std::optional<std::stop_source> stop;
@@ -242,28 +246,68 @@ struct run_op {
     op.result.emplace(op.pipe.run(op.call, op.provider));
   }
 
+  // On the host once the body has returned: the completion runs next (here,
+  // or posted when async_run has not returned yet); it takes the handler and
+  // the result out of the op, which stays on the fiber's stack until then.
   static void done(void* self) {
     auto* op = static_cast<run_op*>(self);
     fiber* const f = op->f;
-    Handler h = std::move(op->handler);
-    R r = std::move(*op->result);
     if (op->stop) {
       op->call.stop_with(op->outer);
-      auto slot = ::asio::get_associated_cancellation_slot(h);
+      auto slot = ::asio::get_associated_cancellation_slot(op->handler);
       if (slot.is_connected()) slot.clear();
     }
-    // A handler without an executor of its own runs on the run's.
-    ::asio::any_io_executor work = std::move(op->work);
-    op->~run_op();
-    f->release();
-    const auto ex = ::asio::get_associated_executor(h, work);
-    ::asio::dispatch(ex, completion{std::move(h), std::move(r)});
+    const bool initiating = op->initiating != nullptr;
+    if (initiating) *op->initiating = true;
+    // A handler without an executor of its own runs on the run's: on its
+    // io_context's executor directly when it is one (no type erasure).
+    using own_executor = ::asio::associated_executor_t<Handler, no_executor>;
+    if constexpr (std::is_same_v<own_executor, no_executor>) {
+      if (const ::asio::io_context::executor_type* io = f->io_executor()) {
+        complete(*io, initiating, completion(op));
+        return;
+      }
+    }
+    complete(::asio::get_associated_executor(op->handler, f->executor()), initiating, completion(op));
   }
 
-  struct completion {
-    Handler h;
-    R r;
-    void operator()() { std::move(h)(std::move(r)); }
+  // A marker: the handler has no associated executor of its own.
+  struct no_executor {};
+
+  template <class Executor, class Completion>
+  static void complete(const Executor& ex, bool initiating, Completion c) {
+    if (initiating) {
+      ::asio::post(ex, std::move(c));  // never inside async_run
+    } else {
+      ::asio::dispatch(ex, std::move(c));
+    }
+  }
+
+  // Owns the finished op (and its fiber) until it runs or is destroyed
+  // unrun (an io_context destroyed with it queued).
+  class completion {
+   public:
+    explicit completion(run_op* op) noexcept : op_(op) {}
+    completion(completion&& o) noexcept : op_(std::exchange(o.op_, nullptr)) {}
+    completion& operator=(completion&&) = delete;
+    ~completion() {
+      if (op_ != nullptr) finish(op_);
+    }
+    void operator()() {
+      run_op* const op = std::exchange(op_, nullptr);
+      Handler h = std::move(op->handler);
+      std::optional<R> r = std::move(op->result);
+      finish(op);
+      std::move(h)(std::move(*r));
+    }
+
+   private:
+    static void finish(run_op* op) {
+      fiber* const f = op->f;
+      op->~run_op();
+      f->release();
+    }
+    run_op* op_;
   };
 };
 
@@ -287,10 +331,7 @@ auto async_run(::asio::any_io_executor ex, const Pipeline& pipeline, keel::call&
           });
           return;
         }
-        auto work = ::asio::prefer(ex, ::asio::execution::outstanding_work.tracked);
-        auto* op = ::new (f->reserve(sizeof(Op), alignof(Op)))
-            Op(pipeline, call, awaited_provider<Provider>(std::move(provider), ex), std::move(handler), f,
-               std::move(work));
+        auto* op = ::new (f->reserve(sizeof(Op), alignof(Op))) Op(pipeline, call, std::move(provider), std::move(handler), f);
         auto slot = ::asio::get_associated_cancellation_slot(op->handler);
         if (slot.is_connected()) {
           op->stop.emplace();
@@ -299,7 +340,12 @@ auto async_run(::asio::any_io_executor ex, const Pipeline& pipeline, keel::call&
           call.stop_with(op->stop->get_token());
           slot.template emplace<typename Op::on_cancel>(typename Op::on_cancel{&*op->stop});
         }
-        f->start(&Op::body, &Op::done, op);
+        // On the executor's thread the fiber starts at once; a run that ends
+        // before this returns (a refusal) completes through a post.
+        bool ended = false;
+        op->initiating = &ended;
+        f->start(&Op::body, &Op::done, op, /*here=*/true);
+        if (!ended) op->initiating = nullptr;
       },
       token, std::move(ex), std::move(provider));
 }
