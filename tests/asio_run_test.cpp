@@ -22,10 +22,13 @@
 
 #include "keel/asio/executor.hpp"
 #include "keel/asio/run.hpp"
+#include "keel/compose/deadline_timer.hpp"
 #include "keel/compose/executor.hpp"
+#include "keel/compose/fallback.hpp"
 #include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/policy/bulkhead.hpp"
+#include "keel/policy/circuit_breaker.hpp"
 #include "keel/policy/retry.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "support/async_provider.hpp"
@@ -302,5 +305,56 @@ TEST_CASE("a hedge races its attempts and stops the loser, in both modes", "[asi
       keel::asio::fiber_executor fibers(l.ex());
       hedge_case(mode::async, l, fibers, on_caller);
     }
+  }
+}
+
+TEST_CASE("a deadline cut stops the provider's operation at the deadline, in both modes", "[asio][cut]") {
+  for (mode m : {mode::sync, mode::async}) {
+    INFO((m == mode::sync ? "sync" : "async"));
+    loop l;
+    gate g;
+    keel::testing::manual_clock clock;
+    keel::deadline_timer timer(clock);
+    const auto pipe = keel::pipeline(keel::cut_at_deadline(timer)).in(keel::environment{clock});
+    keel::call call(clock.now(), {.timeout = 2s});
+    auto f = start(m, l, pipe, call, g);
+    await_waiting(g, 1);
+    clock.await_sleepers(1);  // the timer, armed for this attempt
+    clock.advance(2s);
+    const gate::result_type r = f.get();
+    CHECK(absl::IsDeadlineExceeded(r.status()));
+    CHECK(g.cancelled() == 1);  // the operation itself was stopped, through its slot
+  }
+}
+
+TEST_CASE("a fallback answers when the provider fails, in both modes", "[asio]") {
+  for (mode m : {mode::sync, mode::async}) {
+    INFO((m == mode::sync ? "sync" : "async"));
+    loop l;
+    gate g;
+    auto cached = [](const keel::attempt&) -> absl::StatusOr<int> { return 99; };
+    const auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("cached", cached)));
+    keel::call call(keel::real_clock{}.now(), {.timeout = 10s});
+    auto f = start(m, l, pipe, call, g);
+    await_waiting(g, 1);
+    g.answer(absl::UnavailableError("down"));
+    CHECK(f.get().value() == 99);
+    CHECK(call.record().degraded);
+    CHECK(call.record().served_by == "cached");
+  }
+}
+
+TEST_CASE("an open breaker refuses without starting the operation, in both modes", "[asio]") {
+  for (mode m : {mode::sync, mode::async}) {
+    INFO((m == mode::sync ? "sync" : "async"));
+    loop l;
+    gate g;
+    keel::circuit_breaker breaker({.name = "model"});
+    breaker.force_open(keel::real_clock{}.now());
+    const auto pipe = keel::pipeline(breaker);
+    keel::call call(keel::real_clock{}.now(), {.timeout = 10s});
+    const gate::result_type r = start(m, l, pipe, call, g).get();
+    CHECK(keel::refused_by(r.status()) == std::optional<std::string>("breaker:model"));
+    CHECK(g.started() == 0);
   }
 }

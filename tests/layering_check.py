@@ -11,7 +11,7 @@ import sys
 
 # Bottom to top. detail/ holds internals: each is pinned to the lowest layer
 # that uses it, so it may include only from that layer or below.
-LAYERS = ["core", "policy", "compose", "provider", "durable", "observe", "store", "testing"]
+LAYERS = ["core", "policy", "compose", "provider", "asio", "durable", "observe", "store", "testing"]
 DETAIL = {
     "boundary": "core",
     "thread_slot": "core",

@@ -3,10 +3,10 @@
 // Prefer including the component headers you use: each is self-contained
 // and compiles faster alone. The folders are keel's layers, each including
 // only from the ones before it: core (vocabulary), policy, compose, provider,
-// durable, observe, then store (backends) and testing. Store backends
-// (keel/store/*.hpp), the libcurl adapter (keel/provider/http.hpp) and the
-// test kit (keel/testing/*.hpp) are not included here: they link their own
-// clients.
+// asio, durable, observe, then store (backends) and testing. Store backends
+// (keel/store/*.hpp), the libcurl adapter (keel/provider/http.hpp), the
+// asynchronous runs (keel/asio/*.hpp) and the test kit (keel/testing/*.hpp)
+// are not included here: they link their own clients.
 //
 // Example:
 //
@@ -16,8 +16,10 @@
 
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
+#include "keel/core/condition.hpp"
 #include "keel/core/deadline.hpp"
 #include "keel/core/environment.hpp"
+#include "keel/core/fiber.hpp"
 #include "keel/core/format.hpp"
 #include "keel/core/outcome.hpp"
 #include "keel/core/policy.hpp"

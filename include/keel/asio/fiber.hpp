@@ -46,7 +46,6 @@
 #include <vector>
 
 #include <asio/any_io_executor.hpp>
-#include <asio/dispatch.hpp>
 #include <asio/io_context.hpp>
 #include <asio/post.hpp>
 #include <asio/steady_timer.hpp>
@@ -129,10 +128,16 @@ class fiber final : public keel::detail::fiber {
     return top_;
   }
 
-  // Starts `body(arg)` on the fiber from a handler posted to the executor
-  // (or, `here`, at once when this thread runs the executor outside any
-  // fiber); `done(arg)` runs on the host after the body has returned: it
-  // must call release() once it no longer needs what lives on the stack.
+  // True when start(..., here = true) would run the fiber at once: this
+  // thread runs the fiber's io_context, outside any fiber.
+  [[nodiscard]] bool can_start_here() const noexcept {
+    return keel::detail::current_fiber == nullptr && io_ != nullptr && io_->running_in_this_thread();
+  }
+
+  // Starts `body(arg)` on the fiber: at once when `here` (can_start_here()
+  // must have said so), else from a handler posted to the executor.
+  // `done(arg)` runs on the host after the body has returned: it must call
+  // release() once it no longer needs what lives on the stack.
   void start(body_fn body, body_fn done, void* arg, bool here = false) {
     body_ = body;
     done_ = done;
@@ -142,8 +147,8 @@ class fiber final : public keel::detail::fiber {
     // 64 bytes below what was reserved: make_fcontext puts its own record there.
     const std::size_t usable = static_cast<std::size_t>(top_ - stack_lo_) & ~std::size_t{63};
     self_ = fctx::make_fcontext(stack_lo_ + usable, usable, &entry);
-    if (here && keel::detail::current_fiber == nullptr) {
-      dispatch_resume();
+    if (here) {
+      resume();
     } else {
       post_resume();
     }
@@ -217,13 +222,7 @@ class fiber final : public keel::detail::fiber {
       ::asio::post(ex_, resume_op{this});
     }
   }
-  void dispatch_resume() {
-    if (io_ != nullptr) {
-      ::asio::dispatch(*io_, resume_op{this});
-    } else {
-      ::asio::dispatch(ex_, resume_op{this});
-    }
-  }
+
 
   // The one timed wake a fiber may have armed: the executor's timer.
   class timer_wake final : public timed_wake {

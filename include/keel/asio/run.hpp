@@ -340,12 +340,15 @@ auto async_run(::asio::any_io_executor ex, const Pipeline& pipeline, keel::call&
           call.stop_with(op->stop->get_token());
           slot.template emplace<typename Op::on_cancel>(typename Op::on_cancel{&*op->stop});
         }
-        // On the executor's thread the fiber starts at once; a run that ends
-        // before this returns (a refusal) completes through a post.
+        // A run that ends before this returns (a refusal) completes through
+        // a post: never inside async_run.
+        // Started at once when this thread runs the executor, else posted
+        // (and then op belongs to the executor's thread from here on).
+        const bool here = f->can_start_here();
         bool ended = false;
-        op->initiating = &ended;
-        f->start(&Op::body, &Op::done, op, /*here=*/true);
-        if (!ended) op->initiating = nullptr;
+        if (here) op->initiating = &ended;
+        f->start(&Op::body, &Op::done, op, here);
+        if (here && !ended) op->initiating = nullptr;
       },
       token, std::move(ex), std::move(provider));
 }
