@@ -760,24 +760,36 @@ inline absl::Status stream_exchange::operator()(const keel::attempt& a, stream_w
   return client_->perform_stream(request_, a, w);
 }
 
-template <class Parse>
-auto exchange<Parse>::operator()(const keel::attempt& a) const -> result_type {
+namespace detail {
+
+// An exchange's result: `perform(on_success)` runs the attempt (returning
+// its status) and calls on_success with a 2xx response, which `parse` reads.
+template <class Parse, class Perform>
+parse_result_t<Parse> parsed_result(const Parse& parse, Perform&& perform) {
+  using result_type = parse_result_t<Parse>;
   if constexpr (std::is_same_v<result_type, absl::Status>) {
     absl::Status parsed;
-    absl::Status st = client_->perform(request_, a, [&](const response& r) {
-      parsed = parse_(r);
+    absl::Status st = std::forward<Perform>(perform)([&](const response& r) {
+      parsed = parse(r);
       return absl::OkStatus();
     });
     return st.ok() ? parsed : st;
   } else {
     std::optional<result_type> parsed;
-    absl::Status st = client_->perform(request_, a, [&](const response& r) {
-      parsed.emplace(parse_(r));
+    absl::Status st = std::forward<Perform>(perform)([&](const response& r) {
+      parsed.emplace(parse(r));
       return absl::OkStatus();
     });
     if (!st.ok()) return result_type(std::move(st));
     return std::move(*parsed);
   }
+}
+
+}  // namespace detail
+
+template <class Parse>
+auto exchange<Parse>::operator()(const keel::attempt& a) const -> result_type {
+  return detail::parsed_result(parse_, [&](auto&& on_success) { return client_->perform(request_, a, on_success); });
 }
 
 }  // namespace keel::http
