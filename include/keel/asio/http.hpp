@@ -52,8 +52,9 @@
 //   keel::call call(keel::real_clock{}.now(), {.timeout = std::chrono::seconds(10)});
 //   keel::attempt a{.start = keel::real_clock{}.now(), .deadline = call.work_deadline(),
 //                   .timeout = std::chrono::seconds(10), .stop = call.stop_token(), .owner = &call};
-//   chat(a, [](absl::StatusOr<std::string> answer) { /* on io's thread */ });
-//   io.run();
+//   absl::StatusOr<std::string> answer;
+//   chat(a, [&](absl::StatusOr<std::string> r) { answer = std::move(r); });  // on io's thread
+//   io.run();  // returns once the exchange completed: nothing else is left on the loop
 //
 // Allocation: per transfer, nothing beyond what libcurl makes and what
 // `parse` does once the pools (handles, buffers, sockets) have grown to the
@@ -64,10 +65,12 @@
 // Thread-safety: a client may be used from any thread; its curl handles are
 // touched only on its strand. Providers are small values (copies share the
 // idempotency key); any number of their operations may be in flight at
-// once. A client must outlive its providers' operations; destroying it
-// cancels what is in flight (each completes with absl::CancelledError) and
-// frees its handles once its executor has run that. Run the executor until
-// the client's operations have completed before destroying it.
+// once. parse and a stream's callbacks run on the loop, inside libcurl:
+// they may start other operations but must not destroy the client. A
+// client should outlive its providers' operations; destroying it cancels
+// what is in flight (each completes with absl::CancelledError; a provider
+// invoked afterwards completes the same way) and frees its handles once its
+// executor has run that, so keep running the executor until then.
 #pragma once
 
 #include <curl/curl.h>
@@ -80,7 +83,6 @@
 #include <asio/associated_executor.hpp>
 #include <asio/async_result.hpp>
 #include <asio/cancellation_type.hpp>
-#include <asio/dispatch.hpp>
 #include <asio/io_context.hpp>
 #include <asio/execution/outstanding_work.hpp>
 #include <asio/posix/stream_descriptor.hpp>
@@ -170,7 +172,9 @@ class http_loop : public std::enable_shared_from_this<http_loop> {
   [[nodiscard]] const http::client_options& options() const noexcept { return options_; }
   [[nodiscard]] std::uint64_t next_id() noexcept { return ids_.fetch_add(1, std::memory_order_relaxed) + 1; }
 
-  // From any thread: starts `op` on the loop (at once when already on its strand).
+  // From any thread: starts `op` on the loop (posted, even from the strand:
+  // a provider invoked from parse or a stream callback runs inside libcurl,
+  // which may not be re-entered).
   virtual void launch(http_op* op) = 0;
   // From any thread: stops operation `id`'s transfer, if it still runs.
   virtual void post_cancel(std::uint64_t id) = 0;
@@ -234,7 +238,7 @@ class http_loop_on final : public http_loop {
     curl_slist_free_all(shared_headers_);
   }
 
-  void launch(http_op* op) override { ::asio::dispatch(strand_, http_starter<http_loop_on>(this, op)); }
+  void launch(http_op* op) override { ::asio::post(strand_, http_starter<http_loop_on>(this, op)); }
 
   void post_cancel(std::uint64_t id) override {
     ::asio::post(strand_, [self = self_ptr(), id] { self->cancel(id); });
@@ -626,6 +630,7 @@ class http_op_impl final : public http_op {
   };
 
   static void destroy(http_op_impl* op) {
+    ::asio::get_associated_cancellation_slot(op->handler_).clear();  // the canceller points here
     allocator_type alloc(::asio::get_associated_allocator(op->handler_, ::asio::recycling_allocator<void>()));
     std::allocator_traits<allocator_type>::destroy(alloc, op);
     std::allocator_traits<allocator_type>::deallocate(alloc, op, 1);
