@@ -643,3 +643,29 @@ TEST_CASE("asio http: a client on an executor other than an io_context's (a stra
   CHECK(absl::IsDeadlineExceeded(*hung.result));
   REQUIRE(keel_test::eventually([&] { return server.left() == 1; }));
 }
+
+TEST_CASE("asio http: a stream that stalls after its first tokens is stopped, and partial", "[asio][http][stream]") {
+  keel_test::sse_server server(3, 10s);  // three tokens, then only keep-alives for 10 s
+  ::asio::io_context io;
+  keel::asio::http_client client(io.get_executor(), {.base_url = server.url()});
+  auto provider = client.stream({.path = "/stall", .body = R"({"stream":true})"});
+
+  keel::stream_guard guard({.first_token = 5s, .stall = 300ms});
+  keel::call call(keel::real_clock{}.now(), {.timeout = 20s});
+  keel::token_stream stream(guard, [](std::string_view) {});
+  auto attempt = [&](const keel::attempt& a, keel::stream_writer& w) -> absl::Status {
+    landing<absl::Status> got;
+    provider(a, w, got.handler());
+    if (!run_until(io, [&] { return got.done(); })) return absl::InternalError("test: loop stuck");
+    return *got.result;
+  };
+  const auto start = std::chrono::steady_clock::now();
+  const absl::StatusOr<keel::stream_result> r =
+      keel::pipeline(keel::retry({.max_attempts = 1})).run(call, stream.attempts(attempt));
+  CHECK(std::chrono::steady_clock::now() - start < 8s);
+  REQUIRE(r.ok());
+  CHECK(r->partial);
+  CHECK(r->reason == keel::stream_stop::stall);
+  CHECK(r->text == "t0 t1 t2 ");
+  REQUIRE(keel_test::eventually([&] { return server.aborted() == 1; }));
+}
