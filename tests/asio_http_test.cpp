@@ -669,3 +669,37 @@ TEST_CASE("asio http: a stream that stalls after its first tokens is stopped, an
   CHECK(r->text == "t0 t1 t2 ");
   REQUIRE(keel_test::eventually([&] { return server.aborted() == 1; }));
 }
+
+TEST_CASE("asio http: the attempt's time left ends a transfer on the loop's timer, as libcurl's timeout",
+          "[asio][http]") {
+  scripted_server server;
+  http::client sync_client({.base_url = server.url()});
+  ::asio::io_context io;
+  keel::asio::http_client client(io.get_executor(), {.base_url = server.url()});
+  auto ex = client.exchange({.path = "/hang"});
+
+  // A long transfer first: its timeout is the one armed when the short one comes.
+  one_attempt long_one(read_op, 3s);
+  landing<absl::Status> long_got;
+  ex(long_one.a, long_got.handler());
+  REQUIRE(run_until(io, [&] { return server.hanging() == 1; }));
+  one_attempt short_one(read_op, 300ms);
+  landing<absl::Status> short_got;
+  const auto start = std::chrono::steady_clock::now();
+  ex(short_one.a, short_got.handler());
+  REQUIRE(run_until(io, [&] { return short_got.done(); }));
+  CHECK(std::chrono::steady_clock::now() - start < 2500ms);  // its own 300 ms, not the 3 s armed before
+  CHECK_FALSE(long_got.done());
+
+  one_attempt sa(read_op, 300ms);
+  const absl::Status want = sync_client.exchange({.path = "/hang"})(sa.a);
+  CHECK(absl::IsDeadlineExceeded(want));
+  CHECK(short_got.result->code() == want.code());
+  CHECK(short_got.result->message() == want.message());
+
+  REQUIRE(run_until(io, [&] { return long_got.done(); }));
+  CHECK(absl::IsDeadlineExceeded(*long_got.result));
+  // Nothing is left on the loop: run() returns.
+  io.restart();
+  io.run();
+}

@@ -301,7 +301,7 @@ class http_loop_on final : public http_loop {
       finish(active_.begin()->second, CURLE_OK, true,
              absl::CancelledError("keel::asio::http: the client was destroyed"));
     shut_multi();
-    timer_.cancel();
+    disarm();
   }
 
  private:
@@ -358,6 +358,7 @@ class http_loop_on final : public http_loop {
       op->complete(op, nullptr, rc, stopped, forced);
     }
     release(t);
+    if (active_.empty() && !curl_timeout_) disarm();  // libcurl said "no timeout" while it ran
   }
 
   // Every finished transfer libcurl reports.
@@ -490,24 +491,46 @@ class http_loop_on final : public http_loop {
     return 0;
   }
 
+  // libcurl's timeout, on the one timer. Arming it costs a
+  // timerfd_settime (a fifth of the loop's time in BM_AsyncHttp_Exchange
+  // when every change re-armed it), so it is armed only when libcurl's
+  // timeout comes before the armed one: firing early is harmless (libcurl
+  // acts on what expired and asks again). Without a timeout, it is
+  // cancelled once no transfer runs, so an idle loop leaves the executor.
   static int on_timer(CURLM*, long ms, void* data) {
     auto* self = static_cast<http_loop_on*>(data);
-    if (ms < 0 || self->closed_) {
-      self->timer_.cancel();
+    if (self->closed_) {
+      self->disarm();
       return 0;
     }
-    if (ms == 0) {
-      // "Now" (a transfer was added): a posted action, not a timer: arming
-      // one costs a timerfd_settime, which showed as a fifth of the
-      // loop's time in BM_AsyncHttp_Exchange.
+    if (ms < 0) {
+      self->curl_timeout_ = false;
+      if (self->active_.empty()) self->disarm();
+      return 0;
+    }
+    self->curl_timeout_ = true;
+    if (ms == 0) {  // now (a transfer was added): a posted action, not a timer
       ::asio::post(self->strand_, [keep = self->self_ptr()] { keep->on_timeout(); });
       return 0;
     }
-    self->timer_.expires_after(std::chrono::milliseconds(ms));
-    self->timer_.async_wait([keep = self->self_ptr()](const std::error_code& ec) {
-      if (!ec) keep->on_timeout();
+    const auto due = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    if (self->armed_ && self->armed_until_ <= due) return 0;
+    self->timer_.expires_at(due);
+    self->armed_ = true;
+    self->armed_until_ = due;
+    self->timer_.async_wait([keep = self->self_ptr(), gen = ++self->timer_gen_](const std::error_code& ec) {
+      if (ec) return;  // re-armed or cancelled
+      if (gen == keep->timer_gen_) keep->armed_ = false;
+      keep->on_timeout();
     });
     return 0;
+  }
+
+  void disarm() {
+    if (!armed_) return;
+    armed_ = false;
+    ++timer_gen_;
+    timer_.cancel();
   }
 
   static curl_socket_t on_open(void* data, curlsocktype purpose, curl_sockaddr* address) {
@@ -548,6 +571,10 @@ class http_loop_on final : public http_loop {
   std::vector<std::unique_ptr<socket>> sockets_;
   std::vector<socket*> free_sockets_;
   bool closed_ = false;
+  bool curl_timeout_ = false;                          // libcurl has a timeout pending
+  bool armed_ = false;                                 // a wait on timer_ is pending
+  std::chrono::steady_clock::time_point armed_until_{};  // when it fires
+  std::uint64_t timer_gen_ = 0;                        // bumped when armed or disarmed
 };
 
 inline void http_transfer::stopper::operator()() const noexcept { loop->post_cancel(id); }
