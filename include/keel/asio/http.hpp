@@ -38,8 +38,9 @@
 //   - for a stream, feeds the 2xx event stream into the writer as bytes
 //     arrive on the loop; the writer saying stop ends the transfer.
 //
-// `a` (and the writer) must stay valid until completion; the request's
-// strings, as for the blocking client, must outlive the exchange.
+// `a` (and the writer) must stay valid until completion, the provider
+// until the operation is initiated (with a deferred token, until then); the
+// request's strings, as for the blocking client, must outlive the exchange.
 //
 // Example:
 //
@@ -58,9 +59,12 @@
 //
 // Allocation: per transfer, nothing beyond what libcurl makes and what
 // `parse` does once the pools (handles, buffers, sockets) have grown to the
-// load, when the initiating thread runs the executor (the operation's
-// state comes from the handler's associated allocator, by default Asio's
-// recycling allocator; bench/asio_bench.cpp measures it).
+// load, when the client is on an io_context's own executor and the
+// initiating thread runs it (the operation's state comes from the
+// handler's associated allocator, by default Asio's recycling allocator).
+// On any other executor the strand goes through any_io_executor, whose
+// property queries allocate in Asio 1.22: a few allocations per transfer.
+// bench/provider_bench.cpp measures it (BM_AsyncHttp_*).
 //
 // Thread-safety: a client may be used from any thread; its curl handles are
 // touched only on its strand. Providers are small values (copies share the
