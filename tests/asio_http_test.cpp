@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "keel/asio/run.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/compose/stream.hpp"
 #include "keel/core/clock.hpp"
@@ -53,6 +54,7 @@ struct seen {
 
 // The scripted upstream: each path plays one behaviour.
 //   /ok            200 with a JSON object
+//   /503-then-ok   503 the first time, then as /ok
 //   /429-ms ...    the throttled and failing answers the blocking client's tests use
 //   /hang          200, then a space every 20 ms until the client leaves (left())
 //   /gate          held until gate_size() requests are held at once, then 200
@@ -95,10 +97,12 @@ class scripted_server {
 
  private:
   void serve(const httplib::Request& req, httplib::Response& res) {
+    int n = 0;
     {
       std::lock_guard lock(mu_);
       seen_.push_back({req.path, req.get_header_value("x-request-timeout-ms"),
                        req.get_header_value("Idempotency-Key")});
+      n = ++count_[req.path];
     }
     const std::string& p = req.path;
     if (p == "/ok") {
@@ -119,6 +123,9 @@ class scripted_server {
       res.set_content(R"({"error":{"code":429,"details":[{"@type":"type.googleapis.com/google.rpc.RetryInfo",)"
                       R"("retryDelay":"0.05s"}]}})",
                       "application/json");
+    } else if (p == "/503-then-ok") {
+      if (n == 1) res.status = 503;
+      else res.set_content(R"({"ok":true})", "application/json");
     } else if (p == "/500") {
       res.status = 500;
       res.set_content("internal error", "text/plain");
@@ -167,6 +174,7 @@ class scripted_server {
   std::condition_variable cv_;
   bool stopping_ = false;
   std::vector<seen> seen_;
+  std::map<std::string, int> count_;
   std::atomic<int> hanging_{0};
   std::atomic<int> left_{0};
   std::atomic<int> gate_peak_{0};
@@ -702,4 +710,67 @@ TEST_CASE("asio http: the attempt's time left ends a transfer on the loop's time
   // Nothing is left on the loop: run() returns.
   io.restart();
   io.run();
+}
+
+// keel::asio::async_run (keel/asio/run.hpp) runs keel's pipelines on fibers:
+// the event-loop client is the asynchronous provider it was built for.
+
+TEST_CASE("asio http: async_run drives the client through a retry, on the loop's one thread", "[asio][http][run]") {
+  scripted_server server;
+  ::asio::io_context io;
+  keel::asio::http_client client(io.get_executor(), {.base_url = server.url()});
+  auto ex = client.exchange({.path = "/503-then-ok"}, json_object);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}, keel::constant_backoff{.delay_each = 1ms}));
+  keel::call call(keel::real_clock{}.now(), {.timeout = 5s});
+  landing<absl::StatusOr<std::string>> got;
+  keel::asio::async_run(io.get_executor(), pipe, call, ex, got.handler());
+  REQUIRE(run_until(io, [&] { return got.done(); }));
+  REQUIRE(got.result->ok());
+  CHECK(**got.result == R"({"ok":true})");
+  CHECK(call.record().attempts == 2);
+  CHECK(got.thread == std::this_thread::get_id());
+}
+
+TEST_CASE("asio http: a cancelled async_run stops its transfer, and the server sees the client leave",
+          "[asio][http][run]") {
+  scripted_server server;
+  ::asio::io_context io;
+  keel::asio::http_client client(io.get_executor(), {.base_url = server.url()});
+  auto ex = client.exchange({.path = "/hang"});
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1}));
+  keel::call call(keel::real_clock{}.now(), {.timeout = 60s});
+  ::asio::cancellation_signal cancel;
+  landing<absl::Status> got;
+  keel::asio::async_run(io.get_executor(), pipe, call, ex, ::asio::bind_cancellation_slot(cancel.slot(), got.handler()));
+  REQUIRE(run_until(io, [&] { return server.hanging() == 1; }));
+  const auto asked = std::chrono::steady_clock::now();
+  cancel.emit(::asio::cancellation_type::terminal);
+  REQUIRE(run_until(io, [&] { return got.done(); }));
+  CHECK(std::chrono::steady_clock::now() - asked < 5s);
+  CHECK(absl::IsCancelled(*got.result));
+  REQUIRE(keel_test::eventually([&] { return server.left() == 1; }));
+}
+
+TEST_CASE("asio http: many async_runs in flight share the loop's thread", "[asio][http][run]") {
+  constexpr int n = 32;
+  scripted_server server(n + 8);
+  ::asio::io_context io;
+  keel::asio::http_client client(io.get_executor(), {.base_url = server.url()});
+  auto ex = client.exchange({.path = "/ok"}, json_object);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}));
+  std::vector<std::unique_ptr<keel::call>> calls;
+  std::vector<landing<absl::StatusOr<std::string>>> got(n);
+  for (auto& g : got) {
+    calls.push_back(std::make_unique<keel::call>(keel::real_clock{}.now(), keel::call_options{.timeout = 30s}));
+    keel::asio::async_run(io.get_executor(), pipe, *calls.back(), ex, g.handler());
+  }
+  REQUIRE(run_until(io, [&] {
+    for (const auto& g : got)
+      if (!g.done()) return false;
+    return true;
+  }));
+  for (const auto& g : got) {
+    CHECK(g.result->ok());
+    CHECK(g.thread == std::this_thread::get_id());
+  }
 }
