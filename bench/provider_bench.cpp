@@ -1,7 +1,9 @@
 // The HTTP provider (keel/provider/http.hpp) against a loopback cpp-httplib
 // server in this process, beside the same request made with a bare reused
-// curl easy handle; and the header-hint parsers on a real 429's headers.
-// Names are stable; see docs/benchmarks.md.
+// curl easy handle; the same provider on one event loop (keel/asio/http.hpp,
+// when keel::asio is built: KEEL_BENCH_ASIO), one transfer at a time and 64
+// in flight on one thread; and the header-hint parsers on a real 429's
+// headers. Names are stable; see docs/benchmarks.md.
 //
 // Two allocation counters: allocs/iter counts operator new on the calling
 // thread (keel's and the caller's side), curl_allocs/iter the calls libcurl
@@ -24,6 +26,15 @@
 #include "keel/provider/hints.hpp"
 #include "keel/provider/http.hpp"
 #include "support/alloc_counter.hpp"
+
+#ifdef KEEL_BENCH_ASIO
+#include <asio/io_context.hpp>
+#include <functional>
+#include <optional>
+#include <vector>
+
+#include "keel/asio/http.hpp"
+#endif
 
 using namespace std::chrono_literals;
 
@@ -71,6 +82,8 @@ struct loopback {
   int port = 0;
   loopback() {
     curl_global_init_mem(CURL_GLOBAL_DEFAULT, count_malloc, count_free, count_realloc, count_strdup, count_calloc);
+    // A thread per kept-alive connection: enough for 64 transfers in flight.
+    server.new_task_queue = [] { return new httplib::ThreadPool(72); };
     server.set_keep_alive_max_count(1'000'000'000);
     server.set_tcp_nodelay(true);  // else Nagle + delayed ACK put 40 ms on every response
     server.Post("/v1/chat/completions", [](const httplib::Request&, httplib::Response& res) {
@@ -142,6 +155,100 @@ void BM_Http_Call(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_Http_Call)->UseRealTime()->Threads(1)->Threads(2);
+
+// One attempt of a new call (a write), no pipeline: the blocking client's
+// side of BM_AsyncHttp_Exchange.
+void BM_Http_Exchange(benchmark::State& state) {
+  static keel::http::client client({.base_url = server().url()});
+  auto chat = client.exchange({.path = "/v1/chat/completions", .body = kBody});
+  keel_bench::count_allocations allocs(state);
+  counting_curl curl(state);
+  for (auto _ : state) {
+    const keel::time_point now = keel::real_clock{}.now();
+    keel::call call(now, {.timeout = 3s, .operation = {.effect = keel::effect::write}});
+    const keel::attempt a{.start = now, .deadline = call.work_deadline(), .timeout = 3s, .owner = &call};
+    if (!chat(a).ok()) state.SkipWithError("exchange failed");
+  }
+}
+BENCHMARK(BM_Http_Exchange)->UseRealTime();
+
+#ifdef KEEL_BENCH_ASIO
+// One call's attempt at a time through keel::asio::http_client, the
+// io_context run on the benchmark's thread until it completes.
+void BM_AsyncHttp_Exchange(benchmark::State& state) {
+  ::asio::io_context io;
+  keel::asio::http_client client(io.get_executor(), {.base_url = server().url()});
+  auto chat = client.exchange({.path = "/v1/chat/completions", .body = kBody});
+  bool failed = false;
+  auto run_one = [&] {
+    const keel::time_point now = keel::real_clock{}.now();
+    keel::call call(now, {.timeout = 3s, .operation = {.effect = keel::effect::write}});
+    const keel::attempt a{.start = now, .deadline = call.work_deadline(), .timeout = 3s, .owner = &call};
+    bool done = false;
+    chat(a, [&](absl::Status s) {
+      failed = failed || !s.ok();
+      done = true;
+    });
+    io.restart();  // run_one() stopped when the last transfer left the loop without work
+    while (!done) io.run_one();
+  };
+  run_one();  // the connection, the pools
+  {
+    keel_bench::count_allocations allocs(state);
+    counting_curl curl(state);
+    for (auto _ : state) run_one();
+  }
+  if (failed) state.SkipWithError("exchange failed");
+}
+BENCHMARK(BM_AsyncHttp_Exchange)->UseRealTime();
+
+// state.range(0) transfers in flight on one thread: each completion starts
+// the next. ns/op is per transfer (iterations count transfers).
+void BM_AsyncHttp_Exchange_InFlight(benchmark::State& state) {
+  const auto in_flight = static_cast<int>(state.range(0));
+  const int batch = in_flight * 16;
+  ::asio::io_context io;
+  keel::asio::http_client client(io.get_executor(), {.base_url = server().url()});
+  auto chat = client.exchange({.path = "/v1/chat/completions", .body = kBody});
+  struct slot {
+    std::optional<keel::call> call;
+    keel::attempt a;
+  };
+  std::vector<slot> slots(static_cast<std::size_t>(in_flight));
+  int started = 0;
+  int finished = 0;
+  int goal = 0;
+  bool failed = false;
+  // Starts the next transfer on `s` (the call is made anew, as a request would be).
+  std::function<void(slot&)> next = [&](slot& s) {
+    if (started == goal) return;
+    ++started;
+    const keel::time_point now = keel::real_clock{}.now();
+    s.call.emplace(now, keel::call_options{.timeout = 3s, .operation = {.effect = keel::effect::write}});
+    s.a = keel::attempt{.start = now, .deadline = s.call->work_deadline(), .timeout = 3s, .owner = &*s.call};
+    chat(s.a, [&, sp = &s](absl::Status st) {
+      failed = failed || !st.ok();
+      ++finished;
+      next(*sp);
+    });
+  };
+  auto run_batch = [&](int n) {
+    started = finished = 0;
+    goal = n;
+    for (slot& s : slots) next(s);
+    io.restart();
+    while (finished < n) io.run_one();
+  };
+  run_batch(in_flight);  // the connections, the pools
+  {
+    keel_bench::count_allocations allocs(state);
+    counting_curl curl(state);
+    while (state.KeepRunningBatch(batch)) run_batch(batch);
+  }
+  if (failed) state.SkipWithError("exchange failed");
+}
+BENCHMARK(BM_AsyncHttp_Exchange_InFlight)->Arg(8)->Arg(64)->UseRealTime();
+#endif
 
 // The headers of an OpenAI 429, through response_hints, and the wait picked.
 void BM_Hints_OpenAI429(benchmark::State& state) {

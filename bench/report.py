@@ -41,6 +41,8 @@ BASELINES = [
     (r"^BM_FanOut_8Units_AllCached$", "BM_Baseline_Store_8Saves"),
     (r"^BM_FanOut_8Units_Fresh$", "BM_Baseline_Pool_8Tasks"),
     (r"^BM_Http_Call$", "BM_Baseline_CurlEasyPerform"),
+    (r"^BM_Http_Exchange$", "BM_Baseline_CurlEasyPerform"),
+    (r"^BM_AsyncHttp_Exchange", "BM_Http_Exchange"),  # the event loop beside the blocking client
     (r"^BM_Sse_LineSplit_Nlohmann$", None),  # a second baseline: what gateways commonly write
     (r"^BM_Sse_Parse$", "BM_Sse_LineSplit"),
     (r"^BM_Stream_(PerToken|PerToolDelta|PerEvent_Relay)$", "BM_Stream_PerToken_Bare"),

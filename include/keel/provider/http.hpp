@@ -229,12 +229,13 @@ inline void global_init() {
   (void)rc;
 }
 
-// One pooled transfer: an easy handle on its own multi handle (whose poll a
-// stop request wakes), its kept-alive connection, and buffers that keep
-// their capacity from call to call.
-struct slot {
+// One transfer's easy handle and what it fills: buffers that keep their
+// capacity from call to call, the response's hints and relay headers, the
+// event-stream feed. Shared by the blocking client (detail::slot, below)
+// and the asynchronous one (keel/asio/http.hpp), which drive the handle on
+// their own multi handles.
+struct transfer {
   CURL* easy = nullptr;
-  CURLM* multi = nullptr;
   std::string url;
   std::string body;
   std::string deadline_line;
@@ -251,16 +252,15 @@ struct slot {
   sse_feed* feed = nullptr;  // an event stream: a 2xx body goes to it, not to `body`
   int feed_status = 0;       // 0: not known yet; 1: 2xx, fed; -1: not a 2xx, buffered
 
-  slot() : easy(curl_easy_init()), multi(curl_multi_init()) {}
-  ~slot() {
-    if (multi != nullptr) curl_multi_cleanup(multi);
+  transfer() : easy(curl_easy_init()) {}
+  ~transfer() {
     if (easy != nullptr) curl_easy_cleanup(easy);
   }
-  slot(const slot&) = delete;
-  slot& operator=(const slot&) = delete;
+  transfer(const transfer&) = delete;
+  transfer& operator=(const transfer&) = delete;
 
   static std::size_t on_body(char* data, std::size_t size, std::size_t n, void* self) {
-    auto* s = static_cast<slot*>(self);
+    auto* s = static_cast<transfer*>(self);
     const std::size_t bytes = size * n;
     if (s->feed != nullptr) {
       if (s->feed_status == 0) {
@@ -281,7 +281,7 @@ struct slot {
   }
 
   static std::size_t on_header(char* data, std::size_t size, std::size_t n, void* self) {
-    auto* s = static_cast<slot*>(self);
+    auto* s = static_cast<transfer*>(self);
     const std::size_t bytes = size * n;
     const std::string_view line(data, bytes);
     if (keel::http::detail::istarts_with(line, "HTTP/")) {
@@ -297,6 +297,16 @@ struct slot {
       s->reply.add_if_relayed(line.substr(0, colon), line.substr(colon + 1));
     }
     return bytes;
+  }
+};
+// One pooled blocking transfer (client): the handle on its own multi handle,
+// whose poll a stop request wakes.
+struct slot : transfer {
+  CURLM* multi = nullptr;
+
+  slot() : multi(curl_multi_init()) {}
+  ~slot() {
+    if (multi != nullptr) curl_multi_cleanup(multi);  // before the easy handle (~transfer)
   }
 };
 
@@ -323,6 +333,220 @@ using parse_result_t = std::remove_cvref_t<std::invoke_result_t<const Parse&, co
 struct ignore_body {
   absl::Status operator()(const response&) const noexcept { return absl::OkStatus(); }
 };
+
+// The steps of one attempt that do not depend on how the transfer is
+// driven, shared by keel::http::client (a multi handle per transfer, polled
+// on the caller's thread) and keel::asio::http_client (one multi handle on
+// an event loop): request building, classification, hints.
+
+[[nodiscard]] inline std::int64_t whole_ms(duration d) noexcept {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
+}
+
+[[nodiscard]] inline std::string_view body_excerpt(std::string_view body) noexcept {
+  return body.substr(0, std::min<std::size_t>(body.size(), 256));
+}
+
+// The client's header lines, sent with every request (freed with curl_slist_free_all).
+[[nodiscard]] inline curl_slist* shared_headers(const client_options& o) {
+  curl_slist* list = nullptr;
+  for (const std::string& h : o.headers) list = curl_slist_append(list, h.c_str());
+  // libcurl would otherwise wait for a 100 Continue before larger bodies.
+  return curl_slist_append(list, "Expect:");
+}
+
+// What stays the same for every transfer on a handle.
+inline void setup(transfer& s, const client_options& o) {
+  CURL* e = s.easy;
+  curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, &transfer::on_body);
+  curl_easy_setopt(e, CURLOPT_WRITEDATA, &s);
+  curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, &transfer::on_header);
+  curl_easy_setopt(e, CURLOPT_HEADERDATA, &s);
+  curl_easy_setopt(e, CURLOPT_TCP_KEEPALIVE, 1L);
+  curl_easy_setopt(e, CURLOPT_TCP_NODELAY, 1L);
+  curl_easy_setopt(e, CURLOPT_SSL_VERIFYPEER, o.verify_peer ? 1L : 0L);
+  curl_easy_setopt(e, CURLOPT_SSL_VERIFYHOST, o.verify_peer ? 2L : 0L);
+  s.max_body = o.max_body_bytes;
+}
+
+// The caller went away (Cancelled), or only the attempt was stopped (its
+// deadline, a lost race): DeadlineExceeded, not started if nothing was sent.
+[[nodiscard]] inline absl::Status stopped_status(const keel::attempt& a, bool sent) {
+  if (a.owner != nullptr && a.owner->stop_token().stop_requested())
+    return absl::CancelledError("keel::http: transfer aborted: the call was cancelled");
+  absl::Status st = absl::DeadlineExceededError("keel::http: transfer aborted: the attempt was stopped");
+  return sent ? st : mark_not_started(std::move(st));
+}
+
+// Why an attempt does not start at all (no time left, already stopped); OK when it may.
+[[nodiscard]] inline absl::Status refuse_start(const keel::attempt& a) {
+  if (a.timeout <= duration::zero())
+    return mark_not_started(absl::DeadlineExceededError("keel::http: no time left for the attempt"));
+  if (a.stop.stop_requested()) return stopped_status(a, false);
+  return absl::OkStatus();
+}
+
+// Sets the per-transfer options of `s` for `r` (URL, method, body, the
+// attempt's time left as CURLOPT_TIMEOUT_MS and the deadline header, the
+// idempotency key on writes) and resets what the transfer fills. The
+// per-attempt header lines live in the transfer's own list nodes (no
+// allocation), ahead of `shared`; conclude() unhooks them.
+inline void prepare(transfer& s, const request& r, const keel::attempt& a, const client_options& o,
+                    curl_slist* shared, stream_writer* stream) {
+  CURL* e = s.easy;
+  // The strings are the transfer's: their capacity stays.
+  s.url.assign(o.base_url).append(r.path);
+  curl_easy_setopt(e, CURLOPT_URL, s.url.c_str());
+  switch (r.method) {
+    case method::get:
+      curl_easy_setopt(e, CURLOPT_HTTPGET, 1L);
+      curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, nullptr);
+      break;
+    default:
+      curl_easy_setopt(e, CURLOPT_POSTFIELDS, r.body.data());
+      curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(r.body.size()));
+      curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST,
+                       r.method == method::put     ? "PUT"
+                       : r.method == method::patch ? "PATCH"
+                       : r.method == method::del   ? "DELETE"
+                                                   : nullptr);
+      break;
+  }
+  // Whole milliseconds, at least one; a longer timeout than libcurl's long holds is none.
+  const std::int64_t ms = std::max<std::int64_t>(1, whole_ms(a.timeout));
+  const long timeout_ms = ms > 0x7fffffffLL ? 0L : static_cast<long>(ms);
+  curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, timeout_ms);
+  const std::int64_t connect_ms = std::max<std::int64_t>(1, whole_ms(o.connect_timeout));
+  curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS,
+                   static_cast<long>(std::min<std::int64_t>({connect_ms, ms, 0x7fffffffLL})));
+
+  // Headers: the per-attempt lines in the transfer's own list nodes, then the shared list.
+  curl_slist* head = shared;
+  std::size_t used = 0;
+  auto push = [&](std::string& line) {
+    curl_slist& node = s.extra[used++];
+    node.data = line.data();
+    node.next = head;
+    head = &node;
+  };
+  if (!o.deadline_header.empty() && timeout_ms > 0) {
+    char digits[24];
+    const int n = std::snprintf(digits, sizeof digits, "%lld%s", static_cast<long long>(ms),
+                                o.deadline_format == deadline_format::grpc ? "m" : "");
+    s.deadline_line.assign(o.deadline_header).append(": ").append(digits, static_cast<std::size_t>(n));
+    push(s.deadline_line);
+  }
+  if (!o.idempotency_header.empty() && a.owner != nullptr && a.owner->operation().effect == effect::write &&
+      !r.idempotency_key.empty()) {
+    s.key_line.assign(o.idempotency_header).append(": ").append(r.idempotency_key);
+    push(s.key_line);
+  }
+  if (r.method != method::get && !r.content_type.empty()) {
+    s.type_line.assign("Content-Type: ").append(r.content_type);
+    push(s.type_line);
+  }
+  curl_easy_setopt(e, CURLOPT_HTTPHEADER, head);
+
+  s.body.clear();
+  if (stream != nullptr) {
+    if (!s.stream_feed) s.stream_feed = std::make_unique<sse_feed>();
+    s.stream_feed->start(*stream);
+    s.feed = s.stream_feed.get();
+  } else {
+    s.feed = nullptr;
+  }
+  s.feed_status = 0;
+  s.too_large = false;
+  s.got_status_line = false;
+  s.hints.clear();
+  s.reply.clear();
+  s.now = std::chrono::system_clock::now();
+}
+
+// A transport failure (libcurl's code), classified by whether anything was sent.
+[[nodiscard]] inline absl::Status transport_failure(CURLcode rc, const transfer& s, const keel::attempt& a,
+                                                    const client_options& o) {
+  long sent = 0;
+  curl_easy_getinfo(s.easy, CURLINFO_REQUEST_SIZE, &sent);
+  const bool before_sending = sent == 0 && !s.got_status_line;
+  const bool write = a.owner != nullptr && a.owner->operation().effect == effect::write;
+  const std::string what = absl::StrCat("keel::http: ", curl_easy_strerror(rc), " (curl ", static_cast<int>(rc),
+                                        before_sending ? ", nothing sent)" : ", after sending)");
+  switch (rc) {
+    case CURLE_URL_MALFORMAT:
+    case CURLE_UNSUPPORTED_PROTOCOL:
+      return absl::InvalidArgumentError(what);
+    case CURLE_PEER_FAILED_VERIFICATION:
+      return absl::FailedPreconditionError(what);
+    case CURLE_WRITE_ERROR:
+      if (s.too_large) return absl::OutOfRangeError(absl::StrCat(what, ": body over ", o.max_body_bytes, " bytes"));
+      break;
+    case CURLE_OPERATION_TIMEDOUT:
+      // Timed out after sending: the effect is unknown. Before (connecting):
+      // the endpoint is unavailable, below.
+      if (!before_sending) return absl::DeadlineExceededError(what);
+      break;
+    default:
+      break;
+  }
+  // Refused, reset, unresolved, not connected in time: nothing was sent, so
+  // even a write may go again (Unavailable is transient for both). Not
+  // marked not-started: a breaker skips such statuses, and a dead endpoint
+  // is exactly what it must see. After sending, a read is repeated and a
+  // write's effect is unknown.
+  if (before_sending) return absl::UnavailableError(what);
+  return write ? absl::UnknownError(what) : absl::UnavailableError(what);
+}
+
+// A non-2xx answer: its code, an excerpt of its body, its hint and relay headers.
+[[nodiscard]] inline absl::Status http_failure(long status, const transfer& s) {
+  const int code = static_cast<int>(status);
+  absl::Status st(http_status_code(code),
+                  absl::StrCat("HTTP ", code, ": ", keel::detail::to_absl(body_excerpt(s.body))));
+  std::optional<duration> hint = s.hints.hint(code);
+  if (!hint) hint = find_retry_delay(s.body);
+  if (hint) st = with_retry_after(std::move(st), *hint);
+  upstream_reply reply = s.reply;
+  reply.status = code;
+  return with_upstream(std::move(st), reply);
+}
+
+// The attempt's status once the transfer left its multi handle: `rc` is
+// libcurl's result, `stopped` says the driver aborted it (a stop request).
+// On a 2xx, calls on_success(response) while the body is in the buffer and
+// returns what it returns.
+template <class OnSuccess>
+absl::Status conclude(transfer& s, const keel::attempt& a, CURLcode rc, bool stopped, const client_options& o,
+                      OnSuccess&& on_success) {
+  CURL* e = s.easy;
+  curl_easy_setopt(e, CURLOPT_HTTPHEADER, nullptr);  // the nodes are ours
+  sse_feed* const fed = s.feed_status == 1 ? s.feed : nullptr;
+  s.feed = nullptr;
+  if (fed != nullptr && !fed->failure.ok()) return fed->failure;  // an error event, a corrupt event
+  if (stopped || (fed != nullptr && fed->stopped)) {
+    long sent = 0;
+    curl_easy_getinfo(e, CURLINFO_REQUEST_SIZE, &sent);
+    return stopped_status(a, sent != 0 || s.got_status_line);
+  }
+  if (rc != CURLE_OK) return transport_failure(rc, s, a, o);
+
+  long status = 0;
+  curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, &status);
+  s.reply.status = static_cast<int>(status);
+  if (status < 200 || status >= 300) {
+    absl::Status st = http_failure(status, s);
+    if (a.owner != nullptr) {
+      // x-should-retry overrides the code's meaning; absent, the code speaks.
+      if (std::optional<bool> sr = s.hints.should_retry())
+        st = with_outcome(std::move(st), classify_http(static_cast<int>(status), a.owner->operation(), sr));
+    }
+    return st;
+  }
+  if (fed != nullptr && !fed->ended)
+    return absl::UnavailableError("keel::http: stream: the body ended before [DONE] (connection cut)");
+  return std::forward<OnSuccess>(on_success)(response{.status = status, .body = s.body, .upstream = &s.reply});
+}
 
 }  // namespace detail
 
@@ -379,9 +603,7 @@ class client {
   explicit client(client_options o) : options_(std::move(o)) {
     keel::detail::require_valid(options_.validate());
     detail::global_init();
-    for (const std::string& h : options_.headers) shared_headers_ = curl_slist_append(shared_headers_, h.c_str());
-    // libcurl would otherwise wait for a 100 Continue before larger bodies.
-    shared_headers_ = curl_slist_append(shared_headers_, "Expect:");
+    shared_headers_ = detail::shared_headers(options_);
     idle_.reserve(options_.max_idle_handles);
   }
   ~client() {
@@ -453,7 +675,7 @@ class client {
       delete s;
       return lease(nullptr, slot_deleter{this});
     }
-    setup(*s);
+    detail::setup(*s, options_);
     return lease(s, slot_deleter{this});
   }
 
@@ -469,51 +691,14 @@ class client {
     delete s;
   }
 
-  // What stays the same for every transfer on a handle.
-  void setup(detail::slot& s) const {
-    CURL* e = s.easy;
-    curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, &detail::slot::on_body);
-    curl_easy_setopt(e, CURLOPT_WRITEDATA, &s);
-    curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, &detail::slot::on_header);
-    curl_easy_setopt(e, CURLOPT_HEADERDATA, &s);
-    curl_easy_setopt(e, CURLOPT_TCP_KEEPALIVE, 1L);
-    curl_easy_setopt(e, CURLOPT_TCP_NODELAY, 1L);
-    curl_easy_setopt(e, CURLOPT_SSL_VERIFYPEER, options_.verify_peer ? 1L : 0L);
-    curl_easy_setopt(e, CURLOPT_SSL_VERIFYHOST, options_.verify_peer ? 2L : 0L);
-    s.max_body = options_.max_body_bytes;
-  }
-
-  // The caller went away (Cancelled), or only the attempt was stopped (its
-  // deadline, a lost race): DeadlineExceeded, not started if nothing was sent.
-  static absl::Status stopped_status(const keel::attempt& a, bool sent) {
-    if (a.owner != nullptr && a.owner->stop_token().stop_requested())
-      return absl::CancelledError("keel::http: transfer aborted: the call was cancelled");
-    absl::Status st = absl::DeadlineExceededError("keel::http: transfer aborted: the attempt was stopped");
-    return sent ? st : mark_not_started(std::move(st));
-  }
   template <class OnSuccess>
   absl::Status perform_impl(const request& r, const keel::attempt& a, stream_writer* stream, OnSuccess&& on_success);
-  absl::Status transport_failure(CURLcode rc, const detail::slot& s, const keel::attempt& a) const;
-  absl::Status http_failure(long status, const detail::slot& s) const;
 
   client_options options_;
   curl_slist* shared_headers_ = nullptr;
   mutable std::mutex mu_;
   std::vector<detail::slot*> idle_;
 };
-
-namespace detail {
-
-[[nodiscard]] inline std::int64_t whole_ms(duration d) noexcept {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
-}
-
-[[nodiscard]] inline std::string_view body_excerpt(std::string_view body) noexcept {
-  return body.substr(0, std::min<std::size_t>(body.size(), 256));
-}
-
-}  // namespace detail
 
 template <class OnSuccess>
 absl::Status client::perform(const request& r, const keel::attempt& a, OnSuccess&& on_success) {
@@ -523,90 +708,18 @@ absl::Status client::perform(const request& r, const keel::attempt& a, OnSuccess
 template <class OnSuccess>
 absl::Status client::perform_impl(const request& r, const keel::attempt& a, stream_writer* stream,
                                   OnSuccess&& on_success) {
-  const duration left = a.timeout;
-  if (left <= duration::zero()) {
-    return mark_not_started(absl::DeadlineExceededError("keel::http: no time left for the attempt"));
-  }
-  if (a.stop.stop_requested()) return stopped_status(a, false);
+  if (absl::Status refused = detail::refuse_start(a); !refused.ok()) return refused;
   lease held = acquire();
   if (!held) return mark_not_started(absl::UnavailableError("keel::http: could not create a libcurl handle"));
   detail::slot& s = *held;
-  CURL* e = s.easy;
-
-  // Per-transfer options. The strings are the slot's: their capacity stays.
-  s.url.assign(options_.base_url).append(r.path);
-  curl_easy_setopt(e, CURLOPT_URL, s.url.c_str());
-  switch (r.method) {
-    case method::get:
-      curl_easy_setopt(e, CURLOPT_HTTPGET, 1L);
-      curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, nullptr);
-      break;
-    default:
-      curl_easy_setopt(e, CURLOPT_POSTFIELDS, r.body.data());
-      curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(r.body.size()));
-      curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST,
-                       r.method == method::put     ? "PUT"
-                       : r.method == method::patch ? "PATCH"
-                       : r.method == method::del   ? "DELETE"
-                                                   : nullptr);
-      break;
-  }
-  // Whole milliseconds, at least one; a longer timeout than libcurl's long holds is none.
-  const std::int64_t ms = std::max<std::int64_t>(1, detail::whole_ms(left));
-  const long timeout_ms = ms > 0x7fffffffLL ? 0L : static_cast<long>(ms);
-  curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, timeout_ms);
-  const std::int64_t connect_ms = std::max<std::int64_t>(1, detail::whole_ms(options_.connect_timeout));
-  curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS,
-                   static_cast<long>(std::min<std::int64_t>({connect_ms, ms, 0x7fffffffLL})));
-
-  // Headers: the per-attempt lines in the slot's own list nodes (no
-  // allocation), then the client's shared list.
-  curl_slist* head = shared_headers_;
-  std::size_t used = 0;
-  auto push = [&](std::string& line) {
-    curl_slist& node = s.extra[used++];
-    node.data = line.data();
-    node.next = head;
-    head = &node;
-  };
-  if (!options_.deadline_header.empty() && timeout_ms > 0) {
-    char digits[24];
-    const int n = std::snprintf(digits, sizeof digits, "%lld%s", static_cast<long long>(ms),
-                                options_.deadline_format == deadline_format::grpc ? "m" : "");
-    s.deadline_line.assign(options_.deadline_header).append(": ").append(digits, static_cast<std::size_t>(n));
-    push(s.deadline_line);
-  }
-  if (!options_.idempotency_header.empty() && a.owner != nullptr &&
-      a.owner->operation().effect == effect::write && !r.idempotency_key.empty()) {
-    s.key_line.assign(options_.idempotency_header).append(": ").append(r.idempotency_key);
-    push(s.key_line);
-  }
-  if (r.method != method::get && !r.content_type.empty()) {
-    s.type_line.assign("Content-Type: ").append(r.content_type);
-    push(s.type_line);
-  }
-  curl_easy_setopt(e, CURLOPT_HTTPHEADER, head);
-
-  s.body.clear();
-  if (stream != nullptr) {
-    if (!s.stream_feed) s.stream_feed = std::make_unique<detail::sse_feed>();
-    s.stream_feed->start(*stream);
-    s.feed = s.stream_feed.get();
-  } else {
-    s.feed = nullptr;
-  }
-  s.feed_status = 0;
-  s.too_large = false;
-  s.got_status_line = false;
-  s.hints.clear();
-  s.reply.clear();
-  s.now = std::chrono::system_clock::now();
+  detail::prepare(s, r, a, options_, shared_headers_, stream);
 
   // The transfer, on the slot's multi handle: a stop request wakes the
   // poll at once, and the transfer is dropped.
   CURLcode rc = CURLE_OK;
   bool stopped = false;
-  if (curl_multi_add_handle(s.multi, e) != CURLM_OK) {
+  if (curl_multi_add_handle(s.multi, s.easy) != CURLM_OK) {
+    curl_easy_setopt(s.easy, CURLOPT_HTTPHEADER, nullptr);
     return mark_not_started(absl::UnavailableError("keel::http: curl_multi_add_handle failed"));
   }
   {
@@ -639,104 +752,44 @@ absl::Status client::perform_impl(const request& r, const keel::attempt& a, stre
       }
     }
   }
-  curl_multi_remove_handle(s.multi, e);
-  curl_easy_setopt(e, CURLOPT_HTTPHEADER, nullptr);  // the nodes are ours
-
-  detail::sse_feed* const fed = s.feed_status == 1 ? s.feed : nullptr;
-  s.feed = nullptr;
-  if (fed != nullptr && !fed->failure.ok()) return fed->failure;  // an error event, a corrupt event
-  if (stopped || (fed != nullptr && fed->stopped)) {
-    long sent = 0;
-    curl_easy_getinfo(e, CURLINFO_REQUEST_SIZE, &sent);
-    return stopped_status(a, sent != 0 || s.got_status_line);
-  }
-  if (rc != CURLE_OK) return transport_failure(rc, s, a);
-
-  long status = 0;
-  curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, &status);
-  s.reply.status = static_cast<int>(status);
-  if (status < 200 || status >= 300) {
-    absl::Status st = http_failure(status, s);
-    if (a.owner != nullptr) {
-      // x-should-retry overrides the code's meaning; absent, the code speaks.
-      if (std::optional<bool> sr = s.hints.should_retry())
-        st = with_outcome(std::move(st), classify_http(static_cast<int>(status), a.owner->operation(), sr));
-    }
-    return st;
-  }
-  if (fed != nullptr && !fed->ended)
-    return absl::UnavailableError("keel::http: stream: the body ended before [DONE] (connection cut)");
-  return std::forward<OnSuccess>(on_success)(response{.status = status, .body = s.body, .upstream = &s.reply});
+  curl_multi_remove_handle(s.multi, s.easy);
+  return detail::conclude(s, a, rc, stopped, options_, std::forward<OnSuccess>(on_success));
 }
 
 inline absl::Status stream_exchange::operator()(const keel::attempt& a, stream_writer& w) const {
   return client_->perform_stream(request_, a, w);
 }
 
-inline absl::Status client::transport_failure(CURLcode rc, const detail::slot& s, const keel::attempt& a) const {
-  long sent = 0;
-  curl_easy_getinfo(s.easy, CURLINFO_REQUEST_SIZE, &sent);
-  const bool before_sending = sent == 0 && !s.got_status_line;
-  const bool write = a.owner != nullptr && a.owner->operation().effect == effect::write;
-  const std::string what = absl::StrCat("keel::http: ", curl_easy_strerror(rc), " (curl ", static_cast<int>(rc),
-                                        before_sending ? ", nothing sent)" : ", after sending)");
-  switch (rc) {
-    case CURLE_URL_MALFORMAT:
-    case CURLE_UNSUPPORTED_PROTOCOL:
-      return absl::InvalidArgumentError(what);
-    case CURLE_PEER_FAILED_VERIFICATION:
-      return absl::FailedPreconditionError(what);
-    case CURLE_WRITE_ERROR:
-      if (s.too_large)
-        return absl::OutOfRangeError(absl::StrCat(what, ": body over ", options_.max_body_bytes, " bytes"));
-      break;
-    case CURLE_OPERATION_TIMEDOUT:
-      // Timed out after sending: the effect is unknown. Before (connecting):
-      // the endpoint is unavailable, below.
-      if (!before_sending) return absl::DeadlineExceededError(what);
-      break;
-    default:
-      break;
-  }
-  // Refused, reset, unresolved, not connected in time: nothing was sent, so
-  // even a write may go again (Unavailable is transient for both). Not
-  // marked not-started: a breaker skips such statuses, and a dead endpoint
-  // is exactly what it must see. After sending, a read is repeated and a
-  // write's effect is unknown.
-  if (before_sending) return absl::UnavailableError(what);
-  return write ? absl::UnknownError(what) : absl::UnavailableError(what);
-}
+namespace detail {
 
-inline absl::Status client::http_failure(long status, const detail::slot& s) const {
-  const int code = static_cast<int>(status);
-  absl::Status st(http_status_code(code),
-                  absl::StrCat("HTTP ", code, ": ", keel::detail::to_absl(detail::body_excerpt(s.body))));
-  std::optional<duration> hint = s.hints.hint(code);
-  if (!hint) hint = find_retry_delay(s.body);
-  if (hint) st = with_retry_after(std::move(st), *hint);
-  upstream_reply reply = s.reply;
-  reply.status = code;
-  return with_upstream(std::move(st), reply);
-}
-
-template <class Parse>
-auto exchange<Parse>::operator()(const keel::attempt& a) const -> result_type {
+// An exchange's result: `perform(on_success)` runs the attempt (returning
+// its status) and calls on_success with a 2xx response, which `parse` reads.
+template <class Parse, class Perform>
+parse_result_t<Parse> parsed_result(const Parse& parse, Perform&& perform) {
+  using result_type = parse_result_t<Parse>;
   if constexpr (std::is_same_v<result_type, absl::Status>) {
     absl::Status parsed;
-    absl::Status st = client_->perform(request_, a, [&](const response& r) {
-      parsed = parse_(r);
+    absl::Status st = std::forward<Perform>(perform)([&](const response& r) {
+      parsed = parse(r);
       return absl::OkStatus();
     });
     return st.ok() ? parsed : st;
   } else {
     std::optional<result_type> parsed;
-    absl::Status st = client_->perform(request_, a, [&](const response& r) {
-      parsed.emplace(parse_(r));
+    absl::Status st = std::forward<Perform>(perform)([&](const response& r) {
+      parsed.emplace(parse(r));
       return absl::OkStatus();
     });
     if (!st.ok()) return result_type(std::move(st));
     return std::move(*parsed);
   }
+}
+
+}  // namespace detail
+
+template <class Parse>
+auto exchange<Parse>::operator()(const keel::attempt& a) const -> result_type {
+  return detail::parsed_result(parse_, [&](auto&& on_success) { return client_->perform(request_, a, on_success); });
 }
 
 }  // namespace keel::http
