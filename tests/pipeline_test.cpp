@@ -11,7 +11,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "keel/compose/executor.hpp"
+#include "keel/compose/hedge.hpp"
+#include "keel/compose/optional_stage.hpp"
 #include "keel/core/call.hpp"
+#include "keel/policy/circuit_breaker.hpp"
 #include "keel/policy/adaptive_timeout.hpp"
 #include "keel/policy/retry.hpp"
 #include "keel/policy/retry_budget.hpp"
@@ -415,4 +419,37 @@ TEST_CASE("a plan's stop reference reads the caller's token as it changes", "[pi
   CHECK(s.ok());
   CHECK_FALSE(seen_before);
   CHECK(seen_after);
+}
+
+TEST_CASE("an optional stage runs its policy when present and passes through when left out", "[pipeline]") {
+  keel::circuit_breaker breaker({.name = "model"});
+  breaker.force_open(keel::real_clock{}.now());
+  auto answer = [](const keel::attempt&) -> absl::StatusOr<int> { return 7; };
+  const auto with = keel::pipeline(keel::retry({.max_attempts = 2}), keel::optional_stage(&breaker));
+  const auto without = keel::pipeline(keel::retry({.max_attempts = 2}), keel::optional_stage<keel::circuit_breaker>{});
+  static_assert(std::is_same_v<decltype(with), decltype(without)>, "one pipeline type, in or out");
+
+  keel::call refused(keel::real_clock{}.now(), {.timeout = std::chrono::seconds(1)});
+  const absl::StatusOr<int> r = with.run(refused, answer);
+  CHECK(keel::refused_by(r.status()) == std::optional<std::string>("breaker:model"));
+  CHECK(refused.record().attempts == 0);
+
+  keel::call passed(keel::real_clock{}.now(), {.timeout = std::chrono::seconds(1)});
+  CHECK(without.run(passed, answer).value() == 7);
+  CHECK(passed.record().attempts == 1);
+}
+
+TEST_CASE("an optional hedge stays a concurrent stage, in the plan or out of it", "[pipeline]") {
+  using hedge_type = keel::hedge<keel::bounded_pool>;
+  static_assert(keel::concurrent_policy<keel::optional_stage<hedge_type>>);
+  static_assert(!keel::concurrent_policy<keel::optional_stage<keel::circuit_breaker>>);
+  keel::bounded_pool pool({.threads = 1, .queue_capacity = 4});
+  hedge_type hedger({.delay = std::chrono::seconds(5), .max_hedges = 1, .primary_on_caller_thread = true}, pool);
+  auto answer = [](const keel::attempt& a) -> absl::StatusOr<int> { return a.hedge; };
+  for (hedge_type* h : {&hedger, static_cast<hedge_type*>(nullptr)}) {
+    const auto pipe = keel::pipeline(keel::optional_stage(h));
+    keel::call call(keel::real_clock{}.now(), {.timeout = std::chrono::seconds(1)});
+    CHECK(pipe.run(call, answer).value() == 0);  // the primary answered
+  }
+  CHECK(hedger.figures().calls == 1);  // only the pipeline that had it ran through it
 }

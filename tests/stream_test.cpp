@@ -1278,3 +1278,22 @@ TEST_CASE("token estimate: a learned reservation lets a tokens-per-window quota 
   CHECK(output.estimate(100, 4000) == 100 + 490);  // nearest rank: the 19th of 20
   CHECK(admit_all(output.estimate(100, 4000)) == 16);  // 16 x 595 of 10,000
 }
+
+TEST_CASE("stream figures add up field by field", "[stream]") {
+  const keel::stream_figures a{.attempts = 1, .committed = 2, .first_token_timeouts = 3, .stalls = 4,
+                               .whole_timeouts = 5, .mid_stream_failures = 6, .hedges_started = 7,
+                               .hedge_wins = 8, .hedges_skipped = 9, .continuations = 10};
+  keel::stream_figures t = a;
+  t += a;
+  t += keel::stream_figures{};
+  CHECK(t.attempts == 2);
+  CHECK(t.committed == 4);
+  CHECK(t.first_token_timeouts == 6);
+  CHECK(t.stalls == 8);
+  CHECK(t.whole_timeouts == 10);
+  CHECK(t.mid_stream_failures == 12);
+  CHECK(t.hedges_started == 14);
+  CHECK(t.hedge_wins == 16);
+  CHECK(t.hedges_skipped == 18);
+  CHECK(t.continuations == 20);
+}

@@ -3,13 +3,14 @@
 // concurrency as one fleet-wide limit (keel::shared_concurrency) and its
 // state (keel::shared_provider_state: a breaker that opened in one replica,
 // a cooldown the provider asked one replica for, half-open probes for the
-// fleet). Without a Redis the gateway runs alone, as before.
+// fleet). Without a Redis the gateway runs alone.
 //
-// Both sit in one stage, fleet_gate, inside the retry and in front of the
-// provider's breakers, so every attempt is gated by the fleet's view of the
-// provider and holds one of its permits while it runs:
+// Both sit inside the retry and in front of the provider's breakers, as two
+// keel::optional_stage (plan.hpp: fleet_state(), fleet_permit(); left out
+// when there is no fleet), so every attempt is gated by the fleet's view of
+// the provider and holds one of its permits while it runs:
 //
-//   ... retry -> fleet_gate (provider state, then a permit) -> breakers -> timeout -> provider
+//   ... retry -> provider state -> permit -> breakers -> timeout -> provider
 //
 // Their refusals are keel's (not started, refused), so the interactive
 // fallback serves them as it serves the local breaker's.
@@ -25,7 +26,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "keel/core/policy.hpp"
 #include "keel/policy/breaker_registry.hpp"
 #include "keel/store/shared_concurrency.hpp"
 #include "keel/store/shared_provider_state.hpp"
@@ -100,19 +100,6 @@ class fleet_sharing {
   std::string redis_;
   keel::shared_concurrency concurrency_;
   keel::shared_provider_state state_;
-};
-
-// The stage: the fleet's provider state, then a permit, then what is further
-// in. With no fleet (null), it passes every attempt straight on.
-struct fleet_gate {
-  fleet_sharing* fleet = nullptr;
-
-  template <class Ctx, class Next>
-  auto execute(Ctx& ctx, keel::attempt_plan plan, Next& next) const -> decltype(next(ctx, plan)) {
-    if (fleet == nullptr) return next(ctx, plan);
-    auto permitted = [&](Ctx& c, keel::attempt_plan p) { return fleet->concurrency().execute(c, p, next); };
-    return fleet->state().execute(ctx, plan, permitted);
-  }
 };
 
 }  // namespace gateway

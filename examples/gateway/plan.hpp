@@ -69,6 +69,7 @@
 #include "keel/compose/executor.hpp"
 #include "keel/compose/fallback.hpp"
 #include "keel/compose/hedge.hpp"
+#include "keel/compose/optional_stage.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/compose/stream.hpp"
 #include "keel/compose/token_estimate.hpp"
@@ -242,21 +243,10 @@ class plan_builder {
   [[nodiscard]] keel::stream_figures stream_totals() const {
     keel::stream_figures t;
     std::lock_guard lock(guards_mu_);
-    for (const auto& [name, g] : guards_) {
-      const keel::stream_figures f = g->figures();
-      t.attempts += f.attempts;
-      t.committed += f.committed;
-      t.first_token_timeouts += f.first_token_timeouts;
-      t.stalls += f.stalls;
-      t.whole_timeouts += f.whole_timeouts;
-      t.mid_stream_failures += f.mid_stream_failures;
-      t.hedges_started += f.hedges_started;
-      t.hedge_wins += f.hedge_wins;
-      t.hedges_skipped += f.hedges_skipped;
-      t.continuations += f.continuations;
-    }
+    for (const auto& [name, g] : guards_) t += g->figures();
     return t;
   }
+
 
   // ---- building a plan ------------------------------------------------------
 
@@ -326,7 +316,7 @@ class plan_builder {
                                                                  .max_hedges = 1,
                                                                  .budget = m.budget,
                                                                  .primary_on_caller_thread = true,
-                                                                 .cut = cut().timer},
+                                                                 .cut = cut_timer()},
                                              s_.hedge_pool, s_.clock);
     }
     m.interactive_attempts = s_.options.model_attempts * (hedged ? 2 : 1);
@@ -376,7 +366,7 @@ class plan_builder {
                          .budget = m.budget,
                          .min_attempt_time = m.interactive_timeout.options().lower},
                         s_.options.backoff),
-            optional_hedge<hedge_type>{m.hedge.get()}, fleet_gate{s_.fleet.get()}, std::move(breakers), m.interactive_timeout,
+            keel::optional_stage(m.hedge.get()), fleet_state(), fleet_permit(), std::move(breakers), m.interactive_timeout,
             cut())
             .in(env());
     return [pipe = std::move(pipe), deployments = std::array<model_upstream*, 2>{m.primary, m.second}](
@@ -411,7 +401,7 @@ class plan_builder {
             .in(env());
     auto first = keel::pipeline(keel::retry({.max_attempts = m.budgets.attempts, .budget = m.budget},
                                             s_.options.backoff),
-                                fleet_gate{s_.fleet.get()}, s_.breakers)
+                                fleet_state(), fleet_permit(), s_.breakers)
                      .in(env());
     auto behind_breaker = [this](const model_upstream& u) {
       return keel::pipeline(s_.breakers.breaker_for(keel::failure_domain{.endpoint = u.name()})).in(env());
@@ -572,11 +562,25 @@ class plan_builder {
   // its metrics listener.
   [[nodiscard]] env_type env() const { return env_type{s_.clock, {}, s_.listener}; }
   // The deadline cut, unless the options switch it off.
-  [[nodiscard]] optional_cut cut() { return {s_.options.cut_at_deadline ? &cut_timer_ : nullptr}; }
+  [[nodiscard]] keel::deadline_timer_base* cut_timer() {
+    return s_.options.cut_at_deadline ? &cut_timer_ : nullptr;
+  }
+  [[nodiscard]] keel::optional_stage<const keel::cut_at_deadline> cut() const {
+    return keel::optional_stage<const keel::cut_at_deadline>(s_.options.cut_at_deadline ? &cut_ : nullptr);
+  }
+  // The fleet's provider state, then a permit (keel/store/shared_*.hpp):
+  // with no fleet, both pass every attempt straight on.
+  [[nodiscard]] keel::optional_stage<keel::shared_provider_state> fleet_state() const {
+    return keel::optional_stage(s_.fleet ? &s_.fleet->state() : nullptr);
+  }
+  [[nodiscard]] keel::optional_stage<keel::shared_concurrency> fleet_permit() const {
+    return keel::optional_stage(s_.fleet ? &s_.fleet->concurrency() : nullptr);
+  }
 
   shared s_;
   // Cuts each interactive and embeddings attempt at its deadline (one thread).
   keel::deadline_timer<Clock> cut_timer_;
+  const keel::cut_at_deadline cut_{cut_timer_};
   // Every stream guard made (guard_for()): per model and budgets, kept for life.
   mutable std::mutex guards_mu_;
   std::vector<std::pair<std::string, std::unique_ptr<guard_type>>> guards_;

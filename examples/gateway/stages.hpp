@@ -297,36 +297,6 @@ struct retrieve_rubric {
   }
 };
 
-// The deadline cut when the plan has one (keel::cut_at_deadline: what runs
-// below is stopped at the attempt's deadline); a null timer passes through,
-// so one pipeline type serves both.
-struct optional_cut {
-  keel::deadline_timer_base* timer;
-
-  template <class Ctx, class Next>
-  auto execute(Ctx& ctx, const keel::attempt_plan& plan, Next& next) const -> decltype(next(ctx, plan)) {
-    if (timer == nullptr) return next(ctx, plan);
-    return keel::cut_at_deadline(*timer).execute(ctx, plan, next);
-  }
-};
-
-// The interactive hedge when the model has one (keel::hedge: a second
-// attempt, on the model's second deployment, when the first has not
-// answered after the hedge delay); null passes through, so one pipeline
-// type serves both. A concurrent policy: the pipeline hands it a `next`
-// that owns a copy of the provider.
-template <class Hedge>
-struct optional_hedge {
-  static constexpr bool concurrent_attempts = true;
-  Hedge* hedge;
-
-  template <class Ctx, class Next>
-  auto execute(Ctx& ctx, const keel::attempt_plan& plan, Next& next) const -> decltype(next(ctx, plan)) {
-    if (hedge == nullptr) return next(ctx, plan);
-    return hedge->execute(ctx, plan, next);
-  }
-};
-
 // The breaker of the deployment an attempt goes to: the first's for the
 // primary attempt, the second's for a hedge (keel::attempt_plan::hedge), so
 // each deployment's breaker counts only its own calls.

@@ -304,6 +304,21 @@ struct stream_figures {
   std::int64_t hedge_wins = 0;
   std::int64_t hedges_skipped = 0;       // budget, attempt cap, time or executor
   std::int64_t continuations = 0;        // resume() calls
+
+  // Adds another guard's figures (a service's totals over its guards).
+  stream_figures& operator+=(const stream_figures& o) noexcept {
+    attempts += o.attempts;
+    committed += o.committed;
+    first_token_timeouts += o.first_token_timeouts;
+    stalls += o.stalls;
+    whole_timeouts += o.whole_timeouts;
+    mid_stream_failures += o.mid_stream_failures;
+    hedges_started += o.hedges_started;
+    hedge_wins += o.hedge_wins;
+    hedges_skipped += o.hedges_skipped;
+    continuations += o.continuations;
+    return *this;
+  }
 };
 
 namespace detail {
