@@ -865,7 +865,7 @@ class admission {
           }
           if (take) {
             // Unlinked, but its own next is left: a lookup standing on it
-            // walks on. Vacant, so no lookup reads its quota any more.
+            // walks on. Vacant, so no lookup reads its quota.
             link->store(next, std::memory_order_release);
             e->q.reset();
             e->next_free = free_list;
