@@ -57,9 +57,9 @@
 #include "keel/store/redis.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/policy/breaker_registry.hpp"
-#include "keel/store/shared_concurrency.hpp"
-#include "keel/store/shared_provider_state.hpp"
-#include "keel/store/shared_quota.hpp"
+#include "keel/fleet/shared_concurrency.hpp"
+#include "keel/fleet/shared_provider_state.hpp"
+#include "keel/fleet/shared_quota.hpp"
 #include "support/alloc_counter.hpp"
 
 #ifndef KEEL_SOURCE_DIR

@@ -12,7 +12,7 @@
 
 #include "keel/compose/pipeline.hpp"
 #include "keel/core/call.hpp"
-#include "keel/detail/short_key.hpp"
+#include "keel/policy/internal/short_key.hpp"
 #include "keel/policy/backoff.hpp"
 #include "keel/policy/bulkhead.hpp"
 #include "keel/policy/circuit_breaker.hpp"

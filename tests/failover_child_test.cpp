@@ -12,7 +12,7 @@
 #include "keel/store/postgres.hpp"
 #include "keel/store/postgres_jobs.hpp"
 #include "keel/store/redis.hpp"
-#include "keel/store/shared_concurrency.hpp"
+#include "keel/fleet/shared_concurrency.hpp"
 #include "support/catch.hpp"
 #include "support/failover.hpp"
 

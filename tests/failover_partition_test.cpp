@@ -21,7 +21,7 @@
 #include "keel/durable/lease.hpp"
 #include "keel/store/postgres.hpp"
 #include "keel/store/redis.hpp"
-#include "keel/store/shared_concurrency.hpp"
+#include "keel/fleet/shared_concurrency.hpp"
 #include "support/catch.hpp"
 #include "support/child_program.hpp"
 #include "support/failover.hpp"

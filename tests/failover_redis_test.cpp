@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "keel/store/redis.hpp"
-#include "keel/store/shared_concurrency.hpp"
-#include "keel/store/shared_quota.hpp"
+#include "keel/fleet/shared_concurrency.hpp"
+#include "keel/fleet/shared_quota.hpp"
 #include "support/catch.hpp"
 #include "support/failover.hpp"
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""keel's include graph reads as layers: each folder of include/keel is one
-layer, a header includes only from its own layer or those below it, and no
-include cycle exists. Run by the `layering` test (tests/CMakeLists.txt):
+"""keel's include graph follows its floor plan: each folder of include/keel
+is one room, and a header includes only from its own folder or the folders
+below it in the tree (ALLOWED, drawn in docs/architecture.md). A folder's
+`internal/` subfolder is part of it. No include cycle exists. Run by the
+`layering` test (tests/CMakeLists.txt):
 
     python3 tests/layering_check.py include/keel
 """
@@ -9,36 +11,47 @@ import os
 import re
 import sys
 
-# Bottom to top. detail/ holds internals: each is pinned to the lowest layer
-# that uses it, so it may include only from that layer or below.
-LAYERS = ["core", "policy", "compose", "provider", "asio", "durable", "observe", "store", "testing"]
-DETAIL = {
-    "boundary": "core",
-    "thread_slot": "core",
-    "short_key": "policy",
-    "keyed_table": "policy",
-    "client_pool": "store",
-    "pg_connection": "store",
-    "pg_store": "store",
-    "redis_connection": "store",
-    "redis_scripts": "store",
-    "sqlite_db": "store",
-    "stored_record": "durable",
+# What each folder may include, itself included. A tree, not a line:
+# provider (adapters for real clients) and durable (state that outlives a
+# process) are siblings on compose; asio runs pipelines over provider;
+# store implements durable's contracts; fleet is pipeline policies that
+# need a store.
+BELOW = {
+    "core": [],
+    "policy": ["core"],
+    "compose": ["policy"],
+    "provider": ["compose"],
+    "asio": ["provider"],
+    "durable": ["compose"],
+    "observe": ["durable"],
+    "store": ["durable"],
+    "fleet": ["store"],
+    "testing": ["observe", "store", "provider"],
 }
+
+
+def reachable(folder):
+    seen = {folder}
+    todo = [folder]
+    while todo:
+        for b in BELOW[todo.pop()]:
+            if b not in seen:
+                seen.add(b)
+                todo.append(b)
+    return seen
+
+
+ALLOWED = {f: reachable(f) for f in BELOW}
+# The umbrella: what needs no client library of its own.
+ALLOWED["keel.hpp"] = {"core", "policy", "compose", "provider", "durable", "observe"}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"keel/([^"]+)"', re.M)
 
 
-def layer_of(rel):
+def folder_of(rel):
     parts = rel.split("/")
     if len(parts) == 1:
-        return "umbrella" if rel == "keel.hpp" else None
-    if parts[0] == "detail":
-        return DETAIL.get(os.path.splitext(parts[1])[0])
-    return parts[0] if parts[0] in LAYERS else None
-
-
-def rank(layer):
-    return len(LAYERS) if layer == "umbrella" else LAYERS.index(layer)
+        return rel if rel == "keel.hpp" else None
+    return parts[0] if parts[0] in BELOW else None
 
 
 def main(root):
@@ -52,19 +65,19 @@ def main(root):
             with open(os.path.join(dirpath, n), encoding="utf-8") as f:
                 graph[rel] = INCLUDE.findall(f.read())
     for rel, deps in sorted(graph.items()):
-        mine = layer_of(rel)
+        mine = folder_of(rel)
         if mine is None:
-            errors.append(f"{rel}: not in a layer folder ({', '.join(LAYERS)}, detail/ pinned in this script)")
+            errors.append(f"{rel}: not in a folder of the floor plan ({', '.join(BELOW)})")
             continue
         for d in deps:
             if d not in graph:
                 errors.append(f"{rel}: includes keel/{d}, which does not exist")
                 continue
-            theirs = layer_of(d)
+            theirs = folder_of(d)
             if theirs is None:
                 continue  # reported on its own line
-            if rank(theirs) > rank(mine):
-                errors.append(f"{rel} ({mine}) includes keel/{d} ({theirs}), a higher layer")
+            if theirs not in ALLOWED[mine]:
+                errors.append(f"{rel} ({mine}/) includes keel/{d} ({theirs}/), which is not below it")
     # cycles: depth-first search
     state = {}
 

@@ -12,7 +12,7 @@
 #include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/core/call.hpp"
-#include "keel/detail/thread_slot.hpp"
+#include "keel/core/internal/thread_slot.hpp"
 #include "keel/policy/backoff.hpp"
 #include "keel/policy/retry_budget.hpp"
 #include "keel/testing/manual_clock.hpp"
@@ -488,7 +488,7 @@ TEST_CASE("invalid retry options are refused with the field named", "[retry][opt
   CHECK(message([] { keel::retry r({.max_attempts = 2}); }) == "accepted");
 }
 
-// Requests are counted in per-thread cells (keel/detail/thread_slot.hpp):
+// Requests are counted in per-thread cells (keel/core/internal/thread_slot.hpp):
 // more threads than there are cells, some alive at once and some after
 // others have exited, all deposit, and the cells go back when threads end.
 TEST_CASE("the retry budget counts the requests of more threads than it has cells", "[budget][concurrency]") {

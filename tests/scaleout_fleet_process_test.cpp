@@ -31,8 +31,8 @@
 
 #include "keel/compose/pipeline.hpp"
 #include "keel/policy/breaker_registry.hpp"
-#include "keel/store/shared_concurrency.hpp"
-#include "keel/store/shared_provider_state.hpp"
+#include "keel/fleet/shared_concurrency.hpp"
+#include "keel/fleet/shared_provider_state.hpp"
 #include "support/catch.hpp"
 #include "support/child_process.hpp"
 #include "support/scaleout.hpp"

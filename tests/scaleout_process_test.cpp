@@ -26,7 +26,7 @@
 #include "keel/durable/digest.hpp"
 #include "keel/durable/lease.hpp"
 #include "keel/durable/once.hpp"
-#include "keel/store/shared_quota.hpp"
+#include "keel/fleet/shared_quota.hpp"
 #include "support/scaleout_backends.hpp"
 #include "support/scaleout.hpp"
 #include "support/catch.hpp"

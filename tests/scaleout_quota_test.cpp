@@ -2,7 +2,7 @@
 // timed by the server's clock (moved with the test offset), with a local
 // fallback (timed by the manual clock) when Redis cannot answer, and as a
 // pipeline level after keel::admission.
-#include "keel/store/shared_quota.hpp"
+#include "keel/fleet/shared_quota.hpp"
 
 #include <chrono>
 #include <memory>

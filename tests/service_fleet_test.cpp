@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gateway_core.hpp"
-#include "keel/store/shared_concurrency.hpp"
+#include "keel/fleet/shared_concurrency.hpp"
 #include "keel/store/sqlite_jobs.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "support/catch.hpp"

@@ -27,8 +27,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "keel/policy/breaker_registry.hpp"
-#include "keel/store/shared_concurrency.hpp"
-#include "keel/store/shared_provider_state.hpp"
+#include "keel/fleet/shared_concurrency.hpp"
+#include "keel/fleet/shared_provider_state.hpp"
 
 namespace gateway {
 

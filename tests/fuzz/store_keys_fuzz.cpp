@@ -29,9 +29,9 @@
 #include "check.hpp"
 #include "keel/store/memory.hpp"
 #include "keel/store/redis.hpp"
-#include "keel/store/shared_concurrency.hpp"
-#include "keel/store/shared_provider_state.hpp"
-#include "keel/store/shared_quota.hpp"
+#include "keel/fleet/shared_concurrency.hpp"
+#include "keel/fleet/shared_provider_state.hpp"
+#include "keel/fleet/shared_quota.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "sqlite_fixture.hpp"
 

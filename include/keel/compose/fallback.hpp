@@ -91,7 +91,7 @@
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
-#include "keel/detail/boundary.hpp"
+#include "keel/core/internal/boundary.hpp"
 
 namespace keel {
 

@@ -140,7 +140,7 @@
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
-#include "keel/detail/boundary.hpp"
+#include "keel/core/internal/boundary.hpp"
 #include "keel/policy/latency_tracker.hpp"
 #include "keel/policy/retry_budget.hpp"
 

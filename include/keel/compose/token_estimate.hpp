@@ -3,7 +3,7 @@
 // percentile of the output recent streams actually produced.
 //
 // Admission in tokens (keel/policy/admission.hpp's compute quota,
-// keel/store/shared_quota.hpp's with_estimate) reserves an estimate up front
+// keel/fleet/shared_quota.hpp's with_estimate) reserves an estimate up front
 // and settles it to the actual usage at the stream's end. Reserving the
 // requested maximum (max_tokens: often 4096 for answers of 300) holds a
 // tenant's tokens-per-minute budget for output that never comes, so far

@@ -175,6 +175,9 @@ concept concurrent_policy = requires {
 // starts on another thread (it may have waited there).
 template <keel::clock Clock, keel::classifier Classifier, class Listener = null_listener>
 struct run_context {
+  run_context(keel::call& c, const Clock& k, const Classifier& cl, const Listener& l) noexcept
+      : call(c), clock(k), classifier(cl), listener(l) {}
+
   keel::call& call;
   const Clock& clock;
   const Classifier& classifier;
@@ -204,6 +207,7 @@ struct run_context {
   // attempt_end() reads the clock.
   void attempt_started() noexcept { end_read_ = false; }
 
+ private:
   time_point end_{};
   bool end_read_ = false;
 };

@@ -123,7 +123,7 @@
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
-#include "keel/detail/boundary.hpp"
+#include "keel/core/internal/boundary.hpp"
 #include "keel/durable/digest.hpp"
 #include "keel/durable/events.hpp"
 #include "keel/durable/result_store.hpp"

@@ -80,7 +80,7 @@
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
-#include "keel/detail/short_key.hpp"
+#include "keel/policy/internal/short_key.hpp"
 #include "keel/policy/backoff.hpp"
 #include "keel/policy/events.hpp"
 

@@ -65,8 +65,8 @@
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
-#include "keel/detail/keyed_table.hpp"
-#include "keel/detail/short_key.hpp"
+#include "keel/policy/internal/keyed_table.hpp"
+#include "keel/policy/internal/short_key.hpp"
 #include "keel/policy/circuit_breaker.hpp"
 
 namespace keel {

@@ -85,8 +85,8 @@
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
-#include "keel/detail/short_key.hpp"
-#include "keel/detail/thread_slot.hpp"
+#include "keel/policy/internal/short_key.hpp"
+#include "keel/core/internal/thread_slot.hpp"
 #include "keel/policy/events.hpp"
 
 namespace keel {

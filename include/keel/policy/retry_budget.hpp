@@ -29,7 +29,7 @@
 //
 // keel::retry and keel::hedge do both when their options name a budget.
 //
-// Requests are counted in per-thread cells (keel/detail/thread_slot.hpp):
+// Requests are counted in per-thread cells (keel/core/internal/thread_slot.hpp):
 // a deposit is a plain load and store on its thread's own cache line, and
 // reading the requests (a retry, figures()) sums every thread's cells.
 //
@@ -51,7 +51,7 @@
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
 #include "keel/core/status.hpp"
-#include "keel/detail/thread_slot.hpp"
+#include "keel/core/internal/thread_slot.hpp"
 
 namespace keel {
 

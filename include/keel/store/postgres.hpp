@@ -49,7 +49,7 @@
 // put into a statement is the schema name, validated ([a-z_][a-z0-9_]*, at
 // most 63 bytes) and quoted by libpq.
 //
-// Errors (see keel/detail/pg_connection.hpp for the mapping):
+// Errors (see keel/store/internal/pg_connection.hpp for the mapping):
 //
 //   keel::store_unavailable_error   cannot connect, every connection busy past
 //                                   acquire_timeout, or a statement that failed
@@ -97,10 +97,10 @@
 #include "absl/strings/str_replace.h"
 #include "keel/core/clock.hpp"
 #include "keel/core/status.hpp"
-#include "keel/detail/client_pool.hpp"
-#include "keel/detail/pg_connection.hpp"
-#include "keel/detail/pg_store.hpp"
-#include "keel/detail/stored_record.hpp"
+#include "keel/store/internal/client_pool.hpp"
+#include "keel/store/internal/pg_connection.hpp"
+#include "keel/store/internal/pg_store.hpp"
+#include "keel/store/internal/stored_record.hpp"
 #include "keel/durable/digest.hpp"
 #include "keel/durable/idempotency.hpp"
 #include "keel/durable/lease.hpp"

@@ -3,7 +3,7 @@
 //
 // keel::postgres_job_store implements keel::job_store (keel/durable/job_store.hpp
 // has the contract), on the connection pool and statement conventions of
-// keel::postgres_store (keel/store/postgres.hpp, keel/detail/pg_connection.hpp):
+// keel::postgres_store (keel/store/postgres.hpp, keel/store/internal/pg_connection.hpp):
 //
 //   - every submit, claim, renew, complete, fail and purge is ONE statement
 //     under READ COMMITTED, with no explicit transaction, and one round trip.
@@ -67,9 +67,9 @@
 #include "absl/strings/str_replace.h"
 #include "keel/core/clock.hpp"
 #include "keel/core/status.hpp"
-#include "keel/detail/client_pool.hpp"
-#include "keel/detail/pg_connection.hpp"
-#include "keel/detail/pg_store.hpp"
+#include "keel/store/internal/client_pool.hpp"
+#include "keel/store/internal/pg_connection.hpp"
+#include "keel/store/internal/pg_store.hpp"
 #include "keel/durable/digest.hpp"
 #include "keel/durable/job_store.hpp"
 #include "keel/durable/ownership.hpp"

@@ -17,7 +17,7 @@
 //     what the key must remember plus forget_after;
 //   - fences never go backwards: a key with no hash (new, or forgotten)
 //     starts from the server clock in microseconds, above every fence it had
-//     before it was forgotten (keel/detail/redis_scripts.hpp says why); a
+//     before it was forgotten (keel/store/internal/redis_scripts.hpp says why); a
 //     key the store still has goes up by 1 per new owner;
 //   - a bounded pool of connections (pool_size), each lent to one thread at
 //     a time; a connection timeout and a command timeout on every command;
@@ -43,7 +43,7 @@
 //
 // Values and keys always travel as command arguments (never in script text).
 //
-// Errors (see keel/detail/redis_connection.hpp for the mapping):
+// Errors (see keel/store/internal/redis_connection.hpp for the mapping):
 //
 //   keel::store_unavailable_error   cannot connect, every connection busy past
 //                                   acquire_timeout, or refused before running
@@ -87,10 +87,10 @@
 #include "absl/strings/str_cat.h"
 #include "keel/core/clock.hpp"
 #include "keel/core/status.hpp"
-#include "keel/detail/client_pool.hpp"
-#include "keel/detail/redis_connection.hpp"
-#include "keel/detail/redis_scripts.hpp"
-#include "keel/detail/stored_record.hpp"
+#include "keel/store/internal/client_pool.hpp"
+#include "keel/store/internal/redis_connection.hpp"
+#include "keel/store/internal/redis_scripts.hpp"
+#include "keel/store/internal/stored_record.hpp"
 #include "keel/durable/digest.hpp"
 #include "keel/durable/idempotency.hpp"
 #include "keel/durable/lease.hpp"

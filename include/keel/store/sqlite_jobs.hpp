@@ -6,7 +6,7 @@
 // the contract):
 //
 //   - the same file format, store clock and transactions as
-//     keel::sqlite_store (keel/detail/sqlite_db.hpp): a job store and an
+//     keel::sqlite_store (keel/store/internal/sqlite_db.hpp): a job store and an
 //     idempotency/lease store may share one file and its clock. The job
 //     tables are added to a keel file on first open and versioned on their
 //     own (table keel_job_schema, version 1): a file whose job tables are of
@@ -62,7 +62,7 @@
 #include "absl/strings/str_cat.h"
 #include "keel/core/clock.hpp"
 #include "keel/core/status.hpp"
-#include "keel/detail/sqlite_db.hpp"
+#include "keel/store/internal/sqlite_db.hpp"
 #include "keel/durable/digest.hpp"
 #include "keel/durable/job_store.hpp"
 #include "keel/durable/ownership.hpp"

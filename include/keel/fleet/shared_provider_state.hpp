@@ -1,4 +1,4 @@
-// keel/store/shared_provider_state.hpp — what one replica learns about a
+// keel/fleet/shared_provider_state.hpp — what one replica learns about a
 // provider (its breaker opened, the provider asked for a cooldown), told to
 // every replica through Redis, and half-open probing decided fleet-wide.
 //
@@ -87,10 +87,10 @@
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
-#include "keel/detail/client_pool.hpp"
-#include "keel/detail/keyed_table.hpp"
-#include "keel/detail/redis_connection.hpp"
-#include "keel/detail/short_key.hpp"
+#include "keel/store/internal/client_pool.hpp"
+#include "keel/policy/internal/keyed_table.hpp"
+#include "keel/store/internal/redis_connection.hpp"
+#include "keel/policy/internal/short_key.hpp"
 #include "keel/durable/ownership.hpp"
 #include "keel/policy/breaker_registry.hpp"
 #include "keel/policy/circuit_breaker.hpp"

@@ -1,4 +1,4 @@
-// keel/detail/sqlite_db.hpp — the SQLite connection keel's SQLite stores
+// keel/store/internal/sqlite_db.hpp — the SQLite connection keel's SQLite stores
 // share: opening and checking a keel file, the versioned base schema, the
 // store clock with its persisted high-water mark, and one BEGIN IMMEDIATE
 // transaction per operation. keel::sqlite_store (keel/store/sqlite.hpp) and

@@ -1,4 +1,4 @@
-// keel/store/shared_quota.hpp — one rate limit shared by every replica of a
+// keel/fleet/shared_quota.hpp — one rate limit shared by every replica of a
 // service, kept in Redis, with a local fallback when Redis cannot answer.
 //
 // A provider's limit (say 500 requests/s to one model endpoint) belongs to
@@ -96,8 +96,8 @@
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
-#include "keel/detail/client_pool.hpp"
-#include "keel/detail/redis_connection.hpp"
+#include "keel/store/internal/client_pool.hpp"
+#include "keel/store/internal/redis_connection.hpp"
 #include "keel/durable/ownership.hpp"
 #include "keel/policy/rate_limiter.hpp"
 #include "keel/store/redis.hpp"

@@ -1,4 +1,4 @@
-// keel/detail/client_pool.hpp — a bounded pool of network client
+// keel/store/internal/client_pool.hpp — a bounded pool of network client
 // connections, shared by the PostgreSQL and Redis stores.
 //
 // At most `capacity` connections exist at once. They are made on demand

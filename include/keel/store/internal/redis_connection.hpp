@@ -1,4 +1,4 @@
-// keel/detail/redis_connection.hpp — one hiredis (0.14) connection as keel's
+// keel/store/internal/redis_connection.hpp — one hiredis (0.14) connection as keel's
 // Redis store and shared quota use it: a connect timeout, a command timeout
 // on every command (socket send/receive timeouts), AUTH and SELECT, Lua
 // scripts by SHA with the source re-sent on NOSCRIPT, and failures mapped

@@ -1,4 +1,4 @@
-// keel/detail/pg_store.hpp — what every keel PostgreSQL store (the
+// keel/store/internal/pg_store.hpp — what every keel PostgreSQL store (the
 // idempotency/lease/result store, the job store) does the same way: run one
 // prepared statement on a pooled connection, and create or check the tables
 // it keeps in its schema.
@@ -38,8 +38,8 @@
 #include "absl/strings/str_cat.h"
 #include "keel/core/clock.hpp"
 #include "keel/core/status.hpp"
-#include "keel/detail/client_pool.hpp"
-#include "keel/detail/pg_connection.hpp"
+#include "keel/store/internal/client_pool.hpp"
+#include "keel/store/internal/pg_connection.hpp"
 
 namespace keel::detail {
 

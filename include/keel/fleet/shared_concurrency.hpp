@@ -1,4 +1,4 @@
-// keel/store/shared_concurrency.hpp — one concurrency limit shared by every
+// keel/fleet/shared_concurrency.hpp — one concurrency limit shared by every
 // replica of a service (say 64 requests in flight to one model endpoint),
 // kept in Redis, with a local share of it when Redis cannot answer.
 //
@@ -93,8 +93,8 @@
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
-#include "keel/detail/client_pool.hpp"
-#include "keel/detail/redis_connection.hpp"
+#include "keel/store/internal/client_pool.hpp"
+#include "keel/store/internal/redis_connection.hpp"
 #include "keel/durable/ownership.hpp"
 #include "keel/store/redis.hpp"
 

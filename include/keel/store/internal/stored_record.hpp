@@ -1,4 +1,4 @@
-// keel/detail/stored_record.hpp — the checks a store runs on a record, lease
+// keel/store/internal/stored_record.hpp — the checks a store runs on a record, lease
 // or fence it reads back before trusting it.
 //
 // A row or hash may be damaged (a disk error SQLite did not catch, a hand

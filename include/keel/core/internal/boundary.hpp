@@ -1,4 +1,4 @@
-// keel/detail/boundary.hpp — where user code is called: a provider, a
+// keel/core/internal/boundary.hpp — where user code is called: a provider, a
 // fallback, a fan-out worker, a hedged attempt, a once decision. keel does
 // not throw, and a provider that throws must not unwind through keel's
 // bookkeeping (permits, leases, attempt counts), so every such call goes

@@ -1,4 +1,4 @@
-// keel/detail/short_key.hpp — hashing and comparing short labels (tenant,
+// keel/policy/internal/short_key.hpp — hashing and comparing short labels (tenant,
 // model, endpoint, work-class names) on every call.
 //
 // Eight bytes at a time, inline: a general-purpose hash plus a libc memcmp

@@ -1,4 +1,4 @@
-// keel/detail/pg_connection.hpp — one libpq connection as keel's PostgreSQL
+// keel/store/internal/pg_connection.hpp — one libpq connection as keel's PostgreSQL
 // store uses it: binary parameters and results, a client-side timeout on
 // every statement, and failures mapped onto keel's classified statuses.
 //

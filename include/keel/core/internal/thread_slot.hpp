@@ -1,4 +1,4 @@
-// keel/detail/thread_slot.hpp — a small per-thread index, so a count that
+// keel/core/internal/thread_slot.hpp — a small per-thread index, so a count that
 // every call bumps (a retry budget's requests) can be kept in per-thread
 // cells that the owning thread updates with a plain load and store instead
 // of a locked read-modify-write (~5 ns each under no contention, far more

@@ -1,4 +1,4 @@
-// keel/detail/keyed_table.hpp — an insert-only hash table with lock-free
+// keel/policy/internal/keyed_table.hpp — an insert-only hash table with lock-free
 // lookups, for shared state kept per key (a breaker per failure domain, a
 // quota per configured tenant or model).
 //
@@ -21,7 +21,7 @@
 #include <memory>
 #include <mutex>
 
-#include "keel/detail/short_key.hpp"
+#include "keel/policy/internal/short_key.hpp"
 
 namespace keel::detail {
 

@@ -1,4 +1,4 @@
-// keel/detail/redis_scripts.hpp — the Lua scripts behind keel::redis_store.
+// keel/store/internal/redis_scripts.hpp — the Lua scripts behind keel::redis_store.
 //
 // Each store operation is one script on one key (a hash), so it runs
 // atomically on the server and a Redis Cluster routes it by that key's hash
