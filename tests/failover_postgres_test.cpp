@@ -6,6 +6,7 @@
 // acknowledgement survives. Asynchronous with the link cut first: exactly
 // the acknowledgements made after the cut are lost, and their stale owners
 // are still refused.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -73,6 +74,9 @@ struct job_figures {
   std::map<std::string, std::pair<int, int>> submitted;  // phase -> (acknowledged, found with its key)
   std::map<std::string, std::pair<int, int>> completed;  // phase -> (acknowledged, found done)
   int ids_reused = 0;       // a job id acknowledged for two different keys
+  std::int64_t max_lost_id = 0;     // the highest id submitted in the lost phase
+  std::int64_t min_after_id = 0;    // the lowest id submitted after the promotion (phase C)
+  int after_ids_at_or_below_lost = 0;  // C submissions whose id is not above every lost one
   int stale_completes = 0;  // completions of lost jobs sent again
   int stale_completes_refused = 0;
   std::string summary() const {
@@ -81,6 +85,9 @@ struct job_figures {
     for (const auto& [p, f] : completed) absl::StrAppend(&out, p, ": ", f.second, "/", f.first, " completions kept; ");
     absl::StrAppend(&out, "job ids reused for another key ", ids_reused, ", stale completions refused ",
                     stale_completes_refused, "/", stale_completes);
+    if (max_lost_id > 0)
+      absl::StrAppend(&out, "; highest lost id ", max_lost_id, ", lowest id after the promotion ", min_after_id,
+                      ", ids after it not above the lost ones ", after_ids_at_or_below_lost);
     return out;
   }
 };
@@ -92,7 +99,12 @@ job_figures verify_jobs(keel::postgres_job_store& jobs, const keel_failover::ack
     if (j.kind != 'S') continue;
     auto [it, fresh] = key_of.emplace(j.id, j.key_or_owner);
     if (!fresh && it->second != j.key_or_owner) ++f.ids_reused;
+    if (j.phase == stale_phase) f.max_lost_id = std::max(f.max_lost_id, j.id);
+    if (j.phase == "C" && (f.min_after_id == 0 || j.id < f.min_after_id)) f.min_after_id = j.id;
   }
+  if (!stale_phase.empty())
+    for (const auto& j : a.jobs)
+      if (j.kind == 'S' && j.phase == "C" && j.id <= f.max_lost_id) ++f.after_ids_at_or_below_lost;
   for (const auto& j : a.jobs) {
     auto info = jobs.get(j.id);
     const bool there = info.ok() && info->has_value();
@@ -115,13 +127,28 @@ job_figures verify_jobs(keel::postgres_job_store& jobs, const keel_failover::ack
   return f;
 }
 
-keel_failover::verdict fail_over(const std::string& mode,
-                                 keel::postgres_fences fences = keel::postgres_fences::sequential) {
+struct fail_over_result {
+  keel_failover::verdict v;
+  job_figures jobs;
+};
+
+fail_over_result fail_over(const std::string& mode, keel::postgres_fences fences = keel::postgres_fences::sequential,
+                           keel::postgres_job_ids job_ids = keel::postgres_job_ids::sequential) {
   const bool clock = fences == keel::postgres_fences::from_clock;
+  const bool clock_ids = job_ids == keel::postgres_job_ids::from_clock;
   server_pair pair("postgres_pair.sh", mode);
   const std::string conninfo = pair.file("conninfo");
   const std::string schema = fresh_schema();
   (void)open_store(conninfo, schema);  // the schema, before the workers race to make it
+  {
+    // The job tables too, with the ids asked for: the workers open them with
+    // the default options, and a table keeps the ids it was created with.
+    auto made = keel::postgres_job_store::open(
+        {.conninfo = conninfo, .schema = schema + "_jobs", .command_timeout = 2s, .job_ids = job_ids});
+    INFO(made.status().ToString());
+    REQUIRE(made.ok());
+    REQUIRE((*made)->job_ids() == job_ids);
+  }
   workers w(3, 2, 4,
             {{"BACKEND", "postgres"},
              {"CONNINFO", conninfo},
@@ -156,7 +183,8 @@ keel_failover::verdict fail_over(const std::string& mode,
   auto jobs = keel::postgres_job_store::open({.conninfo = conninfo, .schema = schema + "_jobs", .command_timeout = 2s});
   REQUIRE(jobs.ok());
   job_figures jf = verify_jobs(**jobs, a, mode == "async" ? "B" : "");
-  std::printf("postgres %s failover, jobs: %s\n", mode.c_str(), jf.summary().c_str());
+  std::printf("postgres %s failover, jobs (%s ids): %s\n", mode.c_str(), clock_ids ? "clock" : "sequential",
+              jf.summary().c_str());
   INFO(jf.summary());
   for (const auto& [phase, f] : jf.submitted) {
     if (mode == "sync" || phase == "A" || phase == "C") CHECK(f.second == f.first);
@@ -168,14 +196,14 @@ keel_failover::verdict fail_over(const std::string& mode,
   if (mode == "async") CHECK(jf.completed["B"].second == 0);  // lost with the cut
   CHECK(jf.stale_completes_refused == jf.stale_completes);
   REQUIRE(jf.completed.count("C") == 1);
-  return v;
+  return {std::move(v), std::move(jf)};
 }
 
 }  // namespace
 
 TEST_CASE("postgres failover, synchronous standby: every acknowledged decision and claim survives",
           "[failover][postgres]") {
-  keel_failover::verdict v = fail_over("sync");
+  keel_failover::verdict v = fail_over("sync").v;
   INFO(v.summary());
   REQUIRE(v.phases["A"].decisions > 0);
   REQUIRE(v.phases["C"].decisions > 0);
@@ -189,7 +217,7 @@ TEST_CASE("postgres failover, synchronous standby: every acknowledged decision a
 
 TEST_CASE("postgres failover, asynchronous standby with the link cut: what is lost, and stale owners refused",
           "[failover][postgres]") {
-  keel_failover::verdict v = fail_over("async");
+  keel_failover::verdict v = fail_over("async").v;
   INFO(v.summary());
   REQUIRE(v.phases["A"].decisions > 0);
   REQUIRE(v.phases["B"].decisions > 0);
@@ -209,7 +237,7 @@ TEST_CASE("postgres failover, asynchronous standby with the link cut: what is lo
 
 TEST_CASE("postgres failover, asynchronous standby, fences from the clock: no fence is handed out twice",
           "[failover][postgres]") {
-  keel_failover::verdict v = fail_over("async", keel::postgres_fences::from_clock);
+  keel_failover::verdict v = fail_over("async", keel::postgres_fences::from_clock).v;
   INFO(v.summary());
   REQUIRE(v.phases["B"].claims > 0);
   REQUIRE(v.phases["C"].claims > 0);
@@ -218,6 +246,23 @@ TEST_CASE("postgres failover, asynchronous standby, fences from the clock: no fe
   CHECK(v.new_claims_at_used_fence == 0);
   CHECK(v.fences_backwards == 0);
   CHECK(v.stale_writes_refused == v.stale_writes);
+}
+
+TEST_CASE("postgres failover, asynchronous standby, job ids from the clock: no job id is handed out twice",
+          "[failover][postgres]") {
+  // Fences from the clock too: what a fleet that wants neither repeated
+  // would run.
+  fail_over_result r =
+      fail_over("async", keel::postgres_fences::from_clock, keel::postgres_job_ids::from_clock);
+  INFO(r.v.summary());
+  INFO(r.jobs.summary());
+  REQUIRE(r.jobs.submitted["B"].first > 0);  // ids were handed out and lost
+  REQUIRE(r.jobs.submitted["C"].first > 0);  // and new ones handed out after the promotion
+  CHECK(r.jobs.submitted["B"].second == 0);  // the submissions are still lost: only their ids are not reused
+  CHECK(r.jobs.ids_reused == 0);
+  CHECK(r.jobs.after_ids_at_or_below_lost == 0);
+  CHECK(r.jobs.min_after_id > r.jobs.max_lost_id);
+  CHECK(r.v.fences_reused == 0);
 }
 
 namespace {

@@ -128,6 +128,25 @@ enum class postgres_fences {
   from_clock,
 };
 
+// How keel::postgres_job_store numbers new jobs (docs/stores.md, "Job ids";
+// docs/scaleout.md, "Failover"). Decided when the job tables are created:
+// an existing table keeps what it was created with.
+enum class postgres_job_ids {
+  // id int8 GENERATED ALWAYS AS IDENTITY: 1, 2, 3, ... After a failover to
+  // an asynchronous standby that lacks the last commits, the ids those
+  // commits handed out are handed out again, to other jobs.
+  sequential,
+  // ((server time in µs since 2020-01-01) << 10 | a sequence's low 10 bits),
+  // at least the highest id in the table + 1: strictly increasing on one
+  // primary, > 0, inside int8 until the year 2305. An id handed out by a
+  // primary whose commits a failover lost is not handed out again unless the
+  // promoted server's clock is behind the old primary's by at least the time
+  // from that id's submission to the first submission after the promotion.
+  // Ids are large (about 2e17) and not dense. Opening a table created with
+  // sequential ids with this option is refused (FailedPrecondition).
+  from_clock,
+};
+
 // What sits between keel and the server.
 enum class postgres_pooling {
   // keel's sessions are its own (a direct connection, or a pooler in
@@ -177,6 +196,10 @@ struct postgres_options {
   bool end_abandoned_writes = true;
   // How a new owner's fence is made (postgres_store; see postgres_fences).
   postgres_fences fences = postgres_fences::sequential;
+  // How postgres_job_store numbers new jobs in tables it creates; with
+  // from_clock, also a requirement on existing tables (see postgres_job_ids).
+  // postgres_store ignores it.
+  postgres_job_ids job_ids = postgres_job_ids::sequential;
   // A pooler in transaction mode between keel and the server? (postgres_pooling)
   postgres_pooling pooling = postgres_pooling::session;
   // Tests only: nanoseconds added to the server's clock inside every
@@ -201,6 +224,9 @@ struct postgres_options {
       return detail::invalid_field(who, "command_timeout", "be in [1ms, 1h]", command_timeout);
     if (acquire_timeout < duration::zero() || acquire_timeout > std::chrono::hours(1))
       return detail::invalid_field(who, "acquire_timeout", "be in [0, 1h]", acquire_timeout);
+    if (job_ids != postgres_job_ids::sequential && job_ids != postgres_job_ids::from_clock)
+      return detail::invalid_field(who, "job_ids", "be postgres_job_ids::sequential or ::from_clock",
+                                   static_cast<int>(job_ids));
     return absl::OkStatus();
   }
 };

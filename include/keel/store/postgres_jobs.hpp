@@ -22,6 +22,12 @@
 //   - time is the database server's clock (clock_timestamp()), never the
 //     client's; a test-only offset (postgres_options::testing_clock_offset)
 //     is added inside the statements;
+//   - job ids: a sequence (GENERATED ALWAYS AS IDENTITY) by default, which an
+//     asynchronous failover can hand out again; with options.job_ids =
+//     postgres_job_ids::from_clock, the server's clock (µs << 10, with a
+//     sequence's low bits, above the highest id), which it does not unless
+//     the promoted server's clock is behind (docs/scaleout.md, "Failover").
+//     Chosen when the tables are created; an existing table keeps its kind;
 //   - its own versioned tables (job_meta, job, job_depth and the function
 //     job_queue_full) in the PostgreSQL schema options.schema, created on
 //     first open under the same advisory lock as postgres_store. Give the
@@ -93,7 +99,9 @@ struct pg_job_sql {
       " FOR UPDATE SKIP LOCKED) RETURNING 1)";
 
   // $1 queue $2 tenant $3 key $4 digest $5 payload $6 max_attempts $7 max_age $8 max_depth $9 offset
-  // Answers (k, id, digest, state, attempts, expires_at - now): k = 0 created, k = 1 existing; no row: raced.
+  // Answers (k, id, digest, state, attempts, expires_at - now): k = 0 created, k = 1 existing; no row: raced
+  // (a concurrent first submit of the key, or, with clock ids, a concurrent
+  // submit that drew the same id: ON CONFLICT without a target covers both).
   static constexpr const char* submit =
       "WITH CLOCK,"
       " existing AS (SELECT j.id, j.digest, j.state, j.attempts, j.expires_at FROM $S.job j"
@@ -103,7 +111,7 @@ struct pg_job_sql {
       "  lease_expires, took_over, created_at, expires_at, available_at, started_at, finished_at, error_code)"
       "  SELECT $1, $2, $3, $4, $5, 0, 0, $6, NULL, 0, 0, false, clk.now, clk.now + $7, clk.now, 0, 0, 0 FROM clk"
       "  WHERE NOT EXISTS (SELECT 1 FROM existing)"
-      "  ON CONFLICT (queue, tenant, key) DO NOTHING RETURNING id),"
+      "  ON CONFLICT DO NOTHING RETURNING id),"
       " depth AS (INSERT INTO $S.job_depth AS d (queue, live)"
       "  SELECT $1, (SELECT count(*) FROM ins) - (SELECT count(*) FROM expired)"
       "  WHERE EXISTS (SELECT 1 FROM ins) OR EXISTS (SELECT 1 FROM expired)"
@@ -226,6 +234,28 @@ inline constexpr const char* pg_job_purge = "keel_job_purge";
 // SQLSTATE raised by job_queue_full() inside a submit.
 inline constexpr std::string_view pg_job_full_sqlstate = "KJ001";
 
+// postgres_job_ids::from_clock: the job table's id default, added after the
+// table (the function reads it). An id is the server's time in microseconds
+// since 2020-01-01 (1577836800 s) shifted left 10 bits, with the low 10 bits
+// of a sequence, so submits of one microsecond differ; and at least the
+// highest id in the table + 1, so ids strictly increase on one primary even
+// if its clock steps back, and are > 0 even on a clock before 2020. Inside
+// int8 until 2^53 µs after 2020 (the year 2305). Two concurrent submits that
+// draw the same id (1024 sequence values apart within one microsecond, or
+// both past a clock step) do not fail: the second's insert does nothing
+// (ON CONFLICT without a target) and the submit is sent again.
+// `schema` is quoted (and validated to [a-z_][a-z0-9_]*: no quote inside).
+inline std::vector<std::string> pg_job_clock_ids_ddl(const std::string& schema) {
+  return {
+      absl::StrCat("CREATE SEQUENCE ", schema, ".job_id_low"),
+      absl::StrCat("CREATE FUNCTION ", schema, ".job_clock_id() RETURNS int8 LANGUAGE sql VOLATILE AS $f$",
+                   " SELECT greatest(coalesce((SELECT max(id) FROM ", schema, ".job), 0) + 1,",
+                   " (((extract(epoch FROM clock_timestamp()) * 1000000)::int8 - 1577836800000000) << 10)",
+                   " | (nextval('", schema, ".job_id_low') & 1023)) $f$"),
+      absl::StrCat("ALTER TABLE ", schema, ".job ALTER COLUMN id SET DEFAULT ", schema, ".job_clock_id()"),
+  };
+}
+
 }  // namespace detail
 
 class postgres_job_store {
@@ -245,6 +275,10 @@ class postgres_job_store {
   ~postgres_job_store() = default;
 
   [[nodiscard]] const postgres_options& options() const noexcept { return options_; }
+  // How the job table numbers new jobs: what it was created with, which an
+  // existing table keeps whatever options.job_ids says (from_clock on a table
+  // of sequential ids is refused at open).
+  [[nodiscard]] postgres_job_ids job_ids() const noexcept { return job_ids_; }
   // Statements sent for operations (each one round trip).
   [[nodiscard]] std::uint64_t round_trips() const noexcept { return round_trips_.load(std::memory_order_relaxed); }
 
@@ -538,10 +572,11 @@ class postgres_job_store {
         .not_ours = "it is not a keel job store (give the job store a schema of its own)",
         .absent = "no keel job tables here",
         .create = options_.create_schema};
-    auto tables = [](const std::string& schema) {
-      return std::vector<std::string>{
-          absl::StrCat("CREATE TABLE ", schema,
-                       ".job (id int8 GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
+    const bool clock_ids = options_.job_ids == postgres_job_ids::from_clock;
+    auto tables = [clock_ids](const std::string& schema) {
+      std::vector<std::string> ddl{
+          absl::StrCat("CREATE TABLE ", schema, ".job (id int8 ",
+                       clock_ids ? "PRIMARY KEY," : "GENERATED ALWAYS AS IDENTITY PRIMARY KEY,",
                        " queue bytea NOT NULL, tenant bytea NOT NULL, key bytea NOT NULL, digest bytea NOT NULL,"
                        " payload bytea NOT NULL, state smallint NOT NULL, attempts int8 NOT NULL,"
                        " max_attempts int8 NOT NULL, owner bytea, fence int8 NOT NULL, lease_expires int8 NOT NULL,"
@@ -563,9 +598,32 @@ class postgres_job_store {
                        " USING ERRCODE = '",
                        detail::to_absl(detail::pg_job_full_sqlstate), "'; END $f$"),
       };
+      if (clock_ids) {
+        for (std::string& stmt : detail::pg_job_clock_ids_ddl(schema)) ddl.push_back(std::move(stmt));
+      }
+      return ddl;
     };
     if (absl::Status s = detail::pg_create_or_check(**made, plan, options_.command_timeout, who_, tables); !s.ok())
       return s;
+    // How the table numbers jobs is what it was created with (the identity
+    // column, or the clock default); asking for clock ids on a table of
+    // sequential ones is refused: keel does not change a table it did not
+    // just create (the statements that do are in docs/stores.md, "Job ids").
+    const std::string job_table = absl::StrCat((*made)->quote_identifier(options_.schema), ".job");
+    detail::pg_params<1> q;
+    q.add(job_table);
+    absl::StatusOr<detail::pg_result> ident = (*made)->exec(
+        "SELECT (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1::text) AND attname = 'id'"
+        " AND attidentity <> '')",
+        q, detail::pg_effect::read, options_.command_timeout);
+    if (!ident.ok()) return ident.status();
+    job_ids_ = ident->integer(0, 0) > 0 ? postgres_job_ids::sequential : postgres_job_ids::from_clock;
+    if (options_.job_ids == postgres_job_ids::from_clock && job_ids_ == postgres_job_ids::sequential)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "keel: ", who_, ": postgres_options.job_ids is from_clock, but table ", job_table,
+          " was created with sequential ids (GENERATED ALWAYS AS IDENTITY), which an asynchronous failover can hand"
+          " out again; keel does not change an existing table: use a new schema, or convert this one with the"
+          " statements in docs/stores.md (\"Job ids\"). Nothing was changed."));
     absl::StatusOr<detail::client_pool<detail::pg_connection>::handle> h = pool_.acquire(options_.acquire_timeout, who_);
     return h.ok() ? absl::OkStatus() : h.status();
   }
@@ -580,6 +638,7 @@ class postgres_job_store {
   }
 
   postgres_options options_;
+  postgres_job_ids job_ids_ = postgres_job_ids::sequential;  // what the table uses (initialise)
   std::string who_;
   detail::client_pool<detail::pg_connection> pool_;
   std::atomic<std::uint64_t> round_trips_{0};
