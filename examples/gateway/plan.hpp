@@ -568,7 +568,7 @@ class plan_builder {
   [[nodiscard]] keel::optional_stage<const keel::cut_at_deadline> cut() const {
     return keel::optional_stage<const keel::cut_at_deadline>(s_.options.cut_at_deadline ? &cut_ : nullptr);
   }
-  // The fleet's provider state, then a permit (keel/store/shared_*.hpp):
+  // The fleet's provider state, then a permit (keel/fleet/shared_*.hpp):
   // with no fleet, both pass every attempt straight on.
   [[nodiscard]] keel::optional_stage<keel::shared_provider_state> fleet_state() const {
     return keel::optional_stage(s_.fleet ? &s_.fleet->state() : nullptr);
