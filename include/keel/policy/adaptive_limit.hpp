@@ -67,7 +67,10 @@
 //
 // Cost: acquiring is one load of the limit word and one CAS on the in-flight
 // count; releasing with a sample is one decrement and one CAS on the
-// window's word. Once per window one thread takes a mutex to move the limit.
+// window's word. The in-flight count and the window share one cache line,
+// so two threads contend for one line, as on a bulkhead's word; admissions
+// are counted per thread. Once per window one thread takes a mutex to move
+// the limit.
 //
 // Thread-safety: every operation may be called from any thread; a permit
 // may be released on another thread than the one that acquired it.
@@ -455,8 +458,10 @@ class adaptive_limit {
 
   template <class Listener>
   void release(std::uint32_t epoch, duration latency, time_point now, limit_sample kind, const Listener& listener) {
-    in_flight_.fetch_sub(1, std::memory_order_release);
+    // The state first: its line is another, and the decrement and the
+    // window's CAS below then follow each other on the hot line.
     const std::uint64_t s = state_.load(std::memory_order_acquire);
+    in_flight_.fetch_sub(1, std::memory_order_release);
     const std::uint32_t current = epoch_of(s);
     // While probing, only calls admitted at the probe's concurrency count.
     if (probing_of(s) && epoch != current) return;
