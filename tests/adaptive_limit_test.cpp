@@ -524,6 +524,68 @@ TEST_CASE("adaptive limit: under contention the limit is never exceeded and ever
   CHECK(m.limit <= 64);
 }
 
+TEST_CASE("adaptive limit: under contention every sample lands in exactly one window, with its latency",
+          "[adaptive_limit][contention]") {
+  // The in-flight count, the peak and the window share one cache line and
+  // admissions are counted per thread: threads that acquire and release
+  // at once must still have every admission counted and every sample
+  // counted once, its latency with it. The probe ends first, on this
+  // thread (an epoch change drops the samples racing it, by design); then
+  // four threads against a limit of 4 (never full, never moving) and
+  // windows of 16, at a time that never reaches the next probe.
+  constexpr int kThreads = 4;
+  constexpr int kWindow = 16;
+#ifdef KEEL_PROTECTION_STRESS_OPS
+  constexpr int kPerThread = 5000;
+#else
+  constexpr int kPerThread = 100000;
+#endif
+  keel::adaptive_limit lim({.initial_limit = kThreads, .min_limit = kThreads, .max_limit = kThreads,
+                            .window = kWindow, .probe_interval = 24h, .probe_jitter = 0,
+                            .probe_limit = kThreads, .probe_samples = 8, .drift_horizon = 24h});
+  manual_clock clock;
+  finish_probe(lim, clock, 1ms);
+  const keel::adaptive_limit_figures before = lim.figures();
+  REQUIRE(before.baseline == 1ms);
+  const keel::time_point now = clock.now();
+  std::barrier start(kThreads);
+  std::vector<int> refused(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      start.arrive_and_wait();
+      for (int i = 0; i < kPerThread; ++i) {
+        keel::adaptive_limit_permit p = lim.try_acquire(0);
+        if (!p) {
+          ++refused[t];
+          continue;
+        }
+        p.release(1ms, now, keel::limit_sample::ok);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  int refusals = 0;
+  for (int r : refused) refusals += r;
+  CHECK(refusals == 0);  // at most kThreads in flight: the limit is never reached
+  const keel::adaptive_limit_figures f = lim.figures();
+  constexpr std::int64_t samples = std::int64_t{kThreads} * kPerThread;
+  CHECK(f.in_flight == 0);
+  CHECK(f.admitted - before.admitted == samples);
+  CHECK(f.rejected == 0);
+  CHECK(f.probes == 1);
+  CHECK_FALSE(f.probing);
+  CHECK(f.limit == kThreads);
+  // Every sample in one window: samples is a multiple of kWindow, so a
+  // single lost sample leaves a window short.
+  static_assert(samples % kWindow == 0);
+  CHECK(f.updates - before.updates == samples / kWindow);
+  // A sample counted without its latency, or a latency without its count,
+  // would move a window's mean off 1 ms.
+  CHECK(f.last_sample == 1ms);
+  CHECK(f.baseline == 1ms);
+}
+
 TEST_CASE("adaptive limit options: refused at construction with the field and rule named", "[adaptive_limit]") {
   CHECK(message({.name = ""}) == "adaptive_limit_options.name must not be empty (got \"\")");
   CHECK(message({.max_limit = 0}) == "adaptive_limit_options.max_limit must be in [1, 1000000] (got 0)");
