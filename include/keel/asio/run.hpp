@@ -180,7 +180,11 @@ class awaited_provider : public detail::declared_operation<Provider> {
       w->f->unpark();
     }
   };
-  // Waits in the stop callback's destructor keep `w` alive until it ran.
+  // Emits on the executor and waits for it there, so `w` outlives the
+  // emission (the attempt's thread is blocked in operator() meanwhile). A
+  // stop requested on the executor's own thread would wait for itself: off
+  // a fiber, stop an attempt from another thread (a deadline timer, a
+  // hedge's pool thread, the caller).
   struct post_cancel {
     detail::attempt_wait<R>* w;
     ::asio::any_io_executor ex;
