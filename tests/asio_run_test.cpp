@@ -78,6 +78,14 @@ int threads_in_process() {
   return -1;
 }
 
+// One slot, a queue of one that waits at most `age`: the bulkhead cases.
+keel::bulkhead_options one_slot(keel::duration age) {
+  keel::bulkhead_options o;
+  o.classes.push_back({.name = "all", .capacity = 1, .max_queue = 1, .max_queue_age = age});
+  o.default_class = "all";
+  return o;
+}
+
 }  // namespace
 
 TEST_CASE("an asynchronous run answers through a callback, a future and a coroutine", "[asio]") {
@@ -148,10 +156,7 @@ TEST_CASE("a bulkhead's queue holds the second call until the first is done, in 
     loop l;
     gate g;
     keel::testing::manual_clock clock;
-    keel::bulkhead_options o;
-    o.classes.push_back({.name = "all", .capacity = 1, .max_queue = 1, .max_queue_age = 10s});
-    o.default_class = "all";
-    keel::bulkhead slots(o);
+    keel::bulkhead slots(one_slot(10s));
     const auto pipe = keel::pipeline(slots).in(keel::environment{clock});
     keel::call first(clock.now(), {.timeout = 60s});
     keel::call second(clock.now(), {.timeout = 60s});
@@ -174,10 +179,7 @@ TEST_CASE("a queued call that waits past its queue age is refused, in both modes
     loop l;
     gate g;
     keel::testing::manual_clock clock;
-    keel::bulkhead_options o;
-    o.classes.push_back({.name = "all", .capacity = 1, .max_queue = 1, .max_queue_age = 1s});
-    o.default_class = "all";
-    keel::bulkhead slots(o);
+    keel::bulkhead slots(one_slot(1s));
     const auto pipe = keel::pipeline(slots).in(keel::environment{clock});
     keel::call first(clock.now(), {.timeout = 60s});
     keel::call second(clock.now(), {.timeout = 60s});
@@ -357,4 +359,40 @@ TEST_CASE("an open breaker refuses without starting the operation, in both modes
     CHECK(keel::refused_by(r.status()) == std::optional<std::string>("breaker:model"));
     CHECK(g.started() == 0);
   }
+}
+
+TEST_CASE("on the real clock a fiber's backoff waits on the executor's timer, and a stop ends it", "[asio]") {
+  loop l;
+  gate g;
+  // The retry's backoff sleeps on keel::real_clock: on a fiber, a timer of
+  // the executor (keel/asio/fiber.hpp), not the thread.
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 1h}));
+  std::stop_source stop;
+  keel::call call(keel::real_clock{}.now(), {.timeout = 2h, .stop = stop.get_token()});
+  auto f = keel::asio::async_run(l.ex(), pipe, call, g.as_provider(), asio::use_future);
+  await_waiting(g, 1);
+  g.answer(absl::UnavailableError("busy"));
+  // The loop's one thread runs other work while the fiber waits out its hour.
+  for (int i = 0; i < 3; ++i) {
+    auto other = asio::post(l.io, asio::use_future([] { return 1; }));
+    REQUIRE(other.wait_for(60s) == std::future_status::ready);  // a blocked thread would never run it
+  }
+  CHECK(f.wait_for(0s) == std::future_status::timeout);
+  stop.request_stop();  // the timer is cancelled and its handler waited for
+  REQUIRE(f.wait_for(60s) == std::future_status::ready);
+  const absl::Status stopped = f.get().status();
+  CHECK(absl::IsUnavailable(stopped));  // the last failure, marked as ended by the stop
+  CHECK(std::string(stopped.message()).find("cancelled while waiting to retry") != std::string::npos);
+  CHECK(g.started() == 1);
+
+  // A short backoff runs out on the timer, and the retry goes on.
+  const auto quick = keel::pipeline(keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 5ms}));
+  keel::call again(keel::real_clock{}.now(), {.timeout = 60s});
+  auto r = keel::asio::async_run(l.ex(), quick, again, g.as_provider(), asio::use_future);
+  await_waiting(g, 1);
+  g.answer(absl::UnavailableError("busy"));
+  await_waiting(g, 1);
+  g.answer(3);
+  CHECK(r.get().value() == 3);
+  CHECK(again.record().retries == 1);
 }
