@@ -21,6 +21,7 @@
 #include <catch2/catch.hpp>
 
 #include "keel/asio/executor.hpp"
+#include "keel/asio/fiber_threads.hpp"
 #include "keel/asio/run.hpp"
 #include "keel/compose/deadline_timer.hpp"
 #include "keel/compose/executor.hpp"
@@ -395,4 +396,38 @@ TEST_CASE("on the real clock a fiber's backoff waits on the executor's timer, an
   g.answer(3);
   CHECK(r.get().value() == 3);
   CHECK(again.record().retries == 1);
+}
+
+TEST_CASE("fiber_threads spreads fibers over its threads, each fiber stays on its own, and stop waits for them",
+          "[asio][fiber_threads]") {
+  CHECK_THROWS_WITH(keel::asio::fiber_threads({.threads = 0}),
+                    Catch::Contains("fiber_threads_options.threads must be in [1, 1024]"));
+  CHECK(keel::asio::fiber_threads::index_here() == -1);  // the test's thread is none of them
+  keel::asio::fiber_threads fibers({.threads = 2});
+  REQUIRE(fibers.size() == 2);
+  constexpr int n = 8;
+  std::atomic<int> on[2] = {0, 0};
+  std::atomic<int> moved{0}, finished{0};
+  keel::testing::manual_clock clock;  // parks each fiber until the test advances it
+  for (int i = 0; i < n; ++i) {
+    REQUIRE(fibers.spawn([&] {  // no Catch2 assertion here: another thread
+      const int here = keel::asio::fiber_threads::index_here();
+      if (here != 0 && here != 1) return;  // counted as neither below
+      if (keel::asio::current_executor() == nullptr) return;
+      on[here].fetch_add(1);
+      clock.sleep_until(clock.now() + 1s, {});  // parked: its thread runs the others meanwhile
+      if (keel::asio::fiber_threads::index_here() != here) moved.fetch_add(1);
+      finished.fetch_add(1);
+    }));
+  }
+  // All eight park at once on two threads: none holds its thread.
+  clock.await_sleepers(n);
+  CHECK(on[0].load() == n / 2);  // in turn
+  CHECK(on[1].load() == n / 2);
+  CHECK(finished.load() == 0);
+  clock.advance(1s);
+  fibers.stop();  // returns once every fiber has finished
+  CHECK(finished.load() == n);
+  CHECK(moved.load() == 0);
+  CHECK_FALSE(fibers.spawn([] {}));  // stopped: refused
 }

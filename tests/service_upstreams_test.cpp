@@ -147,7 +147,9 @@ TEST_CASE("feedback goes to the upstream over HTTP with the attempt's time left 
           "[service][upstreams]") {
   temp_dir dir;
   mock_upstream a(dir, "mock-a", {"--latency-ms", "20"}), b(dir, "mock-b", {"--latency-ms", "20"});
-  const gateway::gateway_options o = options_for(dir.path(), a, b);
+  gateway::gateway_options o = options_for(dir.path(), a, b);
+  o.http_fiber_threads = GENERATE(0, 2);  // a worker thread per request; fibers on the event loop's client
+  CAPTURE(o.http_fiber_threads);
   auto svc = start(o);
 
   const reply r = post(svc->port(), "/v1/feedback", feedback_body(), "k-1");
@@ -243,6 +245,8 @@ TEST_CASE("streams over HTTP: fail over before the first token, continue after i
   const std::vector<std::string> fast = {"--first-token-ms", "10", "--token-gap-ms", "2", "--tokens", "12"};
   mock_upstream a(dir, "mock-a", fast), b(dir, "mock-b", fast);
   gateway::gateway_options o = options_for(dir.path(), a, b);
+  o.http_fiber_threads = GENERATE(0, 2);  // a worker thread per request; fibers on the event loop's client
+  CAPTURE(o.http_fiber_threads);
   without_hedge(o);
   auto svc = start(o);
 
@@ -280,6 +284,7 @@ TEST_CASE("streams over HTTP: fail over before the first token, continue after i
   SECTION("the primary is slow to its first token: the first-token hedge goes to the second upstream, and the "
           "primary's attempt is stopped") {
     gateway::gateway_options h = options_for(dir.path() + "/hedged", a, b);
+    h.http_fiber_threads = o.http_fiber_threads;
     h.chat.hedge_delay = 100ms;
     h.chat.hedge_percentile = 0;
     svc.reset();
@@ -311,6 +316,8 @@ TEST_CASE("a client that hangs up mid-stream stops the upstream's transfer", "[s
   // second stream whose stopped loser the upstream also sees go.
   without_hedge(o);
   o.chat.first_token = 10s;  // nor a retry of a first token that was merely slow
+  o.http_fiber_threads = GENERATE(0, 2);  // a worker thread per request; fibers on the event loop's client
+  CAPTURE(o.http_fiber_threads);
   auto svc = start(o);
   keel_service::raw_connection c(svc->port());
   REQUIRE(c.send(chat_request(chat_body(300))));
@@ -325,6 +332,63 @@ TEST_CASE("a client that hangs up mid-stream stops the upstream's transfer", "[s
   std::printf("client hang-up to upstream connection closed (seen by the upstream): %.2f ms\n", ms);
   CHECK(ms < std::chrono::duration<double, std::milli>(keel_service::http_slack).count());
   CHECK(stat(b.stats(), "requests", "chat") == 0);  // a lost client is not continued
+}
+
+namespace {
+
+int threads_in_process() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("on fibers, 64 streams in flight hold no thread each, and every one is answered whole",
+          "[service][upstreams][chat][fibers]") {
+  temp_dir dir;
+  // 2 s of tokens: every stream is in flight at once.
+  const std::vector<std::string> slow = {"--first-token-ms", "5", "--token-gap-ms", "100", "--tokens", "20",
+                                         "--threads", "256"};
+  mock_upstream a(dir, "mock-a", slow), b(dir, "mock-b", slow);
+  gateway::gateway_options o = options_for(dir.path(), a, b);
+  o.http_fiber_threads = 2;
+  o.http_threads = 256;
+  o.chat.slots = 128;
+  o.tenant_defaults.rate = o.tenant_defaults.burst = 1000;  // the tenant's quotas admit them all
+  o.tenant_defaults.max_in_flight = 256;
+  for (gateway::model_config& m : o.models) m.limits.max_in_flight = 256;  // and the model's
+  o.chat.first_token = 10s;  // a loaded sanitizer build: no retry of a first token merely slow
+  without_hedge(o);
+  auto svc = start(o);
+  constexpr int streams = 64;
+  const int before = threads_in_process();
+  std::vector<std::unique_ptr<keel_service::raw_connection>> clients;
+  for (int i = 0; i < streams; ++i) {
+    clients.push_back(std::make_unique<keel_service::raw_connection>(svc->port()));
+    REQUIRE(clients.back()->send(chat_request(chat_body(20))));
+  }
+  // Every request is being served at once (a fiber each), on the threads there were.
+  int busy = 0;
+  const bool all_busy = eventually([&] { return (busy = svc->http_figures().busy) == streams; }, 30s);
+  INFO("busy " << busy << "; healthz " << healthz(svc->port()).dump()
+                << (all_busy ? std::string() : "; the first answer: " + clients.front()->read_until("}", 2s)));
+  REQUIRE(all_busy);
+  const int during = threads_in_process();
+  INFO("threads before " << before << ", with " << streams << " streams in flight " << during);
+  // Fewer threads in the whole process than streams in flight (worker
+  // threads would need one each: this process would hold 256 of them), and
+  // none started for them.
+  CHECK(during < streams);
+  CHECK(during - before < 8);
+  for (auto& c : clients) {
+    const std::string got = c->read_until("\r\n0\r\n\r\n", 30s);
+    CHECK(got.rfind("HTTP/1.1 200 ", 0) == 0);
+    CHECK(got.find("\"completion_tokens\":20") != std::string::npos);
+    CHECK(got.find("[DONE]") != std::string::npos);
+  }
+  CHECK(stat(a.stats(), "requests", "chat") == streams);
+  CHECK(stat(b.stats(), "requests", "chat") == 0);
 }
 
 // --- from a config file: client keys, tenants and their quotas --------------

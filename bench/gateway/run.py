@@ -8,6 +8,8 @@ Systems, each in front of the same upstreams:
   haproxy  HAProxy as a plain reverse proxy (the floor for one proxy hop)
   portkey  Portkey's open-source gateway (@portkey-ai/gateway on node)
   keel     keel's gateway (examples/gateway) from bench/gateway/keel.toml
+  keel-fibers  the same, its requests on fibers over two threads
+           ([gateway] fiber_threads = 2: docs/gateway.md, "Fibers")
 
 Upstreams: nginx serving a fixed chat completion (non-streamed), and keel's
 mock upstream for streams (50 tokens: the first after 20 ms, then one every
@@ -31,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from common import log  # noqa: E402
 
-SYSTEMS = ["direct", "haproxy", "portkey", "keel"]
+SYSTEMS = ["direct", "haproxy", "portkey", "keel", "keel-fibers"]
+KEELS = {"keel": 0, "keel-fibers": 2}  # each keel system's [gateway] fiber_threads
 
 
 def parse_args():
@@ -110,15 +113,20 @@ class Bench:
                     auth + ["x-portkey-provider: openai", f"x-portkey-custom-host: http://127.0.0.1:{up[k]}/v1"])
                 for k in up}
             self.pids["portkey"] = [p.pid]
-        if "keel" in self.systems:
+        for name, fiber_threads in KEELS.items():
+            if name not in self.systems:
+                continue
             env = dict(os.environ, NGINX_PORT=str(self.ports["nginx"]), MOCK_PORT=str(self.ports["mock"]),
                        MOCK_B_PORT=str(self.ports["mock_b"]))
-            cfg = common.keel_conf(r)
+            cfg = common.keel_conf(r, data_dir=os.path.join(r, f"{name}-data"))
+            text = open(cfg).read().replace("[gateway]\n", f"[gateway]\nfiber_threads = {fiber_threads}\n", 1)
+            cfg = os.path.join(r, f"{name}.toml")
+            open(cfg, "w").write(text)
             gw = os.path.join(self.a.build, "examples", "gateway")
-            p = self.procs.start("keel", [gw, "--config", cfg], env=env)
-            port = common.read_serving_port(os.path.join(r, "keel.log"), proc=p)
-            self.targets["keel"] = {k: (f"http://127.0.0.1:{port}/v1/chat/completions", auth) for k in up}
-            self.pids["keel"] = [p.pid]
+            p = self.procs.start(name, [gw, "--config", cfg], env=env)
+            port = common.read_serving_port(os.path.join(r, f"{name}.log"), proc=p)
+            self.targets[name] = {k: (f"http://127.0.0.1:{port}/v1/chat/completions", auth) for k in up}
+            self.pids[name] = [p.pid]
 
     # -------------------------------------------------------- load tools ---
 
@@ -267,10 +275,12 @@ class Bench:
         for s in self.systems:
             if s != "direct" and fig.get("direct.rps_c32"):
                 fig[f"{s}.rps_c32_over_direct"] = fig[f"{s}.rps_c32"] / fig["direct.rps_c32"]
-        if "keel" in self.systems:
+        for k in KEELS:
+            if k not in self.systems:
+                continue
             for other in ("haproxy", "portkey"):
                 if other in self.systems and fig.get(f"{other}.rps_c32"):
-                    fig[f"keel.rps_c32_over_{other}"] = fig["keel.rps_c32"] / fig[f"{other}.rps_c32"]
+                    fig[f"{k}.rps_c32_over_{other}"] = fig[f"{k}.rps_c32"] / fig[f"{other}.rps_c32"]
         for s in self.systems:
             if s == "direct":
                 continue
@@ -370,11 +380,12 @@ def markdown(results, systems, meta):
             cells.append("" if v is None else fmt.format(v))
         if any(cells):
             lines.append(f"| {label} | {' | '.join(cells)} |")
-    ratios = [(k, v) for k, v in results.items() if k.startswith("keel.rps_c32_over_")]
-    if ratios:
-        lines.append("")
-        lines.append("keel's requests/s over the others' (within each round, median): " +
-                     ", ".join(f"{k.split('_over_')[1]} {v:.2f}x" for k, v in ratios))
+    for name in KEELS:
+        ratios = [(k, v) for k, v in results.items() if k.startswith(f"{name}.rps_c32_over_")]
+        if ratios:
+            lines.append("")
+            lines.append(f"{name}'s requests/s over the others' (within each round, median): " +
+                         ", ".join(f"{k.split('_over_')[1]} {v:.2f}x" for k, v in ratios))
     lines.append("")
     lines.append(f"Load average during the run: {meta['loadavg_min']} to {meta['loadavg_max']} (1-minute).")
     return "\n".join(lines) + "\n"
@@ -426,8 +437,9 @@ def main():
         for k, v in results.items():
             if (k.split(".")[-1] in sent or k.endswith(".errors_c32")) and v:
                 log(f"smoke: note: {k} = {v:.0f}")
-        need = ["keel.rps_c32", "keel.added_p99_ms_1000rps", "keel.added_ttft_p50_ms_c1", "keel.rss_c32_mb"]
-        missing = [k for k in need if results.get(k) is None or (k == "keel.rps_c32" and results[k] <= 0)]
+        need = [f"{k}.{f}" for k in KEELS if k in b.systems
+                for f in ("rps_c32", "added_p99_ms_1000rps", "added_ttft_p50_ms_c1", "rss_c32_mb")]
+        missing = [k for k in need if results.get(k) is None or (k.endswith(".rps_c32") and results[k] <= 0)]
         if bad or missing:
             log(f"smoke: FAILED (requests failed: {bad}; figures missing: {missing})")
             return 1

@@ -128,6 +128,7 @@ struct model_route {
   keel::duration deadline = 20s;     // the whole call, every deployment and attempt
   keel::duration first_token = 1s;   // per stream attempt
   keel::duration stall = 400ms;      // the longest gap between tokens
+  std::optional<keel::duration> whole{};  // one stream attempt, end to end; nullopt: the gateway's (chat.whole)
   int attempts = 2;                  // per deployment, the first included
   std::optional<hedge_config> hedge{};  // nullopt: no hedge
   keel::retry_budget_options retry_budget{.ratio = 0.1, .min_per_second = 5};
@@ -147,6 +148,7 @@ struct model_route {
     base.deadline = deadline;
     base.first_token = first_token;
     base.stall = stall;
+    if (whole) base.whole = *whole;
     base.attempts = attempts;
     base.hedge_delay = hedge ? hedge->delay : keel::duration::zero();  // 0: no hedge
     base.hedge_percentile = hedge ? hedge->percentile : 0.0;
@@ -489,7 +491,9 @@ inline void read_gateway(const source& src, const toml::table& root, gateway_con
   if (n == nullptr) src.fail(root.source(), "gateway", "is required: the [gateway] table (listen, data_dir)");
   if (!n->is_table()) src.fail(n->source(), "gateway", cat("must be a table, got ", type_name(*n)));
   table_reader g(src, *n->as_table(), "gateway",
-                 {"listen", "data_dir", "idempotency_retention", "redis", "default_deadline", "default_model", "region"});
+                 {"listen", "data_dir", "idempotency_retention", "redis", "default_deadline", "default_model", "region",
+                  "fiber_threads", "http_workers", "http_queue", "streaming_slots", "streaming_queue", "hedge_threads",
+                  "batch_workers"});
   if (std::optional<std::string> l = g.string("listen")) {
     cfg.listen = *l;
     if (!split_host_port(*l, cfg.listen_host, cfg.listen_port))
@@ -513,6 +517,17 @@ inline void read_gateway(const source& src, const toml::table& root, gateway_con
   }
   if (std::optional<std::string> m = g.string("default_model")) cfg.default_model = *m;
   if (std::optional<std::string> r = g.string("region")) cfg.options.region = *r;
+  // How many requests run at once, and on what: a worker thread each, or
+  // fibers over `fiber_threads` threads (docs/gateway.md, "Fibers").
+  if (std::optional<std::int64_t> n = g.integer("fiber_threads", 0, 64))
+    cfg.options.http_fiber_threads = static_cast<int>(*n);
+  if (std::optional<std::int64_t> n = g.integer("http_workers", 4, 1'000'000)) cfg.options.http_threads = static_cast<int>(*n);
+  if (std::optional<std::int64_t> n = g.integer("http_queue", 1, 1'000'000)) cfg.options.http_queue = static_cast<int>(*n);
+  if (std::optional<std::int64_t> n = g.integer("streaming_slots", 1, 32767)) cfg.options.chat.slots = static_cast<int>(*n);
+  if (std::optional<std::int64_t> n = g.integer("streaming_queue", 0, 32767)) cfg.options.chat.queue = static_cast<int>(*n);
+  // The threads beside them: the first-token hedges' and the batch queue's workers.
+  if (std::optional<std::int64_t> n = g.integer("hedge_threads", 1, 1024)) cfg.options.chat.hedge_threads = static_cast<int>(*n);
+  if (std::optional<std::int64_t> n = g.integer("batch_workers", 0, 1024)) cfg.options.batch_workers = static_cast<int>(*n);
 }
 
 inline std::string expand_env(const table_reader& u, std::string_view key, std::string_view text) {
@@ -623,8 +638,8 @@ inline model_route read_model(const source& src, std::string_view name, const to
   const std::string path = cat("models.", key_text(name));
   if (!n.is_table()) src.fail(n.source(), path, cat("must be a table, got ", type_name(n)));
   table_reader m(src, *n.as_table(), path,
-                 {"deployments", "digest", "deadline", "first_token", "stall", "attempts", "hedge", "retry_budget",
-                  "breaker", "bulkhead", "token_estimate"});
+                 {"deployments", "digest", "deadline", "first_token", "stall", "whole", "attempts", "hedge",
+                  "retry_budget", "breaker", "bulkhead", "token_estimate"});
   if (!model_name(name)) src.fail(n.source(), path, "must be a model name without spaces, quotes or backslashes");
   model_route r{.name = std::string(name), .deadline = default_deadline};
 
@@ -653,6 +668,7 @@ inline model_route read_model(const source& src, std::string_view name, const to
   if (std::optional<keel::duration> d = m.duration("deadline")) r.deadline = *d;
   if (std::optional<keel::duration> d = m.duration("first_token")) r.first_token = *d;
   if (std::optional<keel::duration> d = m.duration("stall")) r.stall = *d;
+  if (std::optional<keel::duration> d = m.duration("whole")) r.whole = *d;
   if (std::optional<std::int64_t> a = m.integer("attempts", 1, 10)) r.attempts = static_cast<int>(*a);
   if (std::optional<std::int64_t> t = m.integer("token_estimate", 1, 10'000'000)) r.token_estimate = *t;
   if (std::optional<std::string> b = m.string("bulkhead")) {
@@ -684,7 +700,8 @@ inline model_route read_model(const source& src, std::string_view name, const to
   // The stream budgets obey the gateway's own rules (chat_config::validate).
   if (absl::Status s = r.chat(chat_base).validate(); !s.ok())
     refuse_as(src, m, s, "gateway_options.chat",
-              {{"deadline", "deadline"}, {"first_token", "first_token"}, {"stall", "stall"}, {"attempts", "attempts"},
+              {{"deadline", "deadline"}, {"first_token", "first_token"}, {"stall", "stall"}, {"whole", "whole"},
+               {"attempts", "attempts"},
                {"hedge_delay", r.hedge && r.hedge->percentile > 0 ? "hedge.initial" : "hedge.delay"},
                {"hedge_percentile", "hedge.percentile"}, {"hedge_min_delay", "hedge.min_delay"}});
   if (r.stall >= r.deadline) m.fail("stall", "must be shorter than the deadline");
@@ -828,7 +845,9 @@ inline gateway_config build(const source& src, const toml::table& root) {
     std::vector<std::string> names;
     for (const model_route& r : cfg.models) names.push_back(r.name);
     const table_reader g(src, *top.subtable("gateway"), "gateway",
-                         {"listen", "data_dir", "idempotency_retention", "redis", "default_deadline", "default_model", "region"});
+                         {"listen", "data_dir", "idempotency_retention", "redis", "default_deadline", "default_model", "region",
+                  "fiber_threads", "http_workers", "http_queue", "streaming_slots", "streaming_queue", "hedge_threads",
+                  "batch_workers"});
     g.fail("default_model", cat("names no model '", cfg.default_model, "' (known: ", join(names), ")"));
   }
   o.chat = def->chat(o.chat);
@@ -858,7 +877,9 @@ inline gateway_config build(const source& src, const toml::table& root) {
     // Most rules were checked at their fields above; what is left is said
     // at [gateway], naming the option.
     const table_reader g(src, *top.subtable("gateway"), "gateway",
-                         {"listen", "data_dir", "idempotency_retention", "redis", "default_deadline", "default_model", "region"});
+                         {"listen", "data_dir", "idempotency_retention", "redis", "default_deadline", "default_model", "region",
+                  "fiber_threads", "http_workers", "http_queue", "streaming_slots", "streaming_queue", "hedge_threads",
+                  "batch_workers"});
     refuse_as(src, g, s, "gateway_options", {{"data_dir", "data_dir"}, {"fleet.redis", "redis"}});
   }
   return cfg;

@@ -66,6 +66,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "fibers.hpp"
 #include "text.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/fallback.hpp"
@@ -924,6 +925,8 @@ class gateway_core {
   // The second model: chat streams fail over and continue on it.
   simulated_provider<Clock>& backup_provider() noexcept { return backup_; }
   // The model upstreams over HTTP (gateway_options::upstream); null without them.
+  // The threads requests run on as fibers, or null (a worker thread each).
+  [[nodiscard]] fiber_pool* fibers() const noexcept { return fibers_.get(); }
   [[nodiscard]] const http_upstream* http_primary() const noexcept { return http_primary_.get(); }
   [[nodiscard]] const http_upstream* http_backup() const noexcept { return http_backup_.get(); }
   // Every HTTP upstream the gateway calls now: its own, then each model's
@@ -1250,6 +1253,7 @@ class gateway_core {
                              o.retry_budget.min_per_second != was.retry_budget.min_per_second},
         {"upstream (batch reports)", o.upstream != was.upstream || o.upstream_backup != was.upstream_backup},
         {"http", o.http_threads != was.http_threads || o.http_max_connections != was.http_max_connections ||
+                     o.http_fiber_threads != was.http_fiber_threads || o.http_queue != was.http_queue ||
                      o.max_body_bytes != was.max_body_bytes || o.max_header_bytes != was.max_header_bytes},
     };
     std::vector<std::string> out;
@@ -1293,7 +1297,8 @@ class gateway_core {
 
   gateway_core(gateway_options o, std::unique_ptr<keel::sqlite_store<>> ids, std::unique_ptr<JobStore> jobs,
                std::unique_ptr<effect_log> effects, Clock clock)
-      : options_(std::move(o)),
+      : fibers_(o.http_fiber_threads > 0 ? std::make_unique<fiber_pool>(o.http_fiber_threads) : nullptr),
+        options_(std::move(o)),
         clock_(std::move(clock)),
         listener_(registry_),
         provider_(options_.provider, clock_),
@@ -1822,6 +1827,10 @@ class gateway_core {
     }
   }
 
+  // First, so it goes last: the requests and the upstreams' event loops run
+  // on these threads (http_fiber_threads > 0), and what they hold must be
+  // gone before the loops stop.
+  std::unique_ptr<fiber_pool> fibers_;
   gateway_options options_;
   Clock clock_;
   keel::metrics_registry registry_;

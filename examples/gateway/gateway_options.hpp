@@ -318,6 +318,10 @@ struct gateway_options {
   // HTTP: the front door (gateway/http_server.hpp says why each limit).
   // Network timeouts, so scale_time() leaves them alone.
   int http_threads = 96;              // workers for /v1/*: every class's slots and queues
+  // Fibers instead of a worker thread per request (0: threads): requests,
+  // and their model calls and streams, run on fibers over this many
+  // threads; http_threads then bounds requests in flight, not threads.
+  int http_fiber_threads = 0;
   int http_reserved_threads = 4;      // workers only /healthz and /metrics use (/admin/* has a lane of its own)
   int http_queue = 96;                // complete requests waiting for a worker, per lane; beyond: 503
   int http_max_connections = 4096;    // open connections; beyond, new ones wait in the backlog
@@ -378,6 +382,8 @@ struct gateway_options {
                                          "exceed idempotency_lease and chat.deadline + 10 s", idempotency_retention);
     if (batch_workers < 0) return keel::invalid_option(who, "batch_workers", "be >= 0", batch_workers);
     if (http_threads < 4) return keel::invalid_option(who, "http_threads", "be >= 4", http_threads);
+    if (http_fiber_threads < 0 || http_fiber_threads > 64)
+      return keel::invalid_option(who, "http_fiber_threads", "be in [0, 64]", http_fiber_threads);
     if (max_body_bytes < 1024)
       return keel::invalid_option(who, "max_body_bytes", "be >= 1024", max_body_bytes);
     const std::pair<std::string_view, int> http_counts[] = {{"http_reserved_threads", http_reserved_threads},

@@ -139,7 +139,7 @@ class service {
  private:
   explicit service(std::unique_ptr<core_type> core)
       : core_(std::move(core)),
-        server_(server_options(core_->options()), [this](const http_request& r) { return route(r); },
+        server_(server_options(core_->options(), core_->fibers()), [this](const http_request& r) { return route(r); },
                 [this](const http_refusal& f) { return refused(f); },
                 // Monitoring and operators each have workers of their own.
                 [](const http_request& r) {
@@ -147,7 +147,7 @@ class service {
                   return r.path == "/healthz" || r.path == "/metrics" ? http_lane::reserved : http_lane::ordinary;
                 }) {}
 
-  static http_server_options server_options(const gateway_options& o) {
+  static http_server_options server_options(const gateway_options& o, fiber_pool* fibers) {
     return {.threads = o.http_threads,
             .reserved_threads = o.http_reserved_threads,
             .max_queue = o.http_queue,
@@ -158,7 +158,8 @@ class service {
             .header_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(o.http_header_timeout),
             .body_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(o.http_body_timeout),
             .idle_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(o.http_idle_timeout),
-            .write_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(o.http_write_timeout)};
+            .write_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(o.http_write_timeout),
+            .fibers = fibers};
   }
 
   // Every answer carries an x-request-id: the client's own (printable ASCII,

@@ -110,6 +110,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "http_request.hpp"
+#include "fibers.hpp"
 #include "keel/core/status.hpp"
 #include "text.hpp"
 
@@ -137,6 +138,10 @@ class stream_sink {
   // Blocks until `bytes` are written (true) or the connection failed or
   // did not take them within the server's write_timeout (false).
   virtual bool write_blocking(std::string bytes) = 0;
+  // On fibers: hands `bytes` to the connection without waiting (true), or
+  // false when it failed or more than the server's stream_buffer_bytes
+  // wait unsent already (a client too slow for the stream).
+  virtual bool write_queued(std::string bytes) = 0;
 };
 }  // namespace detail
 
@@ -167,6 +172,7 @@ class http_stream {
   std::shared_ptr<detail::stream_sink> out_;
   bool keep_alive_;
   bool head_only_;  // a HEAD request: the head, no chunks
+  bool queued_ = false;  // on a fiber: writes are queued, not waited for
   const http_response* head_;
   bool opened_ = false;
   bool failed_ = false;
@@ -191,6 +197,17 @@ struct http_server_options {
   std::chrono::milliseconds idle_timeout{5000};    // a kept-alive connection waiting for a request
   std::chrono::milliseconds write_timeout{5000};   // writing one response, or one chunk of a stream
   int max_requests_per_connection = 1000;
+  // Fibers instead of worker threads: with these set, every request runs on
+  // a fiber of these threads (gateway/fibers.hpp), so a request
+  // waiting on a model holds a fiber's stack, not a thread; `threads`,
+  // `reserved_threads` and `admin_threads` then bound how many requests
+  // each lane serves at once. The handler must not block its thread for
+  // long (keel's waits park the fiber; a blocking HTTP client would not).
+  // A stream's writes are queued without waiting: at most
+  // `stream_buffer_bytes` unsent per connection, beyond which the client is
+  // too slow and the stream stops. Null: worker threads, whose writes wait.
+  fiber_pool* fibers = nullptr;
+  std::size_t stream_buffer_bytes = 1024 * 1024;
 
   [[nodiscard]] absl::Status validate() const {
     constexpr std::string_view who = "http_server_options";
@@ -205,6 +222,8 @@ struct http_server_options {
       if (n < 1 || n > 1'000'000) return keel::invalid_option(who, field, "be in [1, 1000000]", n);
     }
     if (io_threads < 1 || io_threads > 64) return keel::invalid_option(who, "io_threads", "be in [1, 64]", io_threads);
+    if (stream_buffer_bytes < 1024 || stream_buffer_bytes > (std::size_t{1} << 30))
+      return keel::invalid_option(who, "stream_buffer_bytes", "be in [1 KiB, 1 GiB]", stream_buffer_bytes);
     if (max_body_bytes < 1 || max_body_bytes > (std::size_t{1} << 30))
       return keel::invalid_option(who, "max_body_bytes", "be in [1, 1 GiB]", max_body_bytes);
     if (max_header_bytes < 256 || max_header_bytes > (std::size_t{1} << 20))
@@ -293,7 +312,7 @@ inline bool http_stream::write(std::string_view bytes) {
     buf.append(bytes.data(), bytes.size());
     buf += "\r\n";
   }
-  if (!out_->write_blocking(std::move(buf))) {
+  if (!(queued_ ? out_->write_queued(std::move(buf)) : out_->write_blocking(std::move(buf)))) {
     failed_ = true;
     gone_.request_stop();
     return false;
@@ -365,7 +384,7 @@ class http_server {
     lanes_[2].workers = options_.admin_threads;
     // Named for top -H and /proc/PID/task/*/comm.
     const char* names[] = {"http-work", "http-reserved", "http-admin"};
-    for (int k = 0; k < 3; ++k) {
+    for (int k = 0; k < 3 && options_.fibers == nullptr; ++k) {
       for (int i = 0; i < lanes_[k].workers; ++i) {
         workers_.emplace_back([this, &l = lanes_[k]] { work(l); });
         ::pthread_setname_np(workers_.back().native_handle(), names[k]);
@@ -417,6 +436,13 @@ class http_server {
     for (lane& l : lanes_) l.cv.notify_all();
     for (std::thread& t : workers_) t.join();
     workers_.clear();
+    {
+      // On fibers: the requests being served end (their clients are told
+      // they are gone); what is queued is closed below. The fibers' threads
+      // must outlive this server.
+      std::unique_lock lock(mu_);
+      fibers_idle_.wait(lock, [&] { return lanes_[0].busy + lanes_[1].busy + lanes_[2].busy == 0; });
+    }
     std::vector<job> left;
     {
       std::lock_guard lock(mu_);
@@ -501,6 +527,7 @@ class http_server {
       std::function<void(bool)> done;
     };
     std::deque<outgoing> outbox;  // written in order, one at a time
+    std::atomic<std::size_t> unsent{0};  // bytes of queued stream writes not yet written
     bool writing = false;
     std::uint64_t write_seq = 0;
 
@@ -773,6 +800,21 @@ class http_server {
       return w->done && w->ok;
     }
 
+    // On a fiber (or the loop a fiber's model stream is read on): queued,
+    // not waited for. A failed write closes the connection, which the
+    // stream sees as its client gone.
+    bool write_queued(std::string bytes) override {
+      const std::size_t n = bytes.size();
+      if (unsent.fetch_add(n, std::memory_order_relaxed) + n > server.options_.stream_buffer_bytes) {
+        unsent.fetch_sub(n, std::memory_order_relaxed);
+        return false;
+      }
+      boost::asio::post(ex, [self = shared_from_this(), b = std::make_shared<const std::string>(std::move(bytes)), n] {
+        self->send(b, [self, n](bool) { self->unsent.fetch_sub(n, std::memory_order_relaxed); });
+      });
+      return true;
+    }
+
     void on_stop() {
       if (at == phase::serving) {
         gone.request_stop();  // a stream ends; its response closes the connection
@@ -901,12 +943,38 @@ class http_server {
 
   bool enqueue(http_lane which, job j) {
     lane& l = lanes_[static_cast<int>(which)];
+    {
+      std::lock_guard lock(mu_);
+      // Room: a worker free, or a place in the queue behind the busy ones.
+      if (stopping_.load() || l.busy + static_cast<int>(l.jobs.size()) >= l.workers + options_.max_queue)
+        return false;
+      if (options_.fibers == nullptr || l.busy >= l.workers) {
+        l.jobs.push_back(std::move(j));
+        l.cv.notify_one();
+        return true;
+      }
+      ++l.busy;  // a fiber of its own, started below
+    }
+    if (options_.fibers->spawn([this, &l, j = std::move(j)]() mutable { fiber_work(l, std::move(j)); })) return true;
+    // No stack could be mapped: refused like a full lane (the job went with the fiber).
     std::lock_guard lock(mu_);
-    // Room: a worker free, or a place in the queue behind the busy ones.
-    if (stopping_.load() || l.busy + static_cast<int>(l.jobs.size()) >= l.workers + options_.max_queue) return false;
-    l.jobs.push_back(std::move(j));
-    l.cv.notify_one();
-    return true;
+    if (--l.busy == 0) fibers_idle_.notify_all();
+    return false;
+  }
+
+  // A lane's fiber: serves its request, then what queued behind the busy ones.
+  void fiber_work(lane& l, job j) {
+    for (;;) {
+      serve(j);
+      j = {};  // the connection is the strand's again
+      std::lock_guard lock(mu_);
+      if (stopping_.load() || l.jobs.empty()) {
+        if (--l.busy == 0) fibers_idle_.notify_all();
+        return;
+      }
+      j = std::move(l.jobs.front());
+      l.jobs.pop_front();
+    }
   }
 
   void work(lane& l) {
@@ -942,6 +1010,7 @@ class http_server {
       return;
     }
     http_stream out(c, keep, j.head_only, r, j.gone);
+    out.queued_ = options_.fibers != nullptr;
     http_response instead;
     try {
       instead = r.stream(out);
@@ -955,6 +1024,16 @@ class http_server {
       // only a stream's chunks wait, for back-pressure.
       auto bytes = std::make_shared<const std::string>(detail::serialize(instead, keep, j.head_only));
       boost::asio::post(c->ex, [c, bytes = std::move(bytes), keep]() mutable { c->respond(std::move(bytes), keep); });
+      return;
+    }
+    if (out.queued_) {
+      // The last chunk goes behind the queued ones; the next request is read once it is written.
+      if (out.failed_ || out.gone_.stop_requested()) {
+        boost::asio::post(c->ex, [c, keep] { c->served_one(keep, false); });
+      } else {
+        auto last = std::make_shared<const std::string>(j.head_only ? "" : "0\r\n\r\n");
+        boost::asio::post(c->ex, [c, keep, last = std::move(last)]() mutable { c->respond(std::move(last), keep); });
+      }
       return;
     }
     const bool written = out.finish();
@@ -977,6 +1056,7 @@ class http_server {
   std::atomic<std::int64_t> evicted_{0};
   std::atomic<int> io_count_{0};  // figures() reads it while start() may still be spawning
   mutable std::mutex mu_;
+  std::condition_variable fibers_idle_;  // on fibers: every lane's busy count reached 0
   lane lanes_[3];  // ordinary, reserved, admin
   std::mutex table_mu_;
   std::condition_variable table_cv_;

@@ -17,8 +17,16 @@
 //   gateway::http_upstream llm({.name = "local", .base_url = "http://127.0.0.1:8000", .model = "llama-3.1-8b"});
 //   absl::StatusOr<std::string> text = llm.complete(attempt, "Question q-1. Answer: ...", "key-1");
 //
+// On a fiber of a gateway::fiber_pool (the front door's fiber mode,
+// gateway/http_server.hpp) a call goes through keel::asio::http_client on
+// that thread's event loop and parks the fiber until the answer (a stream's
+// tokens are handed over on the loop as they arrive); anywhere else (a
+// worker thread, a hedge's thread) it blocks on keel::http::client. The
+// same requests, hints and statuses either way: both clients build and
+// classify them with the same functions.
+//
 // Thread-safety: complete() and stream() may run on any number of threads
-// at once (each transfer takes its own pooled handle).
+// and fibers at once (each transfer takes its own pooled handle).
 #pragma once
 
 #include <atomic>
@@ -37,6 +45,7 @@
 #include "keel/core/call.hpp"
 #include "keel/core/status.hpp"
 #include "keel/provider/http.hpp"
+#include "fibers.hpp"
 #include "text.hpp"
 
 namespace gateway {
@@ -100,7 +109,9 @@ class http_upstream final : public model_upstream {
  public:
   // Throws keel::invalid_options if `o` is invalid.
   explicit http_upstream(http_upstream_options o)
-      : options_((keel::require_valid_options(o.validate()), std::move(o))), client_(client_options(options_)) {}
+      : options_((keel::require_valid_options(o.validate()), std::move(o))),
+        client_(client_options(options_)),
+        loop_client_(client_options(options_)) {}
 
   [[nodiscard]] const std::string& name() const noexcept override { return options_.name; }
   [[nodiscard]] const http_upstream_options& options() const noexcept { return options_; }
@@ -115,9 +126,8 @@ class http_upstream final : public model_upstream {
                        {"response_format", {{"type", "json_object"}}},
                        {"stream", false}}
             .dump();
-    auto exchange = client_.exchange(
-        {.path = "/v1/chat/completions", .body = body, .idempotency_key = idempotency_key},
-        [&a](const keel::http::response& r) -> absl::StatusOr<std::string> {
+    const keel::http::request request{.path = "/v1/chat/completions", .body = body, .idempotency_key = idempotency_key};
+    auto parse = [&a](const keel::http::response& r) -> absl::StatusOr<std::string> {
           const nlohmann::json j = nlohmann::json::parse(r.body, nullptr, false);
           if (j.is_discarded() || !j.is_object()) return absl::InternalError("upstream: the answer is not JSON");
           const nlohmann::json* usage = j.contains("usage") ? &j["usage"] : nullptr;
@@ -130,8 +140,8 @@ class http_upstream final : public model_upstream {
           if (!message.is_object() || !message.contains("content") || !message["content"].is_string())
             return absl::InternalError("upstream: the answer's message has no text content");
           return message["content"].get<std::string>();
-        });
-    absl::StatusOr<std::string> out = exchange(a);
+        };
+    absl::StatusOr<std::string> out = exchange(a, request, parse);
     (out.ok() ? answered_ : failed_).fetch_add(1, std::memory_order_relaxed);
     return out;
   }
@@ -149,7 +159,8 @@ class http_upstream final : public model_upstream {
     out["stream"] = true;
     out["stream_options"] = {{"include_usage", true}};
     const std::string body = out.dump();
-    absl::Status s = client_.stream({.path = "/v1/chat/completions", .body = body})(a, w);
+    const keel::http::request req{.path = "/v1/chat/completions", .body = body};
+    const absl::Status s = fiber_http::on_fiber() ? loop_client_.stream(a, w, req) : client_.stream(req)(a, w);
     (s.ok() ? answered_ : failed_).fetch_add(1, std::memory_order_relaxed);
     return s;
   }
@@ -159,11 +170,9 @@ class http_upstream final : public model_upstream {
     nlohmann::json j = request;
     j["model"] = options_.model;
     const std::string body = j.dump();
-    auto exchange = client_.exchange({.path = "/v1/embeddings", .body = body},
-                                     [](const keel::http::response& r) -> absl::StatusOr<std::string> {
-                                       return std::string(r.body);
-                                     });
-    absl::StatusOr<std::string> out = exchange(a);
+    absl::StatusOr<std::string> out =
+        exchange(a, {.path = "/v1/embeddings", .body = body},
+                 [](const keel::http::response& r) -> absl::StatusOr<std::string> { return std::string(r.body); });
     (out.ok() ? answered_ : failed_).fetch_add(1, std::memory_order_relaxed);
     return out;
   }
@@ -175,6 +184,13 @@ class http_upstream final : public model_upstream {
   }
 
  private:
+  // One exchange on whichever client serves this caller.
+  template <class Parse>
+  absl::StatusOr<std::string> exchange(const keel::attempt& a, const keel::http::request& r, Parse parse) {
+    if (fiber_http::on_fiber()) return loop_client_.exchange(a, r, parse);
+    return client_.exchange(r, std::move(parse))(a);
+  }
+
   static keel::http::client_options client_options(const http_upstream_options& o) {
     std::vector<std::string> headers = o.headers;
     if (!o.api_key.empty()) headers.push_back(cat("Authorization: Bearer ", o.api_key));
@@ -187,6 +203,7 @@ class http_upstream final : public model_upstream {
 
   http_upstream_options options_;
   keel::http::client client_;
+  fiber_http loop_client_;  // on fibers; the fiber_pool outlives the upstreams
   std::atomic<std::int64_t> calls_{0}, answered_{0}, failed_{0};
 };
 

@@ -428,6 +428,13 @@ struct spawned {
 
 }  // namespace detail
 
+// The executor of the keel::asio fiber running on this thread, or null off
+// any fiber: where what a fiber starts (an HTTP transfer, a timer) belongs.
+[[nodiscard]] inline const ::asio::any_io_executor* current_executor() noexcept {
+  const detail::fiber* f = detail::current_asio_fiber();
+  return f != nullptr ? &f->executor() : nullptr;
+}
+
 // Runs `fn()` on a new fiber on `ex`. false when no stack could be mapped
 // (fn is then not run). What fn captures lives on the fiber's stack.
 template <class Fn>

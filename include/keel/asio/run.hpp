@@ -68,6 +68,10 @@
 #include "keel/core/call.hpp"
 #include "keel/core/policy.hpp"
 
+namespace keel {
+class stream_writer;  // keel/compose/stream.hpp: only a streamed provider needs it whole
+}  // namespace keel
+
 namespace keel::asio {
 
 // A provider whose attempts complete through an Asio completion token.
@@ -142,10 +146,24 @@ class awaited_provider : public detail::declared_operation<Provider> {
   awaited_provider(Provider p, ::asio::any_io_executor ex) : provider_(std::move(p)), ex_(std::move(ex)) {}
 
   R operator()(const keel::attempt& a) {
+    return wait(a, [&](detail::answer_handler<R> h) { provider_(a, std::move(h)); });
+  }
+
+  // A streamed provider (keel::asio::http_client::stream): the writer is fed
+  // where the operation runs, on the executor, while this attempt waits.
+  R operator()(const keel::attempt& a, stream_writer& out)
+    requires std::invocable<Provider&, const keel::attempt&, stream_writer&, detail::answer_handler<R>>
+  {
+    return wait(a, [&](detail::answer_handler<R> h) { provider_(a, out, std::move(h)); });
+  }
+
+ private:
+  template <class Start>
+  R wait(const keel::attempt& a, Start start) {
     detail::attempt_wait<R> w;
     w.f = detail::current_asio_fiber();
     w.ex = w.f != nullptr ? &w.f->executor() : &ex_;
-    provider_(a, detail::answer_handler<R>{&w});
+    start(detail::answer_handler<R>{&w});
     if (w.f != nullptr) {
       std::optional<std::stop_callback<on_stop>> stop;
       if (a.stop.stop_possible()) stop.emplace(a.stop, on_stop{&w});
@@ -171,7 +189,6 @@ class awaited_provider : public detail::declared_operation<Provider> {
     return std::move(*w.result);
   }
 
- private:
   struct on_stop {
     detail::attempt_wait<R>* w;
     void operator()() const noexcept {
