@@ -5,6 +5,7 @@
 // both example configs load; and `gateway --check-config` says the same.
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -537,3 +538,37 @@ TEST_CASE("config: gateway --check-config says ok with the counts, or the error 
   CHECK(keel_service::read_file(dir.file("out.txt")).empty());
 }
 #endif
+
+TEST_CASE("config: the serving mode and its bounds: fiber_threads, http_workers, the streaming class, whole", "[config]") {
+  std::string text(base);
+  text.replace(text.find("data_dir"), 0,
+               "fiber_threads = 2\nhttp_workers = 4000\nhttp_queue = 50\nstreaming_slots = 3000\n"
+               "streaming_queue = 10\nhedge_threads = 2\nbatch_workers = 0\n");
+  text += "whole = \"60s\"\ndeadline = \"90s\"\n";
+  const absl::StatusOr<gateway::gateway_config> c = gateway::parse_config(text, "config.toml");
+  REQUIRE(c.ok());
+  const gateway::gateway_options& o = c->options;
+  CHECK(o.http_fiber_threads == 2);
+  CHECK(o.http_threads == 4000);
+  CHECK(o.http_queue == 50);
+  CHECK(o.chat.slots == 3000);
+  CHECK(o.chat.queue == 10);
+  CHECK(o.chat.hedge_threads == 2);
+  CHECK(o.batch_workers == 0);
+  REQUIRE(c->find_model("chat-default") != nullptr);
+  CHECK(c->find_model("chat-default")->whole == std::optional<keel::duration>(60s));
+  CHECK(c->find_model("chat-default")->chat(o.chat).whole == 60s);
+
+  auto gateway_key = [](std::string_view line) {
+    std::string t(base);
+    t.replace(t.find("data_dir"), 0, std::string(line) + "\n");
+    return error_of(t);
+  };
+  CHECK(gateway_key("fiber_threads = 65") == "config.toml:2:17: gateway.fiber_threads: must be in [0, 64] (got 65)");
+  CHECK(gateway_key("http_workers = 3") == "config.toml:2:16: gateway.http_workers: must be in [4, 1000000] (got 3)");
+  CHECK(gateway_key("streaming_slots = 0") ==
+        "config.toml:2:19: gateway.streaming_slots: must be in [1, 32767] (got 0)");
+  CHECK(gateway_key("fibre_threads = 2").starts_with("config.toml:2:1: gateway.fibre_threads: unknown key (did you mean "
+                                                     "'fiber_threads'?)"));
+  CHECK(error_of(with("whole = \"0s\"\n")).starts_with("config.toml:13:9: models.chat-default.whole: "));
+}
