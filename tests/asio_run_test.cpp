@@ -3,8 +3,11 @@
 // manual clock drives every wait.
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <future>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -430,4 +433,55 @@ TEST_CASE("fiber_threads spreads fibers over its threads, each fiber stays on it
   CHECK(finished.load() == n);
   CHECK(moved.load() == 0);
   CHECK_FALSE(fibers.spawn([] {}));  // stopped: refused
+}
+
+namespace {
+
+// Answers 1 through a post on the handler's executor: a provider that is
+// done at once, so many runs cross the bulkhead in quick turns.
+struct posted_answer {
+  using result_type = absl::StatusOr<int>;
+  template <class Token>
+  auto operator()(const keel::attempt& /*a*/, Token&& token) const {
+    return asio::async_initiate<Token, void(result_type)>(
+        [](auto handler) {
+          auto ex = asio::get_associated_executor(handler);
+          asio::post(ex, [h = std::move(handler)]() mutable { std::move(h)(result_type(1)); });
+        },
+        token);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("fibers queued on a bulkhead with a real-clock queue age take turns on one thread without deadlock",
+          "[asio]") {
+  // A queued fiber that gets the slot cancels its queue-age timer, which
+  // parks it until the timer's handler has run: it must not hold the
+  // bulkhead's lock meanwhile, or the next fiber on the thread to take the
+  // lock blocks the thread for good (the gateway's fiber mode under load).
+  loop l;
+  keel::bulkhead_options o;
+  o.classes.push_back({.name = "all", .capacity = 1, .max_queue = 64, .max_queue_age = 1h});
+  o.default_class = "all";
+  keel::bulkhead slots(o);
+  const auto pipe = keel::pipeline(slots);
+  constexpr int n = 64;
+  std::vector<std::unique_ptr<keel::call>> calls;
+  std::vector<std::future<absl::StatusOr<int>>> done;
+  for (int i = 0; i < n; ++i) {
+    calls.push_back(std::make_unique<keel::call>(keel::real_clock{}.now(), keel::call_options{.timeout = 1h}));
+    done.push_back(keel::asio::async_run(l.ex(), pipe, *calls.back(), posted_answer{}, asio::use_future));
+  }
+  int answered = 0;
+  for (auto& f : done) {
+    if (f.wait_for(60s) != std::future_status::ready) {
+      // The loop's thread is stuck: the loop cannot be joined, so say so and end.
+      std::fprintf(stderr, "asio_run_test: %d of %d runs answered, the rest stuck after 60 s: a deadlock\n",
+                   answered, n);
+      std::_Exit(1);
+    }
+    answered += f.get().value_or(0);
+  }
+  CHECK(answered == n);
 }

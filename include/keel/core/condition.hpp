@@ -108,7 +108,14 @@ class condition {
         lock.lock();
       }
     }
-    if (timer != nullptr) timer->cancel();
+    if (timer != nullptr) {
+      // Not under the caller's lock: cancel() parks until the timer's handler
+      // has run, and a fiber parked holding the lock would block every
+      // thread that takes it next, the one that must resume this fiber too.
+      lock.unlock();
+      timer->cancel();
+      lock.lock();
+    }
     return ready();
   }
 

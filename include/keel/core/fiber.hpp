@@ -48,6 +48,8 @@ class fiber {
     ~timed_wake() = default;
   };
   // The returned wake lives until cancel(); at most one per fiber at a time.
+  // cancel() may park the fiber until the host's timer has let go of the
+  // wake: call it holding no lock another fiber may take.
   virtual timed_wake& wake_at(steady_time t) = 0;
 
  protected:
