@@ -32,7 +32,10 @@
 //                       (the gateway: /healthz and /metrics reserved, /admin/*
 //                       admin), so operators get through while the ordinary
 //                       lane is full, and monitoring polled hard does not
-//                       push an operator's action off
+//                       push an operator's action off; with `fibers` set,
+//                       each lane's requests run on fibers of those
+//                       threads instead, its thread count bounding how
+//                       many run at once (gateway/fibers.hpp)
 //   connections         at most `max_connections`; when the table is full a
 //                       new connection evicts the one idle the longest (no
 //                       request on it), so /healthz answers however many idle
@@ -44,7 +47,8 @@
 //                       the response; HEAD gets the head only
 //   streams             a response with a `stream` function is written as
 //                       it is produced (chunked, each write one chunk, each
-//                       within `write_timeout`); the connection is read
+//                       within `write_timeout`; on fibers queued, at most
+//                       `stream_buffer_bytes` unsent); the connection is read
 //                       meanwhile, so a hang-up (FIN or RST) requests
 //                       http_stream::client_gone at once
 //
@@ -67,7 +71,8 @@
 //   ...
 //   server.stop();
 //
-// Thread-safety: start() and stop() from one controlling thread; port() and
+// Thread-safety: start() and stop() from one controlling thread (the fiber
+// pool, when given, must outlive the server); port() and
 // figures() from any thread. The handlers run on the server's threads,
 // concurrently: the request handler on the workers, the refusal handler and
 // the lane function on the I/O threads. A connection's I/O runs on its own
