@@ -52,8 +52,8 @@ keel::metrics_registry& registry() {
 }
 
 // BM_Pipeline_RetryTimeout_Success of bench/core_bench.cpp, the same
-// policies and options, run with .observe(listener), or without .observe at
-// all when `observe` is false.
+// policies and options, run in an environment with `listener`, or with
+// no listener when `observe` is false.
 template <bool observe, class Listener>
 void run_pipeline(benchmark::State& state, Listener listener) {
   keel_bench::count_allocations allocs(state);
@@ -68,11 +68,11 @@ void run_pipeline(benchmark::State& state, Listener listener) {
       benchmark::DoNotOptimize(r);
     }
   };
-  // .observe(null_listener{}) gives back the very type of the pipeline
-  // without .observe: the two benchmarks below run the same instantiation.
-  static_assert(std::is_same_v<decltype(base), decltype(base.observe(keel::null_listener{}))>);
+  // A null listener gives back the very type of the pipeline without one:
+  // the two benchmarks below run the same instantiation.
+  static_assert(std::is_same_v<decltype(base), decltype(base.in(keel::environment<>{}.with_listener(keel::null_listener{})))>);
   if constexpr (observe) {
-    body(base.observe(listener));
+    body(base.in(keel::environment<>{}.with_listener(listener)));
   } else {
     body(base);
   }
@@ -89,7 +89,7 @@ void run_retrying_pipeline(benchmark::State& state, Listener listener) {
                              keel::retry({.max_attempts = 3, .budget = &budget},
                                          keel::constant_backoff{.delay_each = keel::duration::zero()}),
                              timeouts)
-                  .observe(listener);
+                  .in(keel::environment<>{}.with_listener(listener));
   for (auto _ : state) {
     keel::call call(keel::real_clock{}.now(), {.timeout = 3s, .response_reserve = 200ms});
     absl::StatusOr<int> r = pipe.run(call, flaky_provider{});

@@ -208,7 +208,7 @@ void BM_Stream_PerToken(benchmark::State& state) {
   keel::stream_guard guard({.first_token = 10s, .stall = 10s}, clock);
   std::size_t relayed = 0;
   keel::token_stream stream(guard, [&](std::string_view t) { relayed += t.size(); });
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
   auto provider = [&](const keel::attempt&, keel::stream_writer& w) -> absl::Status {
     const keel::time_point now = clock.now();  // a transport reads it once per network read
     for (std::int64_t i = 0; i < kStream; ++i) benchmark::DoNotOptimize(w.token(" fox", now));
@@ -235,7 +235,7 @@ void BM_Stream_PerToolDelta(benchmark::State& state) {
   keel::stream_guard guard({.first_token = 10s, .stall = 10s}, clock);
   std::size_t relayed = 0;
   keel::token_stream stream(guard, [&](std::string_view t) { relayed += t.size(); });
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
   const keel::tool_call_delta first{.index = 0, .id = "call_1", .type = "function", .name = "get_weather"};
   const keel::tool_call_delta piece{.index = 0, .arguments = "\"ab\""};
   auto provider = [&](const keel::attempt&, keel::stream_writer& w) -> absl::Status {
@@ -265,7 +265,7 @@ void BM_Stream_PerEvent_Relay(benchmark::State& state) {
   keel::stream_guard guard({.first_token = 10s, .stall = 10s}, clock);
   std::size_t relayed = 0;
   keel::token_stream stream(guard, [&](const keel::stream_event& e) { relayed += e.data.size(); });
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
   constexpr std::string_view data = R"({"choices":[{"index":0,"delta":{"content":" fox"},"finish_reason":null}]})";
   auto provider = [&](const keel::attempt&, keel::stream_writer& w) -> absl::Status {
     const keel::time_point now = clock.now();
@@ -340,7 +340,7 @@ void BM_Stream_ParsedIntoPolicy(benchmark::State& state) {
   keel::http::sse_parser parser;
   std::size_t relayed = 0;
   keel::token_stream stream(guard, [&](std::string_view t) { relayed += t.size(); });
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
   auto provider = [&](const keel::attempt&, keel::stream_writer& w) -> absl::Status {
     parser.reset();
     for (std::size_t off = 0; off < b.size(); off += kRead) {

@@ -62,7 +62,7 @@ int main() {
                                            },
                                    }});
   auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 0ms}), breakers)
-                  .on(clock);
+                  .in(keel::environment{clock});
 
   auto provider = [&](const keel::attempt& a) -> absl::StatusOr<std::string> {
     step.provider_hits.fetch_add(1);

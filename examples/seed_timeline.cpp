@@ -13,8 +13,8 @@
 //
 // The clock is keel's manual clock, so the story runs instantly and the same
 // every time; main() moves it the way the world would (the part marked
-// "driver"). In a service the clock is keel::real_clock (drop `.on(clock)`
-// and the hedge's clock argument) and the model really waits.
+// "driver"). In a service the clock is keel::real_clock (the service's
+// environment in `.in(env)`, and no clock argument to the hedge) and the model really waits.
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -84,7 +84,7 @@ int main() {
                      quotas, pools, keel::time_limit({.at_most = 1000ms}), hedger,
                      keel::retry({.max_attempts = 2, .budget = &budget, .min_attempt_time = 500ms}), breakers,
                      timeouts)
-          .on(clock);
+          .in(keel::environment{clock});
 
   // --- One request. ---
   const keel::time_point t0 = clock.now();

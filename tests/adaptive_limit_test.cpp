@@ -252,7 +252,7 @@ TEST_CASE("adaptive limit as a policy: refusals, samples by outcome, events", "[
     }
   };
   std::vector<std::string> seen;
-  auto pipe = keel::pipeline(lim).on(clock).observe(listener{&seen});
+  auto pipe = keel::pipeline(lim).in(keel::environment{clock}.with_listener(listener{&seen}));
   auto call_with = [&](std::string_view cls, keel::duration took, absl::Status result) {
     keel::call call(clock.now(), {.timeout = 10s, .labels = {.work_class = cls}});
     return pipe.run(call, [&](const keel::attempt&) -> absl::Status {

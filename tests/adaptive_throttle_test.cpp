@@ -146,7 +146,7 @@ TEST_CASE("adaptive throttle as a policy: accepted by classified outcome; refusa
     }
   };
   std::vector<std::string> seen;
-  auto pipe = keel::pipeline(t).on(clock).observe(listener{&seen});
+  auto pipe = keel::pipeline(t).in(keel::environment{clock}.with_listener(listener{&seen}));
   auto call_with = [&](std::string_view cls, absl::Status result) {
     keel::call call(clock.now(), {.timeout = 10s, .labels = {.work_class = cls}});
     return pipe.run(call, [&](const keel::attempt&) -> absl::Status { return result; });

@@ -55,7 +55,7 @@ TEST_CASE("through a pipeline the attempt gets the clipped timeout, or is skippe
   manual_clock clock;
   keel::adaptive_timeout timeouts(seed);
   feed_p99_800(timeouts);
-  auto pipe = keel::pipeline(timeouts).on(clock);
+  auto pipe = keel::pipeline(timeouts).in(keel::environment{clock});
   scripted_provider<int> provider(clock, {kt::answer(1, 100ms)});
 
   keel::call roomy(clock.now(), {.timeout = 3s, .response_reserve = 200ms});
@@ -80,7 +80,7 @@ TEST_CASE("a skipped attempt is not retried by an outer layer", "[timeout]") {
   clock.auto_advance(true);
   keel::adaptive_timeout timeouts(seed);
   scripted_provider<int> provider(clock, {kt::answer(1)});
-  auto pipe = keel::pipeline(keel::retry({.max_attempts = 5}), timeouts).on(clock);
+  auto pipe = keel::pipeline(keel::retry({.max_attempts = 5}), timeouts).in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 400ms});
   const keel::time_point t0 = clock.now();
   CHECK_FALSE(pipe.run(call, provider).ok());
@@ -102,7 +102,7 @@ TEST_CASE("timeouts cannot ratchet the estimate past the upper bound", "[timeout
   manual_clock clock;
   keel::adaptive_timeout timeouts({.margin = 200ms, .lower = 500ms, .upper = 1500ms, .initial = 1s,
                                    .min_samples = 16, .samples = 64, .refresh_every = 16});
-  auto pipe = keel::pipeline(timeouts).on(clock);
+  auto pipe = keel::pipeline(timeouts).in(keel::environment{clock});
   scripted_provider<int> outage(clock, {kt::stall()});
   keel::duration previous = timeouts.current();
   for (int i = 0; i < 400; ++i) {
@@ -187,7 +187,7 @@ TEST_CASE("a latency_tracker lags at most an eighth of its samples while its win
 TEST_CASE("a refused attempt says how much time was left in units people read", "[timeout][describe]") {
   manual_clock clock;
   keel::adaptive_timeout timeouts(seed);
-  auto pipe = keel::pipeline(timeouts).on(clock);
+  auto pipe = keel::pipeline(timeouts).in(keel::environment{clock});
   scripted_provider<int> provider(clock, {kt::answer(1)});
   keel::call call(clock.now(), {.timeout = std::chrono::nanoseconds(299'995'796)});
   const absl::StatusOr<int> r = pipe.run(call, provider);

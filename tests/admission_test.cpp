@@ -418,7 +418,7 @@ TEST_CASE("a table_full refusal is reported to the listener like any refusal, wi
     }
   };
   std::vector<std::string> seen;
-  auto pipe = keel::pipeline(quotas).on(clock).observe(refusals{&seen});
+  auto pipe = keel::pipeline(quotas).in(keel::environment{clock}.with_listener(refusals{&seen}));
   int ran = 0;
   keel::call c(clock.now(), {.labels = {.tenant = "second"}});
   const absl::StatusOr<int> r = pipe.run(c, [&](const keel::attempt&) -> absl::StatusOr<int> { return ++ran; });
@@ -439,8 +439,7 @@ TEST_CASE("as a policy: refusal before the work, compute reconciled with what at
   };
   std::vector<std::string> seen;
   auto pipe = keel::pipeline(quotas.with_estimate([](const keel::call&) { return 2000; }))
-                  .on(clock)
-                  .observe(refusals{&seen});
+                  .in(keel::environment{clock}.with_listener(refusals{&seen}));
   int ran = 0;
   auto provider = [&](const keel::attempt& a) -> absl::StatusOr<int> {
     ++ran;
@@ -463,7 +462,7 @@ TEST_CASE("as a policy: refusal before the work, compute reconciled with what at
   keel::admission models({.model_defaults = {.max_in_flight = 1}});
   absl::StatusOr<keel::admission_ticket> busy = models.admit({.model = "m"}, clock.now());
   REQUIRE(busy.ok());
-  auto replay_pipe = keel::pipeline(models).on(clock);
+  auto replay_pipe = keel::pipeline(models).in(keel::environment{clock});
   keel::call fresh(clock.now(), {.labels = acme});
   CHECK(refused_by(replay_pipe.run(fresh, provider).status()) == "model:m:in_flight");
   keel::call replayed(clock.now(), {.labels = acme});
@@ -541,7 +540,7 @@ TEST_CASE("a call site's model and a session's tenant, resolved ahead, through t
                                                                       static_cast<const keel::admission_key*>(nullptr)))
                          .with_estimate(keel::from_request<session>([](const session& s) { return s.tokens; },
                                                                     std::int64_t{0})))
-          .on(clock);
+          .in(keel::environment{clock});
   const session rq{.tenant = &acme, .tokens = 3000};
   keel::call c(clock.now(), {.labels = {.tenant = "someone-else", .model = "other"}}, rq);
   int inside = 0;
@@ -585,7 +584,7 @@ TEST_CASE("a level further in that refuses before any work rolls admission back,
   // tenant's burst: none of them keeps a token, a slot or compute.
   keel::circuit_breaker breaker({.name = "llm"});
   breaker.force_open(clock.now());
-  auto guarded = keel::pipeline(quotas.with_estimate([](const keel::call&) { return 300; }), breaker).on(clock);
+  auto guarded = keel::pipeline(quotas.with_estimate([](const keel::call&) { return 300; }), breaker).in(keel::environment{clock});
   for (int i = 0; i < 5; ++i) {
     keel::call c(clock.now(), {.labels = acme});
     const absl::Status s = guarded.run(c, provider);
@@ -602,7 +601,7 @@ TEST_CASE("a level further in that refuses before any work rolls admission back,
   keel::bulkhead pools({.classes = {{.name = "only", .capacity = 1}}});
   keel::bulkhead_permit held = pools.try_acquire(0);
   REQUIRE(held);
-  auto pooled = keel::pipeline(quotas, pools.for_class("only")).on(clock);
+  auto pooled = keel::pipeline(quotas, pools.for_class("only")).in(keel::environment{clock});
   for (int i = 0; i < 3; ++i) {
     keel::call c(clock.now(), {.labels = acme});
     CHECK(refused_by(pooled.run(c, provider)) == "bulkhead:only");
@@ -618,7 +617,7 @@ TEST_CASE("a level further in that refuses before any work rolls admission back,
   auto retried =
       keel::pipeline(quotas, keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = keel::duration::zero()}),
                      tripping)
-          .on(clock);
+          .in(keel::environment{clock});
   keel::call c(clock.now(), {.labels = acme});
   const absl::Status s = retried.run(c, provider);
   CHECK(refused_by(s) == "breaker:dep");

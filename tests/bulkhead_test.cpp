@@ -218,7 +218,7 @@ TEST_CASE("as a policy: a slot per pass, released on success, exception and time
           "[bulkhead][pipeline]") {
   manual_clock clock;
   keel::bulkhead b(seed_pools());
-  auto pipe = keel::pipeline(b, keel::time_limit({.at_most = 100ms})).on(clock);
+  auto pipe = keel::pipeline(b, keel::time_limit({.at_most = 100ms})).in(keel::environment{clock});
   const std::size_t interactive = *b.class_index("interactive");
 
   keel::call ok_call(clock.now(), {.labels = {.work_class = "interactive"}});
@@ -244,7 +244,7 @@ TEST_CASE("as a policy: a slot per pass, released on success, exception and time
   CHECK(keel::marked_outcome(r.status()) == keel::outcome_kind::permanent);
 
   // for_class pins the class whatever the label says.
-  auto batch_pipe = keel::pipeline(b.for_class("batch")).on(clock);
+  auto batch_pipe = keel::pipeline(b.for_class("batch")).in(keel::environment{clock});
   keel::call any(clock.now(), {});
   CHECK(batch_pipe.run(any, [&](const keel::attempt&) -> absl::StatusOr<int> {
                      return b.figures(*b.class_index("batch")).active;
@@ -261,7 +261,7 @@ TEST_CASE("as a policy: a caller queued past its deadline is refused before the 
     void operator()(const keel::events::bulkhead_rejected& e) const { seen->push_back(e.why); }
   };
   std::vector<keel::bulkhead_refusal> seen;
-  auto pipe = keel::pipeline(b).on(clock).observe(refusals{&seen});
+  auto pipe = keel::pipeline(b).in(keel::environment{clock}.with_listener(refusals{&seen}));
   keel::bulkhead_permit holder = b.try_acquire(0);
   int ran = 0;
   std::optional<absl::StatusOr<int>> result;

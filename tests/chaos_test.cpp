@@ -112,7 +112,7 @@ TEST_CASE("chaos: off by default; off, every call goes through untouched and not
   CHECK_FALSE(fault.enabled());
   CHECK_FALSE(slow.enabled());
   CHECK_FALSE(fake.enabled());
-  auto pipe = keel::pipeline(fault, slow, fake).on(clock);
+  auto pipe = keel::pipeline(fault, slow, fake).in(keel::environment{clock});
   int calls = 0;
   for (int i = 0; i < 100; ++i) {
     keel::call call(clock.now(), {.timeout = 1s});
@@ -176,7 +176,7 @@ TEST_CASE("chaos: the rate holds, and the same seed hits the same calls", "[chao
   manual_clock clock;
   auto pattern_of = [&](std::uint64_t seed, double rate, int n, int* hits) {
     keel::chaos_fault fault({.enabled = true, .rate = rate, .seed = seed});
-    auto pipe = keel::pipeline(fault).on(clock);
+    auto pipe = keel::pipeline(fault).in(keel::environment{clock});
     std::vector<bool> pattern;
     *hits = run_calls(pipe, clock, n, {}, &pattern);
     CHECK(fault.figures().evaluated == n);
@@ -211,7 +211,7 @@ TEST_CASE("chaos: the rate holds, and the same seed hits the same calls", "[chao
 TEST_CASE("chaos: labels select the calls; others are not even evaluated", "[chaos]") {
   manual_clock clock;
   keel::chaos_fault fault({.enabled = true, .rate = 1.0, .when = {.tenant = "acme", .model = "m-large"}});
-  auto pipe = keel::pipeline(fault).on(clock);
+  auto pipe = keel::pipeline(fault).in(keel::environment{clock});
   int provider_calls = 0;
   CHECK(run_calls(pipe, clock, 10, {.tenant = "acme", .model = "m-large"}, nullptr, &provider_calls) == 10);
   CHECK(provider_calls == 0);
@@ -224,7 +224,7 @@ TEST_CASE("chaos: labels select the calls; others are not even evaluated", "[cha
   CHECK(fault.figures().evaluated == 20);
 
   keel::chaos_latency batch_only({.enabled = true, .rate = 1.0, .delay = 1s, .when = {.work_class = "batch"}});
-  auto slow = keel::pipeline(batch_only).on(clock);
+  auto slow = keel::pipeline(batch_only).in(keel::environment{clock});
   keel::call interactive(clock.now(), {.timeout = 10s, .labels = {.work_class = "interactive"}});
   CHECK(slow.run(interactive, [](const keel::attempt&) { return absl::OkStatus(); }).ok());
   CHECK(batch_only.figures().evaluated == 0);
@@ -237,7 +237,7 @@ TEST_CASE("chaos: an injected fault is classified as its status says; retry retr
 
   SECTION("unavailable: transient, retried to the layer's limit") {
     keel::chaos_fault fault({.enabled = true, .rate = 1.0, .fault = absl::UnavailableError("drill: provider down")});
-    auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}), fault).on(clock);
+    auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}), fault).in(keel::environment{clock});
     keel::call call(clock.now(), {.timeout = 1h});
     int provider_calls = 0;
     const absl::Status s = pipe.run(call, [&](const keel::attempt&) {
@@ -255,7 +255,7 @@ TEST_CASE("chaos: an injected fault is classified as its status says; retry retr
   }
   SECTION("a transient fault at a rate: retry recovers") {
     keel::chaos_fault fault({.enabled = true, .rate = 0.5, .seed = 11});
-    auto pipe = keel::pipeline(keel::retry({.max_attempts = 10}), fault).on(clock);
+    auto pipe = keel::pipeline(keel::retry({.max_attempts = 10}), fault).in(keel::environment{clock});
     int recovered_after_retry = 0;
     for (int i = 0; i < 50; ++i) {
       keel::call call(clock.now(), {.timeout = 1h, .max_attempts = 10});
@@ -268,7 +268,7 @@ TEST_CASE("chaos: an injected fault is classified as its status says; retry retr
   }
   SECTION("invalid argument: permanent, not retried") {
     keel::chaos_fault fault({.enabled = true, .rate = 1.0, .fault = absl::InvalidArgumentError("drill: bad key")});
-    auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}), fault).on(clock);
+    auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}), fault).in(keel::environment{clock});
     keel::call call(clock.now(), {.timeout = 1h});
     const absl::Status s = pipe.run(call, [](const keel::attempt&) { return absl::OkStatus(); });
     CHECK(s.code() == absl::StatusCode::kInvalidArgument);
@@ -279,7 +279,7 @@ TEST_CASE("chaos: an injected fault is classified as its status says; retry retr
   SECTION("a timeout on a write: ambiguous, not retried; marked not started: transient, retried") {
     const keel::operation write{.effect = keel::effect::write};
     keel::chaos_fault after_send({.enabled = true, .rate = 1.0, .fault = absl::DeadlineExceededError("drill")});
-    auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}), after_send).on(clock);
+    auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}), after_send).in(keel::environment{clock});
     keel::call call(clock.now(), {.timeout = 1h, .operation = write});
     CHECK(pipe.run(call, [](const keel::attempt&) { return absl::OkStatus(); }).code() ==
           absl::StatusCode::kDeadlineExceeded);
@@ -287,7 +287,7 @@ TEST_CASE("chaos: an injected fault is classified as its status says; retry retr
 
     keel::chaos_fault before_send(
         {.enabled = true, .rate = 1.0, .fault = keel::mark_not_started(absl::DeadlineExceededError("drill"))});
-    auto pipe2 = keel::pipeline(keel::retry({.max_attempts = 3}), before_send).on(clock);
+    auto pipe2 = keel::pipeline(keel::retry({.max_attempts = 3}), before_send).in(keel::environment{clock});
     keel::call call2(clock.now(), {.timeout = 1h, .operation = write});
     const absl::Status s = pipe2.run(call2, [](const keel::attempt&) { return absl::OkStatus(); });
     CHECK(keel::not_started(s));
@@ -298,7 +298,7 @@ TEST_CASE("chaos: an injected fault is classified as its status says; retry retr
 TEST_CASE("chaos: latency waits on the manual clock, then the attempt starts at the later time", "[chaos]") {
   manual_clock clock;
   keel::chaos_latency slow({.enabled = true, .rate = 1.0, .delay = 500ms});
-  auto pipe = keel::pipeline(slow).on(clock);
+  auto pipe = keel::pipeline(slow).in(keel::environment{clock});
   const keel::time_point start = clock.now();
   std::atomic<int> provider_calls{0};
   keel::time_point attempt_start{};
@@ -342,7 +342,7 @@ TEST_CASE("chaos: latency waits on the manual clock, then the attempt starts at 
 TEST_CASE("chaos: the caller's deadline and stop token cut injected latency", "[chaos]") {
   manual_clock clock;
   keel::chaos_latency slow({.enabled = true, .rate = 1.0, .delay = 5s});
-  auto pipe = keel::pipeline(slow).on(clock);
+  auto pipe = keel::pipeline(slow).in(keel::environment{clock});
   std::atomic<int> provider_calls{0};
   auto provider = [&](const keel::attempt&) {
     provider_calls.fetch_add(1);
@@ -384,7 +384,7 @@ TEST_CASE("chaos: the caller's deadline and stop token cut injected latency", "[
 TEST_CASE("chaos: an outcome replaces the provider's answer with the chosen one", "[chaos]") {
   manual_clock clock;
   keel::chaos_outcome<std::string> fake({.enabled = true, .rate = 1.0, .outcome = "canned answer"});
-  auto pipe = keel::pipeline(fake).on(clock);
+  auto pipe = keel::pipeline(fake).in(keel::environment{clock});
   int provider_calls = 0;
   keel::call call(clock.now(), {.timeout = 1s});
   absl::StatusOr<std::string> r = pipe.run(call, [&](const keel::attempt&) -> absl::StatusOr<std::string> {
@@ -397,7 +397,7 @@ TEST_CASE("chaos: an outcome replaces the provider's answer with the chosen one"
 
   // On a pipeline of absl::Status: a status, OK by default.
   keel::chaos_outcome<absl::Status> done({.enabled = true, .rate = 1.0});
-  auto status_pipe = keel::pipeline(done).on(clock);
+  auto status_pipe = keel::pipeline(done).in(keel::environment{clock});
   keel::call call2(clock.now(), {.timeout = 1s});
   CHECK(status_pipe.run(call2, [](const keel::attempt&) { return absl::InternalError("real failure"); }).ok());
   CHECK(done.figures().injected == 1);
@@ -413,8 +413,8 @@ TEST_CASE("chaos: each injection is reported to the listener and counted by metr
   keel::metrics_listener metrics(registry);
   keel::chaos_fault fault({.name = "outage", .enabled = true, .rate = 0.5, .seed = 3});
   keel::chaos_latency slow({.name = "slow", .enabled = true, .rate = 1.0, .delay = 0ms});
-  auto logged = keel::pipeline(slow, fault).on(clock).observe(event_log{&stages, &kinds, &delays});
-  auto counted = keel::pipeline(slow, fault).on(clock).observe(metrics);
+  auto logged = keel::pipeline(slow, fault).in(keel::environment{clock}.with_listener(event_log{&stages, &kinds, &delays}));
+  auto counted = keel::pipeline(slow, fault).in(keel::environment{clock}.with_listener(metrics));
   const int hits = run_calls(logged, clock, 40);
   REQUIRE(hits > 0);
   REQUIRE(hits < 40);

@@ -320,7 +320,7 @@ TEST_CASE("through a pipeline, a probe answered with a bad key closes the breake
           "[breaker][pipeline][half-open]") {
   manual_clock clock;
   keel::circuit_breaker b({.window_calls = 2, .minimum_calls = 2, .open_duration = 5s, .half_open_probes = 2});
-  auto pipe = keel::pipeline(b).on(clock);
+  auto pipe = keel::pipeline(b).in(keel::environment{clock});
   kt::scripted_provider<int> provider(clock, {kt::bad_credential()});
   feed(b, clock.now(), outcome_kind::transient, 2);
   clock.advance(5s);
@@ -341,7 +341,7 @@ TEST_CASE("a throttled probe opens the breaker again at once, for its retry-afte
                            .open_duration = 5s,
                            .half_open_probes = 3,
                            .on_state_change = transition_log{&log}});
-  auto pipe = keel::pipeline(b).on(clock);
+  auto pipe = keel::pipeline(b).in(keel::environment{clock});
   feed(b, clock.now(), outcome_kind::transient, 2);
   clock.advance(5s);
   keel::breaker_permit other = b.try_acquire(clock.now());  // a probe still out
@@ -389,7 +389,7 @@ TEST_CASE("a cancelled probe hands its slot back: the caller left, the dependenc
           "[breaker][half-open]") {
   manual_clock clock;
   keel::circuit_breaker b({.window_calls = 2, .minimum_calls = 2, .open_duration = 5s, .half_open_probes = 1});
-  auto pipe = keel::pipeline(b).on(clock);
+  auto pipe = keel::pipeline(b).in(keel::environment{clock});
   feed(b, clock.now(), outcome_kind::transient, 2);
   clock.advance(5s);
   for (int i = 0; i < 3; ++i) {
@@ -563,13 +563,13 @@ TEST_CASE("inside retry the breaker counts attempts; outside it counts calls", "
 
   keel::circuit_breaker per_attempt({.window_calls = 100, .minimum_calls = 100});
   keel::call c1(clock.now(), {.timeout = 10s});
-  CHECK(!keel::pipeline(retry3, per_attempt).on(clock).run(c1, failing).ok());
+  CHECK(!keel::pipeline(retry3, per_attempt).in(keel::environment{clock}).run(c1, failing).ok());
   CHECK(per_attempt.figures(clock.now()).calls == 3);
   CHECK(per_attempt.figures(clock.now()).failures == 3);
 
   keel::circuit_breaker per_call({.window_calls = 100, .minimum_calls = 100});
   keel::call c2(clock.now(), {.timeout = 10s});
-  CHECK(!keel::pipeline(per_call, retry3).on(clock).run(c2, failing).ok());
+  CHECK(!keel::pipeline(per_call, retry3).in(keel::environment{clock}).run(c2, failing).ok());
   CHECK(per_call.figures(clock.now()).calls == 1);
   CHECK(per_call.figures(clock.now()).failures == 1);
 
@@ -580,7 +580,7 @@ TEST_CASE("inside retry the breaker counts attempts; outside it counts calls", "
     return ++n < 3 ? absl::StatusOr<int>(absl::UnavailableError("blip")) : absl::StatusOr<int>(7);
   };
   keel::call c3(clock.now(), {.timeout = 10s});
-  CHECK(keel::pipeline(per_call, retry3).on(clock).run(c3, flaky).ok());
+  CHECK(keel::pipeline(per_call, retry3).in(keel::environment{clock}).run(c3, flaky).ok());
   CHECK(per_call.figures(clock.now()).calls == 2);
   CHECK(per_call.figures(clock.now()).failures == 1);
 }
@@ -596,7 +596,7 @@ TEST_CASE("a breaker that opens inside retry stops the remaining attempts", "[br
     return absl::UnavailableError("down");
   };
   keel::call call(clock.now(), {.timeout = 10s, .max_attempts = 5});
-  const absl::StatusOr<int> r = keel::pipeline(retry5, b).on(clock).run(call, failing);
+  const absl::StatusOr<int> r = keel::pipeline(retry5, b).in(keel::environment{clock}).run(call, failing);
   CHECK(calls == 2);  // the second failure tripped it; attempt 3 was refused, and retry stopped
   CHECK(r.status().code() == absl::StatusCode::kUnavailable);
   CHECK(keel::refused_by(r.status()) == std::optional<std::string>("breaker:dep"));
@@ -609,7 +609,7 @@ TEST_CASE("counting calls and gating attempts: breaker outside retry, attempt_ga
   clock.auto_advance(true);
   keel::circuit_breaker b({.name = "dep", .window_calls = 10, .minimum_calls = 2});
   const keel::retry retry3({.max_attempts = 3}, keel::constant_backoff{.delay_each = 10ms});
-  auto pipe = keel::pipeline(b, retry3, b.attempt_gate()).on(clock);
+  auto pipe = keel::pipeline(b, retry3, b.attempt_gate()).in(keel::environment{clock});
   int calls = 0;
   // While this call's first attempt runs, other calls trip the breaker.
   auto provider = [&](const keel::attempt&) -> absl::StatusOr<int> {
@@ -626,7 +626,7 @@ TEST_CASE("counting calls and gating attempts: breaker outside retry, attempt_ga
 TEST_CASE("keel's refusals to start never count; a dependency refusing the connection does", "[breaker][pipeline]") {
   manual_clock clock;
   keel::circuit_breaker b({.window_calls = 10, .minimum_calls = 1, .failure_rate_threshold = 0.1});
-  auto pipe = keel::pipeline(b).on(clock);
+  auto pipe = keel::pipeline(b).in(keel::environment{clock});
   keel::call expired(clock.now(), {.timeout = 1ms});
   clock.advance(5ms);
   // The pipeline refuses to start an attempt with no time left; the breaker
@@ -660,7 +660,7 @@ TEST_CASE("a pipeline's listener hears the breaker's transitions and refusals", 
   };
   keel::circuit_breaker b({.name = "b", .window_calls = 2, .minimum_calls = 1, .open_duration = 1s,
                            .half_open_probes = 1});
-  auto pipe = keel::pipeline(b).on(clock).observe(listener{&heard});
+  auto pipe = keel::pipeline(b).in(keel::environment{clock}.with_listener(listener{&heard}));
   auto fail = [](const keel::attempt&) -> absl::Status { return absl::UnavailableError("x"); };
   auto ok = [](const keel::attempt&) -> absl::Status { return absl::OkStatus(); };
   keel::call c1(clock.now(), {});
@@ -725,7 +725,7 @@ TEST_CASE("one tenant's bad key trips that tenant's breaker, not the provider's"
   keel::breaker_registry tenants({.breaker = {.window_calls = 10, .minimum_calls = 3,
                                               .permanent = keel::breaker_verdict::failure},
                                   .scope = {.endpoint = false, .model = false, .region = false, .tenant = true}});
-  auto pipe = keel::pipeline(tenants, providers).on(clock);
+  auto pipe = keel::pipeline(tenants, providers).in(keel::environment{clock});
   auto provider = [](const keel::attempt& a) -> absl::StatusOr<int> {
     if (a.labels().tenant == "revoked") return absl::UnauthenticatedError("invalid API key");
     return 1;
@@ -807,7 +807,7 @@ TEST_CASE("a registry outside retry counts calls; its attempt gate stops retries
   clock.auto_advance(true);
   keel::breaker_registry reg({.breaker = {.window_calls = 10, .minimum_calls = 2}});
   const keel::retry retry3({.max_attempts = 3}, keel::constant_backoff{.delay_each = 10ms});
-  auto pipe = keel::pipeline(reg, retry3, reg.attempt_gate()).on(clock);
+  auto pipe = keel::pipeline(reg, retry3, reg.attempt_gate()).in(keel::environment{clock});
   const keel::labels eu{.model = "m", .endpoint = "api", .region = "eu"};
   int calls = 0;
   auto provider = [&](const keel::attempt&) -> absl::StatusOr<int> {
@@ -996,7 +996,7 @@ TEST_CASE("refusals and cancellations are never counted, whatever the options sa
   keel::circuit_breaker b({.name = "llm", .window_calls = 4, .minimum_calls = 2, .failure_rate_threshold = 0.5,
                            .throttled = keel::breaker_verdict::failure,
                            .permanent = keel::breaker_verdict::failure});
-  auto pipe = keel::pipeline(b).on(clock);
+  auto pipe = keel::pipeline(b).in(keel::environment{clock});
   // A refusal from a stage further in (a quota, a bulkhead: started inside
   // the breaker's pass, so not marked on the way in), a caller that left,
   // and a refusal that does not say "not started" but is marked refused.

@@ -66,7 +66,7 @@ TEST_CASE("hedge with a cut: a race of stalled attempts ends exactly at its dead
   keel::deadline_timer timer(clock);
   keel::bounded_pool pool({.threads = 4});
   keel::hedge hedger({.delay = 10ms, .max_hedges = 1, .cut = &timer}, pool, clock);
-  auto pipe = keel::pipeline(hedger).on(clock);
+  auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 100ms});
   std::atomic<int> started{0};
   async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, counted_stall{&started}); });
@@ -90,7 +90,7 @@ TEST_CASE("hedge without a cut: a stalled race waits for its attempts (the contr
   manual_clock clock;
   keel::bounded_pool pool({.threads = 4});
   keel::hedge hedger({.delay = 10ms, .max_hedges = 1}, pool, clock);
-  auto pipe = keel::pipeline(hedger).on(clock);
+  auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
   std::stop_source caller;
   keel::call call(clock.now(), {.timeout = 100ms, .stop = caller.get_token()});
   std::atomic<int> started{0};
@@ -131,7 +131,7 @@ TEST_CASE("fallback with a cut: a stalled primary is stopped at its share and th
   };
   auto pipe = keel::pipeline(keel::fallback({.primary_at_most = 50ms, .cut = &timer}, {},
                                             keel::alternate("backup", backup)))
-                  .on(clock);
+                  .in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 1s});
   async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, stall); });
   clock.await_sleepers(1);  // the deadline timer, for the primary's 50 ms

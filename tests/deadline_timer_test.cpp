@@ -136,7 +136,7 @@ TEST_CASE("cut_at_deadline: an attempt that watches only its stop token ends exa
           "[deadline_timer][pipeline]") {
   manual_clock clock;
   keel::deadline_timer timer(clock);
-  auto pipe = keel::pipeline(keel::time_limit({.at_most = 100ms}), keel::cut_at_deadline(timer)).on(clock);
+  auto pipe = keel::pipeline(keel::time_limit({.at_most = 100ms}), keel::cut_at_deadline(timer)).in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 10s});
   async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, wait_for_stop); });
   clock.await_sleepers(1);  // the timer, armed for the attempt's deadline
@@ -160,7 +160,7 @@ TEST_CASE("cut_at_deadline: below a retry each attempt is cut at its own deadlin
   auto pipe = keel::pipeline(keel::retry<keel::constant_backoff>({.max_attempts = 2}, {.delay_each = 0ms}),
                              keel::time_limit({.at_most = 100ms}),
                              keel::cut_at_deadline(timer))
-                  .on(clock);
+                  .in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 10s});
   std::atomic<int> attempts{0};
   async_call<absl::StatusOr<int>> run([&] {
@@ -184,7 +184,7 @@ TEST_CASE("cut_at_deadline: below a retry each attempt is cut at its own deadlin
 TEST_CASE("cut_at_deadline: the caller's cancellation still reads as cancelled", "[deadline_timer][pipeline]") {
   manual_clock clock;
   keel::deadline_timer timer(clock);
-  auto pipe = keel::pipeline(keel::time_limit({.at_most = 100ms}), keel::cut_at_deadline(timer)).on(clock);
+  auto pipe = keel::pipeline(keel::time_limit({.at_most = 100ms}), keel::cut_at_deadline(timer)).in(keel::environment{clock});
   std::stop_source caller;
   keel::call call(clock.now(), {.timeout = 10s, .stop = caller.get_token()});
   async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, wait_for_stop); });
@@ -204,7 +204,7 @@ TEST_CASE("cut_at_deadline: an answer in time is untouched and the next attempt 
           "[deadline_timer][pipeline]") {
   manual_clock clock;
   keel::deadline_timer timer(clock);
-  auto pipe = keel::pipeline(keel::time_limit({.at_most = 100ms}), keel::cut_at_deadline(timer)).on(clock);
+  auto pipe = keel::pipeline(keel::time_limit({.at_most = 100ms}), keel::cut_at_deadline(timer)).in(keel::environment{clock});
   for (int i = 0; i < 3; ++i) {
     keel::call call(clock.now(), {.timeout = 10s});
     absl::StatusOr<int> r = pipe.run(call, [](const keel::attempt& a) -> absl::StatusOr<int> {
@@ -282,7 +282,7 @@ TEST_CASE("deadline timer: many threads arm and disarm while it fires", "[deadli
 TEST_CASE("cut_at_deadline: a cut write is ambiguous unless it says nothing was sent", "[deadline_timer][pipeline]") {
   manual_clock clock;
   keel::deadline_timer timer(clock);
-  auto pipe = keel::pipeline(keel::time_limit({.at_most = 100ms}), keel::cut_at_deadline(timer)).on(clock);
+  auto pipe = keel::pipeline(keel::time_limit({.at_most = 100ms}), keel::cut_at_deadline(timer)).in(keel::environment{clock});
   for (const bool before_sending : {false, true}) {
     keel::call call(clock.now(), {.timeout = 10s, .operation = {.effect = keel::effect::write}});
     std::atomic<bool> entered{false};
@@ -314,7 +314,7 @@ TEST_CASE("cut_at_deadline: nested, the outer cuts the pass at the call's deadli
   auto pipe = keel::pipeline(keel::cut_at_deadline(timer),
                              keel::retry<keel::constant_backoff>({.max_attempts = 3}, {.delay_each = 0ms}),
                              keel::time_limit({.at_most = 30ms}), keel::cut_at_deadline(timer))
-                  .on(clock);
+                  .in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 70ms});
   std::atomic<int> attempts{0};
   async_call<absl::StatusOr<int>> run([&] {

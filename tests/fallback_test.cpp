@@ -62,7 +62,7 @@ TEST_CASE("the seed's timeline: the fallback gets only what is left of the deadl
   text_provider cached(clock, {kt::answer(std::string("cached rubric feedback"), 1000ms)});
   auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("cached-feedback", cached, {.at_most = 3s})),
                              keel::time_limit({.at_most = 1000ms}))
-                  .on(clock);
+                  .in(keel::environment{clock});
   const absl::StatusOr<std::string> r = pipe.run(call, model);
   REQUIRE(r.ok());
   CHECK(*r == "cached rubric feedback");
@@ -86,7 +86,7 @@ TEST_CASE("an alternative's at_most narrows what is left, never extends it", "[f
   keel::call call(clock.now(), {.timeout = 2s});
   text_provider model(clock, {kt::unavailable(100ms)});
   text_provider quick(clock, {kt::answer(std::string("quick"), 10ms)});
-  auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("quick", quick, {.at_most = 250ms}))).on(clock);
+  auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("quick", quick, {.at_most = 250ms}))).in(keel::environment{clock});
   REQUIRE(pipe.run(call, model).value() == "quick");
   CHECK(quick.attempts()[0].timeout == ms(250));
 }
@@ -97,7 +97,7 @@ TEST_CASE("a primary that answers is not degraded and no alternative runs", "[fa
   keel::call call(clock.now(), {.timeout = 2s});
   text_provider model(clock, {kt::answer(std::string("fresh"), 100ms)});
   text_provider cached(clock, {kt::answer(std::string("cached"))});
-  auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("cached", cached))).on(clock);
+  auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("cached", cached))).in(keel::environment{clock});
   CHECK(pipe.run(call, model).value() == "fresh");
   CHECK(cached.calls() == 0);
   CHECK_FALSE(call.record().degraded);
@@ -122,7 +122,7 @@ TEST_CASE("gates are honoured: a refused alternative is skipped, never called", 
                            keel::alternate("experimental", experimental,
                                            {.labels = {.model = "m-experimental", .region = "eu"}}),
                            keel::alternate("eu-small", eu_small, {.labels = {.model = "m-small", .region = "eu"}}));
-  auto pipe = keel::pipeline(fb).on(clock).observe(recorder{&log});
+  auto pipe = keel::pipeline(fb).in(keel::environment{clock}.with_listener(recorder{&log}));
 
   keel::call call(clock.now(), {.timeout = 2s, .labels = {.tenant = "acme", .region = "eu"}});
   const absl::StatusOr<std::string> r = pipe.run(call, model);
@@ -139,7 +139,7 @@ TEST_CASE("gates are honoured: a refused alternative is skipped, never called", 
     text_provider model2(clock, {kt::unavailable(50ms)});
     auto only_us = keel::pipeline(keel::fallback(
                                       {residency}, keel::alternate("us-model", us_model, {.labels = {.region = "us"}})))
-                       .on(clock);
+                       .in(keel::environment{clock});
     keel::call eu(clock.now(), {.timeout = 2s, .labels = {.region = "eu"}});
     const absl::StatusOr<std::string> failed = only_us.run(eu, model2);
     CHECK(failed.status().code() == absl::StatusCode::kUnavailable);
@@ -162,7 +162,7 @@ TEST_CASE("a gate reads the caller's request; a failure that passes through is n
                                           false));
   text_provider cached(clock, {kt::answer(std::string("cached")), kt::answer(std::string("cached"))});
   auto pipe = keel::pipeline(keel::fallback({consent}, keel::alternate("cached", cached, {.provider_call = false})))
-                  .on(clock);
+                  .in(keel::environment{clock});
 
   const feedback_request yes{.accepts_degraded = true};
   const feedback_request no{.accepts_degraded = false};
@@ -180,7 +180,7 @@ TEST_CASE("a gate reads the caller's request; a failure that passes through is n
   auto own_quota = [](const absl::Status& s) { return keel::refused_by(s).value_or("").starts_with("tenant:"); };
   auto strict = keel::pipeline(keel::fallback({.passes_through = own_quota}, {},
                                               keel::alternate("cached", cached, {.provider_call = false})))
-                    .on(clock);
+                    .in(keel::environment{clock});
   auto refused = [](std::string who) {
     return [who](const keel::attempt&) -> absl::StatusOr<std::string> {
       return keel::refusal(absl::ResourceExhaustedError("over quota"), who, 1s);
@@ -200,8 +200,7 @@ TEST_CASE("alternatives are tried in order until one answers", "[fallback]") {
   text_provider second(clock, {kt::rate_limited(1s, 10ms)});
   text_provider third(clock, {kt::answer(std::string("third"), 10ms)});
   auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("second", second), keel::alternate("third", third)))
-                  .on(clock)
-                  .observe(recorder{&log});
+                  .in(keel::environment{clock}.with_listener(recorder{&log}));
   keel::call call(clock.now(), {.timeout = 2s, .max_attempts = 5});
   CHECK(pipe.run(call, model).value() == "third");
   CHECK(log == std::vector<std::string>{"skipped second: failed", "used third"});
@@ -219,8 +218,7 @@ TEST_CASE("an alternative with less than its min_time left is skipped", "[fallba
   text_provider cached(clock, {kt::answer(std::string("cached"))});
   auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("big-model", big, {.min_time = 500ms}),
                                             keel::alternate("cached", cached, {.provider_call = false})))
-                  .on(clock)
-                  .observe(recorder{&log});
+                  .in(keel::environment{clock}.with_listener(recorder{&log}));
   CHECK(pipe.run(call, model).value() == "cached");
   CHECK(big.calls() == 0);
   CHECK(log == std::vector<std::string>{"skipped big-model: deadline", "used cached"});
@@ -241,7 +239,7 @@ TEST_CASE("a terminal alternative may answer with a deferred result or a clear f
     auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("deferred", queue_job,
                                                                   {.provider_call = false, .terminal = true}),
                                               keel::alternate("after", after)))
-                    .on(clock);
+                    .in(keel::environment{clock});
     keel::call call(clock.now(), {.timeout = 2s});
     const absl::StatusOr<std::string> r = pipe.run(call, model);
     REQUIRE_FALSE(r.ok());
@@ -259,7 +257,7 @@ TEST_CASE("a terminal alternative may answer with a deferred result or a clear f
     };
     auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("apology", apologise,
                                                                   {.provider_call = false, .terminal = true})))
-                    .on(clock);
+                    .in(keel::environment{clock});
     keel::call call(clock.now(), {.timeout = 2s});
     const absl::StatusOr<std::string> r = pipe.run(call, model);
     CHECK(r.status().message() == "feedback is unavailable right now; nothing was charged");
@@ -272,7 +270,7 @@ TEST_CASE("a write whose effect is unknown does not fail over", "[fallback][writ
   clock.auto_advance(true);
   text_provider charge(clock, {kt::lost_write(50ms)});
   text_provider other(clock, {kt::answer(std::string("charged again"))});
-  auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("other-processor", other))).on(clock);
+  auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("other-processor", other))).in(keel::environment{clock});
   keel::call write(clock.now(), {.timeout = 2s, .operation = {.effect = keel::effect::write}});
   const absl::StatusOr<std::string> r = pipe.run(write, charge);
   CHECK(r.status().code() == absl::StatusCode::kUnknown);
@@ -295,14 +293,14 @@ TEST_CASE("a cancelled call does not fall back; permanent failures may be exclud
     stop.request_stop();
     return absl::CancelledError("caller went away");
   };
-  auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("alt", alt))).on(clock);
+  auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("alt", alt))).in(keel::environment{clock});
   CHECK(pipe.run(call, cancelling).status().code() == absl::StatusCode::kCancelled);
   CHECK(alt.calls() == 0);
 
   text_provider bad_key(clock, {kt::bad_credential()});
   auto strict = keel::pipeline(keel::fallback(keel::fallback_options{.on_permanent = false}, {},
                                               keel::alternate("alt", alt)))
-                    .on(clock);
+                    .in(keel::environment{clock});
   keel::call c2(clock.now(), {.timeout = 2s});
   CHECK(strict.run(c2, bad_key).status().code() == absl::StatusCode::kUnauthenticated);
   CHECK(alt.calls() == 0);
@@ -321,7 +319,7 @@ TEST_CASE("on_permanent off still falls back when the breaker opens: a refusal i
   auto pipe = keel::pipeline(keel::fallback(keel::fallback_options{.on_permanent = false}, {},
                                             keel::alternate("alt", alt)),
                              breaker)
-                  .on(clock);
+                  .in(keel::environment{clock});
   int primary_calls = 0;
   auto outage = [&]() -> absl::StatusOr<std::string> {
     ++primary_calls;
@@ -350,9 +348,9 @@ TEST_CASE("an alternative that runs its own pipeline on the call uses one attemp
   text_provider model(clock, {kt::unavailable(10ms)});
   text_provider backup(clock, {kt::unavailable(10ms), kt::answer(std::string("backup"), 10ms)});
   keel::call call(clock.now(), {.timeout = 2s, .max_attempts = 3});
-  auto backup_stage = keel::pipeline(keel::retry({.max_attempts = 3}, keel::constant_backoff{.delay_each = 1ms})).on(clock);
+  auto backup_stage = keel::pipeline(keel::retry({.max_attempts = 3}, keel::constant_backoff{.delay_each = 1ms})).in(keel::environment{clock});
   auto via_pipeline = [&](const keel::attempt&) { return backup_stage.run(call, backup); };
-  auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("backup", via_pipeline))).on(clock);
+  auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("backup", via_pipeline))).in(keel::environment{clock});
   CHECK(pipe.run(call, model).value() == "backup");
   // model 1 + the fallback's invocation handed to the inner first attempt + one retry.
   CHECK(call.record().attempts == 3);
@@ -375,7 +373,7 @@ TEST_CASE("fallback outside a hedge: when the race has no acceptable answer, the
   keel::hedge hedger({.delay = 100ms}, pool, clock);
   text_provider model(clock, {kt::bad_credential(10ms)});  // permanent: the race ends at once, no hedge
   text_provider backup(clock, {kt::answer(std::string("from the backup"), 10ms)});
-  auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("backup", backup)), hedger).on(clock);
+  auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("backup", backup)), hedger).in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 2s});
   // std::ref: a hedged pipeline copies its provider (keel/compose/hedge.hpp); this one outlives the race.
   const absl::StatusOr<std::string> r = pipe.run(call, std::ref(model));

@@ -50,7 +50,7 @@ TEST_CASE("fan-out workers run pipelines with admission and a breaker per provid
     keel::call c(clock.now(), u.call_options());
     auto pipe = keel::pipeline(quotas, *breakers.at(u.unit.name),
                                keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 0ms}))
-                    .on(clock);
+                    .in(keel::environment{clock});
     return pipe.run(c, [&](const keel::attempt& a) -> absl::StatusOr<std::string> {
       std::lock_guard lock(mu);
       ++calls[std::string(a.labels().model)];
@@ -114,7 +114,7 @@ TEST_CASE("a panel refused by an open breaker says retry later, not do-not-retry
   int calls = 0;
   auto worker = [&](const keel::unit_context& u) -> absl::StatusOr<std::string> {
     keel::call c(clock.now(), u.call_options());
-    return keel::pipeline(breaker).on(clock).run(c, [&]() -> absl::StatusOr<std::string> {
+    return keel::pipeline(breaker).in(keel::environment{clock}).run(c, [&]() -> absl::StatusOr<std::string> {
       ++calls;
       return std::string("score:80");
     });

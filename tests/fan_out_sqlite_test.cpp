@@ -80,7 +80,7 @@ keel::fan_out_report<std::string> run_panel(store_t& store, manual_clock clock,
   keel::call call(clock.now(), {.timeout = 10s});
   return panel.run(call, units, [&](const keel::unit_context& u) -> absl::StatusOr<std::string> {
     keel::call c(clock.now(), u.call_options());
-    return keel::pipeline(keel::time_limit({.at_most = 1s})).on(clock).run(c, *providers.at(u.unit.name));
+    return keel::pipeline(keel::time_limit({.at_most = 1s})).in(keel::environment{clock}).run(c, *providers.at(u.unit.name));
   });
 }
 

@@ -147,7 +147,7 @@ struct providers {
   auto worker(keel::duration per_attempt = 1s) {
     return [this, per_attempt](const keel::unit_context& u) -> absl::StatusOr<std::string> {
       keel::call c(clock.now(), u.call_options());
-      auto pipe = keel::pipeline(keel::time_limit({.at_most = per_attempt})).on(clock);
+      auto pipe = keel::pipeline(keel::time_limit({.at_most = per_attempt})).in(keel::environment{clock});
       absl::StatusOr<std::string> r = pipe.run(c, *by_name.at(u.unit.name));
       if (u.stop.stop_requested()) {
         std::lock_guard lock(mu);

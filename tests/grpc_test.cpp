@@ -162,7 +162,7 @@ TEST_CASE("grpc: a real server's status codes come back classified", "[grpc][ser
   keel_test::player_server server;
   REQUIRE(server.started());
   manual_clock clock;
-  const auto pipe = keel::pipeline().on(clock);
+  const auto pipe = keel::pipeline().in(keel::environment{clock});
   for (const row& r : table()) {
     for (const keel::operation op : {read_op, write_op}) {
       INFO("code " << static_cast<int>(r.code) << (op.effect == keel::effect::write ? ", write" : ", read"));
@@ -188,7 +188,7 @@ TEST_CASE("grpc: a real server's status codes come back classified", "[grpc][ser
 TEST_CASE("grpc: a real pushback trailer arrives as a hint, a negative one as do-not-retry", "[grpc][server]") {
   keel_test::player_server server;
   manual_clock clock;
-  const auto pipe = keel::pipeline().on(clock);
+  const auto pipe = keel::pipeline().in(keel::environment{clock});
   auto run = [&](PlayRequest request) {
     keel::call call(clock.now(), {.timeout = 5s});
     return pipe.run(call, keel::grpc_provider(*server.stub, &keel_test::Player::Stub::Play, std::move(request)))
@@ -216,7 +216,7 @@ TEST_CASE("grpc: a real pushback trailer arrives as a hint, a negative one as do
 TEST_CASE("grpc: the attempt's deadline is the gRPC deadline: a slow handler is cut there", "[grpc][server]") {
   keel_test::player_server server;
   manual_clock clock;  // keel's clock; gRPC's deadline runs on real time from the attempt's timeout
-  const auto pipe = keel::pipeline().on(clock);
+  const auto pipe = keel::pipeline().in(keel::environment{clock});
   for (const keel::operation op : {read_op, write_op}) {
     PlayRequest slow;
     slow.set_delay_ms(10'000);
@@ -252,7 +252,7 @@ TEST_CASE("grpc: the attempt's deadline is the gRPC deadline: a slow handler is 
 TEST_CASE("grpc: the stop token cancels a call in flight at once, and the server sees it", "[grpc][server]") {
   keel_test::player_server server;
   manual_clock clock;
-  const auto pipe = keel::pipeline().on(clock);
+  const auto pipe = keel::pipeline().in(keel::environment{clock});
   std::stop_source stop;
   PlayRequest hang;
   hang.set_hang(true);
@@ -279,7 +279,7 @@ TEST_CASE("grpc: a hedge's losing call is cancelled on the wire, and the hedge a
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
   std::optional<keel::hedge<keel::bounded_pool, manual_clock>> hedger;
   hedger.emplace(keel::hedge_options{.delay = 50ms, .max_hedges = 1}, pool, clock);
-  const auto pipe = keel::pipeline(*hedger).on(clock);
+  const auto pipe = keel::pipeline(*hedger).in(keel::environment{clock});
   PlayRequest hang;
   hang.set_hang(true);
   PlayRequest quick;
@@ -307,7 +307,7 @@ TEST_CASE("grpc: a hedge's losing call is cancelled on the wire, and the hedge a
 TEST_CASE("grpc: one provider serves many threads at once while others' calls are cancelled", "[grpc][server]") {
   keel_test::player_server server;
   manual_clock clock;
-  const auto pipe = keel::pipeline().on(clock);
+  const auto pipe = keel::pipeline().in(keel::environment{clock});
   PlayRequest quick;
   quick.set_text("ok");
   PlayRequest hang;
@@ -360,7 +360,7 @@ TEST_CASE("grpc: a stop requested before the attempt sends nothing", "[grpc][ser
 TEST_CASE("grpc: the idempotency key and the call's remaining time travel as metadata", "[grpc][server]") {
   keel_test::player_server server;
   manual_clock clock;
-  const auto pipe = keel::pipeline().on(clock);
+  const auto pipe = keel::pipeline().in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 4s, .response_reserve = 1s, .operation = {.effect = keel::effect::write,
                                                                                         .idempotent = true}});
   const absl::StatusOr<PlayReply> reply =
@@ -383,7 +383,7 @@ TEST_CASE("grpc: a full pipeline retries what the server says it may, within the
   manual_clock clock;
   clock.auto_advance(true);  // backoff and hints pass on keel's clock, at once
   keel::retry_budget budget;
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .budget = &budget})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .budget = &budget})).in(keel::environment{clock});
 
   SECTION("unavailable twice, then the answer") {
     PlayRequest r = play(14);
@@ -449,7 +449,7 @@ TEST_CASE("grpc: a spent retry budget stops the retries of an unavailable server
   manual_clock clock;
   clock.auto_advance(true);
   keel::retry_budget budget({.ratio = 0.0, .min_per_second = 0.0});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .budget = &budget})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .budget = &budget})).in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 10s});
   const absl::StatusOr<PlayReply> reply =
       pipe.run(call, keel::grpc_provider(*server.stub, &keel_test::Player::Stub::Play, play(14)));

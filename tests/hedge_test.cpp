@@ -110,7 +110,7 @@ TEST_CASE("a hedge starts after the delay; the first acceptable success wins ove
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
   keel::hedge hedger({.delay = 100ms, .max_hedges = 1}, pool, clock);
-  auto pipe = keel::pipeline(hedger).on(clock);
+  auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
 
   SECTION("the hedge fails fast; the slower primary still wins") {
     provider_t primary(clock, {kt::answer(1, 300ms)}, sleep_mode);
@@ -163,7 +163,7 @@ TEST_CASE("a winning hedge cancels the primary, which observes its stop token", 
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
   event_log events;
   keel::hedge hedger({.delay = 100ms}, pool, clock);
-  auto pipe = keel::pipeline(hedger).on(clock).observe(recorder{&events});
+  auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(recorder{&events}));
   provider_t primary(clock, {kt::stall()}, sleep_mode);
   provider_t backup(clock, {kt::answer(7, 30ms)}, sleep_mode);
   status_log primary_saw;
@@ -214,7 +214,7 @@ TEST_CASE("a loser that ignores its stop token does not hold the caller once a h
 
   SECTION("the primary runs on the executor: the call returns with the hedge's answer at once") {
     keel::hedge hedger({.delay = 100ms}, pool, clock);
-    auto pipe = keel::pipeline(hedger).on(clock).observe(recorder{&events});
+    auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(recorder{&events}));
     keel::call call(clock.now(), {.timeout = 20s});
     const keel::time_point t0 = clock.now();
     async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, keel::alternates(stubborn, std::ref(backup))); });
@@ -249,7 +249,7 @@ TEST_CASE("a loser that ignores its stop token does not hold the caller once a h
 
   SECTION("primary_on_caller_thread: the caller is the loser's thread, and waits for it") {
     keel::hedge hedger({.delay = 100ms, .primary_on_caller_thread = true}, pool, clock);
-    auto pipe = keel::pipeline(hedger).on(clock);
+    auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
     keel::call call(clock.now(), {.timeout = 20s});
     const keel::time_point t0 = clock.now();
     std::atomic<std::thread::id> primary_thread{};
@@ -283,7 +283,7 @@ TEST_CASE("two hedges, one per delay; the winner cancels both others", "[hedge][
   keel::bounded_pool pool({.threads = 3, .queue_capacity = 8});
   event_log events;
   keel::hedge hedger({.delay = 100ms, .max_hedges = 2}, pool, clock);
-  auto pipe = keel::pipeline(hedger).on(clock).observe(recorder{&events});
+  auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(recorder{&events}));
   provider_t primary(clock, {kt::stall()}, sleep_mode);
   provider_t first(clock, {kt::stall()}, sleep_mode);
   provider_t second(clock, {kt::answer(3, 10ms)}, sleep_mode);
@@ -319,7 +319,7 @@ TEST_CASE("the retry budget stops hedges", "[hedge][budget]") {
   keel::retry_budget budget({.ratio = 0.0, .min_per_second = 0.1, .window = 10s});
   event_log events;
   keel::hedge hedger({.delay = 100ms, .budget = &budget}, pool, clock);
-  auto pipe = keel::pipeline(hedger).on(clock).observe(recorder{&events});
+  auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(recorder{&events}));
   provider_t primary(clock, {kt::answer(1, 300ms)}, sleep_mode);
   provider_t backup(clock, {kt::answer(2, 10ms)}, sleep_mode);
   auto both = keel::alternates(std::ref(primary), std::ref(backup));
@@ -384,7 +384,7 @@ TEST_CASE("retries and hedges spend one retry budget: retries that drained it st
 
   SECTION("the retries spent the shared budget: the hedge is skipped for the budget") {
     keel::retry retrier({.max_attempts = 3, .budget = &shared}, at_once);
-    auto pipe = keel::pipeline(hedger, retrier).on(clock).observe(recorder{&events});
+    auto pipe = keel::pipeline(hedger, retrier).in(keel::environment{clock}.with_listener(recorder{&events}));
     async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, both); });
     retry_until_the_hedge_is_due();
     // Decided either way (not REQUIRE'd: a started hedge must fail the checks
@@ -407,7 +407,7 @@ TEST_CASE("retries and hedges spend one retry budget: retries that drained it st
 
   SECTION("control: retries spending another budget leave room, and the same hedge starts") {
     keel::retry retrier({.max_attempts = 3, .budget = &elsewhere}, at_once);
-    auto pipe = keel::pipeline(hedger, retrier).on(clock).observe(recorder{&events});
+    auto pipe = keel::pipeline(hedger, retrier).in(keel::environment{clock}.with_listener(recorder{&events}));
     async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, both); });
     retry_until_the_hedge_is_due();
     REQUIRE(eventually([&] { return backup.calls() == 1; }));
@@ -434,7 +434,7 @@ TEST_CASE("a consequential write without an idempotency identity is never hedged
 
   SECTION("refused with a clear status, nothing called") {
     keel::hedge hedger({.delay = 100ms}, pool, clock);
-    auto pipe = keel::pipeline(hedger).on(clock).observe(recorder{&events});
+    auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(recorder{&events}));
     keel::call write(clock.now(), {.timeout = 1s, .operation = {.effect = keel::effect::write}});
     const absl::StatusOr<int> r = pipe.run(write, both);
     CHECK(r.status().code() == absl::StatusCode::kFailedPrecondition);
@@ -449,7 +449,7 @@ TEST_CASE("a consequential write without an idempotency identity is never hedged
   SECTION("or run as a single attempt when the options say so") {
     provider_t slow(clock, {kt::answer(5, 300ms)}, sleep_mode);
     keel::hedge hedger({.delay = 100ms, .run_unsafe_writes_unhedged = true}, pool, clock);
-    auto pipe = keel::pipeline(hedger).on(clock).observe(recorder{&events});
+    auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(recorder{&events}));
     keel::call write(clock.now(), {.timeout = 1s, .operation = {.effect = keel::effect::write}});
     async_call<absl::StatusOr<int>> run([&] { return pipe.run(write, keel::alternates(std::ref(slow), std::ref(backup))); });
     clock.await_sleepers(1);  // the attempt only: no hedge timer armed
@@ -462,7 +462,7 @@ TEST_CASE("a consequential write without an idempotency identity is never hedged
 
   SECTION("an idempotent write is hedged") {
     keel::hedge hedger({.delay = 100ms}, pool, clock);
-    auto pipe = keel::pipeline(hedger).on(clock);
+    auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
     keel::call write(clock.now(),
                      {.timeout = 1s, .operation = {.effect = keel::effect::write, .idempotent = true}});
     async_call<absl::StatusOr<int>> run([&] { return pipe.run(write, both); });
@@ -537,7 +537,7 @@ TEST_CASE("a fast retryable failure with nothing else running starts the hedge a
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
   keel::hedge hedger({.delay = 100ms}, pool, clock);
-  auto pipe = keel::pipeline(hedger).on(clock);
+  auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
   provider_t primary(clock, {kt::unavailable(10ms)}, sleep_mode);
   provider_t backup(clock, {kt::answer(5, 20ms)}, sleep_mode);
   keel::call call(clock.now(), {.timeout = 1s});
@@ -556,7 +556,7 @@ TEST_CASE("a permanent failure with nothing else running ends the race", "[hedge
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
   keel::hedge hedger({.delay = 100ms}, pool, clock);
-  auto pipe = keel::pipeline(hedger).on(clock);
+  auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
   provider_t primary(clock, {kt::bad_credential(10ms)}, sleep_mode);
   provider_t backup(clock, {kt::answer(5, 20ms)}, sleep_mode);
   keel::call call(clock.now(), {.timeout = 1s});
@@ -571,7 +571,7 @@ TEST_CASE("an answer the acceptance check refuses does not win", "[hedge][accept
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
   keel::hedge hedger({.delay = 100ms}, pool, clock, [](int v) { return v > 0; });
-  auto pipe = keel::pipeline(hedger).on(clock);
+  auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
 
   SECTION("a later acceptable answer wins") {
     provider_t primary(clock, {kt::answer(0, 150ms)}, sleep_mode);
@@ -609,7 +609,7 @@ TEST_CASE("cancelling the call stops every attempt of the race", "[hedge][cancel
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
   keel::hedge hedger({.delay = 100ms}, pool, clock);
-  auto pipe = keel::pipeline(hedger).on(clock);
+  auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
   provider_t primary(clock, {kt::stall()}, sleep_mode);
   provider_t backup(clock, {kt::stall()}, sleep_mode);
   status_log saw;
@@ -634,7 +634,7 @@ TEST_CASE("the hedge delay can be a percentile of recent latency, learned online
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
   keel::hedge hedger({.delay = 100ms, .percentile = 0.9, .samples = 16, .min_samples = 16}, pool, clock);
-  auto pipe = keel::pipeline(hedger).on(clock);
+  auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
   CHECK(hedger.current_delay() == ms(100));  // nothing learned yet
   for (int i = 0; i < 16; ++i) {
     keel::call call(clock.now(), {.timeout = 1s});
@@ -681,7 +681,7 @@ TEST_CASE("a hedge the executor refuses is skipped; the primary goes on", "[hedg
 
   event_log events;
   keel::hedge hedger({.delay = 100ms}, pool, clock);
-  auto pipe = keel::pipeline(hedger).on(clock).observe(recorder{&events});
+  auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(recorder{&events}));
   provider_t primary(clock, {kt::answer(1, 300ms)}, sleep_mode);
   provider_t backup(clock, {kt::answer(2, 10ms)}, sleep_mode);
   keel::call call(clock.now(), {.timeout = 1s});
@@ -721,7 +721,7 @@ TEST_CASE("a refused hedge is not the answer: the primary's own failure is, and 
 
   event_log events;
   keel::hedge hedger({.delay = 100ms}, pool, clock);
-  auto pipe = keel::pipeline(hedger).on(clock).observe(recorder{&events});
+  auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(recorder{&events}));
   // Fails fast and retryably with nothing else running: the hedge is due at
   // once, and the executor refuses it.
   provider_t primary(clock, {kt::unavailable(10ms)}, sleep_mode);
@@ -898,8 +898,8 @@ TEST_CASE("a hedged pipeline run inside a provider on the same call takes over t
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
   keel::hedge<keel::bounded_pool, manual_clock> hedger({.delay = 1s, .max_hedges = 1}, pool, clock);
-  const auto sdk = keel::pipeline(hedger).on(clock);   // the SDK's own layer
-  const auto app = keel::pipeline().on(clock);          // the application's layer around it
+  const auto sdk = keel::pipeline(hedger).in(keel::environment{clock});   // the SDK's own layer
+  const auto app = keel::pipeline().in(keel::environment{clock});          // the application's layer around it
   // One downstream call allowed: three layers must not make it two.
   keel::call call(clock.now(), {.timeout = 10s, .max_attempts = 1});
   std::atomic<int> downstream{0};

@@ -57,7 +57,7 @@ TEST_CASE("policies run outer to inner in the order written", "[pipeline]") {
 TEST_CASE("a provider that throws is caught and classified", "[pipeline]") {
   manual_clock clock;
   clock.auto_advance(true);
-  auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 1ms})).on(clock);
+  auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 1ms})).in(keel::environment{clock});
   int calls = 0;
   auto thrower = [&](const keel::attempt&) -> absl::StatusOr<int> {
     ++calls;
@@ -109,20 +109,20 @@ TEST_CASE("a pipeline's classifier can be replaced", "[pipeline]") {
   };
   const keel::retry three({.max_attempts = 3}, keel::constant_backoff{.delay_each = 1ms});
   keel::call a(clock.now(), {.timeout = 1s});
-  CHECK_FALSE(keel::pipeline(three).on(clock).run(a, provider).ok());
+  CHECK_FALSE(keel::pipeline(three).in(keel::environment{clock}).run(a, provider).ok());
   CHECK(calls == 1);
 
   calls = 0;
   keel::call b(clock.now(), {.timeout = 1s});
-  CHECK(keel::pipeline(three).on(clock).classify_with(eventually_consistent{}).run(b, provider).value() == 5);
+  CHECK(keel::pipeline(three).in(keel::environment{clock, eventually_consistent{}}).run(b, provider).value() == 5);
   CHECK(calls == 3);
 }
 
 TEST_CASE("a shared policy passed as an lvalue is held by reference", "[pipeline]") {
   manual_clock clock;
   keel::adaptive_timeout timeouts({.min_samples = 1, .refresh_every = 1});
-  auto first = keel::pipeline(timeouts).on(clock);
-  auto second = keel::pipeline(keel::time_limit({.at_most = 1s}), timeouts).on(clock);
+  auto first = keel::pipeline(timeouts).in(keel::environment{clock});
+  auto second = keel::pipeline(keel::time_limit({.at_most = 1s}), timeouts).in(keel::environment{clock});
   auto slow = [&]() -> absl::StatusOr<int> {
     clock.advance(700ms);
     return 1;
@@ -136,7 +136,7 @@ TEST_CASE("a shared policy passed as an lvalue is held by reference", "[pipeline
 
 TEST_CASE("time_limit narrows the stage and refuses when out of time", "[pipeline]") {
   manual_clock clock;
-  auto pipe = keel::pipeline(keel::time_limit({.at_most = 300ms})).on(clock);
+  auto pipe = keel::pipeline(keel::time_limit({.at_most = 300ms})).in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 3s, .response_reserve = 200ms});
   keel::duration seen{};
   REQUIRE(pipe.run(call, [&](const keel::attempt& a) {
@@ -162,7 +162,7 @@ TEST_CASE("keel's own refusals are classified refused and name the refuser", "[p
   keel::default_classifier classify;
   constexpr keel::operation read{};
   // time_limit with no time left.
-  auto limited = keel::pipeline(keel::time_limit({.at_most = 300ms})).on(clock);
+  auto limited = keel::pipeline(keel::time_limit({.at_most = 300ms})).in(keel::environment{clock});
   keel::call late(clock.now(), {.timeout = 1s});
   clock.advance(2s);
   const absl::Status no_time = limited.run(late, [] { return absl::OkStatus(); });
@@ -171,12 +171,12 @@ TEST_CASE("keel's own refusals are classified refused and name the refuser", "[p
   // The pipeline itself with no time left to start an attempt.
   keel::call expired(clock.now(), {.timeout = 1s});
   clock.advance(2s);
-  const absl::Status none = keel::pipeline().on(clock).run(expired, [] { return absl::OkStatus(); });
+  const absl::Status none = keel::pipeline().in(keel::environment{clock}).run(expired, [] { return absl::OkStatus(); });
   CHECK(classify(none, read) == keel::outcome_kind::refused);
   CHECK(keel::refused_by(none) == "deadline");
   // The call's attempt cap.
   keel::call capped(clock.now(), {.timeout = 1s, .max_attempts = 1});
-  auto pipe = keel::pipeline().on(clock);
+  auto pipe = keel::pipeline().in(keel::environment{clock});
   REQUIRE(pipe.run(capped, [] { return absl::OkStatus(); }).ok());
   const absl::Status over = pipe.run(capped, [] { return absl::OkStatus(); });
   CHECK(classify(over, read) == keel::outcome_kind::refused);
@@ -199,7 +199,7 @@ TEST_CASE("a pipeline is a policy: pipelines nest and share the outer run contex
   // ...inside a request pipeline on the manual clock with a listener.
   std::vector<keel::duration> waits;
   auto on_retry = [&](const keel::events::retry_scheduled& e) { waits.push_back(e.wait); };
-  auto request = keel::pipeline(keel::time_limit({.at_most = 5s}), model_stage).on(clock).observe(on_retry);
+  auto request = keel::pipeline(keel::time_limit({.at_most = 5s}), model_stage).in(keel::environment{clock}.with_listener(on_retry));
   keel::call call(clock.now(), {.timeout = 10s});
   std::vector<keel::attempt> seen;
   const absl::Status s = request.run(call, [&](const keel::attempt& a) {
@@ -270,8 +270,7 @@ TEST_CASE("policies report events to the pipeline's listener", "[pipeline][telem
   };
   std::vector<std::string> log;
   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}, keel::constant_backoff{.delay_each = 1ms}))
-                  .on(clock)
-                  .observe(recorder{&log});
+                  .in(keel::environment{clock}.with_listener(recorder{&log}));
   keel::call call(clock.now(), {.timeout = 1s});
   int n = 0;
   (void)pipe.run(call, [&]() -> absl::Status {
@@ -289,8 +288,7 @@ TEST_CASE("policies report events to the pipeline's listener", "[pipeline][telem
   int stops = 0;
   keel::call again(clock.now(), {.timeout = 1s});
   (void)keel::pipeline(keel::retry({.max_attempts = 2}))
-      .on(clock)
-      .observe(only_stops{&stops})
+      .in(keel::environment{clock}.with_listener(only_stops{&stops}))
       .run(again, [] { return absl::UnauthenticatedError("bad key"); });
   CHECK(stops == 1);
 }
@@ -406,7 +404,7 @@ TEST_CASE("a plan's stop reference reads the caller's token as it changes", "[pi
   std::stop_source source;
   manual_clock clock;
   keel::call call(clock.now(), {.timeout = 1s, .stop = source.get_token()});
-  auto pipe = keel::pipeline(keel::time_limit({.at_most = 500ms})).on(clock);
+  auto pipe = keel::pipeline(keel::time_limit({.at_most = 500ms})).in(keel::environment{clock});
   bool seen_before = true;
   bool seen_after = false;
   absl::Status s = pipe.run(call, [&](const keel::attempt& a) {

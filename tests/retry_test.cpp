@@ -82,7 +82,7 @@ TEST_CASE("transient failures are retried until an answer", "[retry]") {
   scripted_provider<int> provider(clock, {kt::unavailable(30ms), kt::unavailable(30ms), kt::answer(42, 80ms)});
   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}, keel::full_jitter{.base = 100ms, .cap = 1s},
                                          kt::seeded_random(3)))
-                  .on(clock);
+                  .in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 10s});
   absl::StatusOr<int> r = pipe.run(call, provider);
   REQUIRE(r.ok());
@@ -102,7 +102,7 @@ TEST_CASE("a provider's retry-after hint is honoured exactly", "[retry][seed]") 
   manual_clock clock;
   clock.auto_advance(true);
   scripted_provider<int> provider(clock, {kt::rate_limited(2s, 10ms), kt::answer(7, 50ms)});
-  auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).on(clock);
+  auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 10s});
   REQUIRE(pipe.run(call, provider).value() == 7);
   const auto seen = provider.attempts();
@@ -114,7 +114,7 @@ TEST_CASE("a hint longer than max_retry_after ends the retries", "[retry]") {
   manual_clock clock;
   clock.auto_advance(true);
   scripted_provider<int> provider(clock, {kt::rate_limited(2min), kt::answer(7)});
-  auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .max_retry_after = 30s})).on(clock);
+  auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .max_retry_after = 30s})).in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 1h});
   absl::StatusOr<int> r = pipe.run(call, provider);
   REQUIRE(r.status().code() == absl::StatusCode::kResourceExhausted);
@@ -134,7 +134,7 @@ TEST_CASE("a keel refusal ends the retries by default; waited out, only after it
     return keel::refusal(absl::UnavailableError("keel: circuit breaker 'llm' is open"), "breaker:llm", 300ms);
   };
   keel::call first(clock.now(), {.timeout = 10s});
-  const absl::Status refused = keel::pipeline(keel::retry({.max_attempts = 3})).on(clock).run(first, open_breaker);
+  const absl::Status refused = keel::pipeline(keel::retry({.max_attempts = 3})).in(keel::environment{clock}).run(first, open_breaker);
   CHECK(keel::retry_after(refused) == ms(300));
   CHECK(breaker_calls == 1);
 
@@ -149,7 +149,7 @@ TEST_CASE("a keel refusal ends the retries by default; waited out, only after it
     return 7;
   };
   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .honour_retry_after = false, .wait_out_refusals = true}))
-                  .on(clock);
+                  .in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 10s});
   REQUIRE(pipe.run(call, hinted).value() == 7);
   REQUIRE(starts.size() == 2);
@@ -184,7 +184,7 @@ TEST_CASE("permanent failures are never retried", "[retry]") {
   clock.auto_advance(true);
   for (kt::failure f : {kt::bad_credential(), kt::unsupported_model()}) {
     scripted_provider<int> provider(clock, {f, kt::answer(1)});
-    auto pipe = keel::pipeline(keel::retry({.max_attempts = 5})).on(clock);
+    auto pipe = keel::pipeline(keel::retry({.max_attempts = 5})).in(keel::environment{clock});
     keel::call call(clock.now(), {.timeout = 10s, .max_attempts = 5});
     CHECK_FALSE(pipe.run(call, provider).ok());
     CHECK(provider.calls() == 1);
@@ -194,7 +194,7 @@ TEST_CASE("permanent failures are never retried", "[retry]") {
 TEST_CASE("an ambiguous write is not retried unless it is idempotent", "[retry]") {
   manual_clock clock;
   clock.auto_advance(true);
-  auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).on(clock);
+  auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).in(keel::environment{clock});
 
   SECTION("lost connection after sending a write") {
     scripted_provider<int> provider(clock, {kt::lost_write(), kt::answer(1)});
@@ -231,7 +231,7 @@ TEST_CASE("a retry that cannot finish in time is not started", "[retry]") {
   scripted_provider<int> provider(clock, {kt::unavailable(100ms), kt::answer(1)});
   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .min_attempt_time = 300ms},
                                          keel::constant_backoff{.delay_each = 800ms}))
-                  .on(clock);
+                  .in(keel::environment{clock});
   keel::call call(t0, {.timeout = 1s});
   const absl::StatusOr<int> r = pipe.run(call, provider);
   REQUIRE(r.status().code() == absl::StatusCode::kUnavailable);  // the real failure, explained
@@ -247,7 +247,7 @@ TEST_CASE("waits are clipped to the deadline, never past it", "[retry]") {
   scripted_provider<int> provider(clock, {kt::unavailable(50ms)});
   auto pipe = keel::pipeline(keel::retry({.max_attempts = 50}, keel::full_jitter{.base = 100ms, .cap = 400ms},
                                          kt::seeded_random(5)))
-                  .on(clock);
+                  .in(keel::environment{clock});
   keel::call call(t0, {.timeout = 2s, .response_reserve = 200ms, .max_attempts = 50});
   CHECK_FALSE(pipe.run(call, provider).ok());
   CHECK(clock.now() <= call.work_deadline().when());
@@ -260,8 +260,8 @@ TEST_CASE("nested retry layers share the call's attempt cap: 3 x 3 stays 3", "[r
   clock.auto_advance(true);
   scripted_provider<int> downstream(clock, {kt::unavailable(10ms)});
   const keel::retry three({.max_attempts = 3}, keel::constant_backoff{.delay_each = 10ms});
-  auto sdk = keel::pipeline(three).on(clock);
-  auto application = keel::pipeline(three).on(clock);
+  auto sdk = keel::pipeline(three).in(keel::environment{clock});
+  auto application = keel::pipeline(three).in(keel::environment{clock});
 
   keel::call call(clock.now(), {.timeout = 1min, .max_attempts = 3});
   // The application retries a step that itself uses an SDK with retries.
@@ -289,7 +289,7 @@ TEST_CASE("two retry layers in one pipeline share the cap", "[retry]") {
   scripted_provider<int> provider(clock, {kt::unavailable(10ms)});
   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}, keel::constant_backoff{.delay_each = 1ms}),
                              keel::retry({.max_attempts = 3}, keel::constant_backoff{.delay_each = 1ms}))
-                  .on(clock);
+                  .in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 1min, .max_attempts = 3});
   const absl::StatusOr<int> r = pipe.run(call, provider);
   CHECK(provider.calls() == 3);
@@ -301,7 +301,7 @@ TEST_CASE("a spent retry budget stops retries and says so", "[retry][budget]") {
   clock.auto_advance(true);
   keel::retry_budget budget({.ratio = 0.0, .min_per_second = 0.0});
   scripted_provider<int> provider(clock, {kt::unavailable(10ms), kt::answer(1)});
-  auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .budget = &budget})).on(clock);
+  auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .budget = &budget})).in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 10s});
   const absl::StatusOr<int> r = pipe.run(call, provider);
   REQUIRE(r.status().code() == absl::StatusCode::kUnavailable);
@@ -379,22 +379,22 @@ TEST_CASE("a call deposits one request into a budget, however many retry layers 
   scripted_provider<int> provider(clock, {kt::unavailable(10ms)});
 
   SECTION("nested layers in one pipeline") {
-    auto pipe = keel::pipeline(two, two).on(clock);
+    auto pipe = keel::pipeline(two, two).in(keel::environment{clock});
     keel::call call(clock.now(), {.timeout = 1min, .max_attempts = 4});
     CHECK_FALSE(pipe.run(call, provider).ok());
     CHECK(provider.calls() == 2);  // ratio 1, one request: the one retry the deposit bought
     CHECK(budget.figures(clock.now()).requests == 1);
   }
   SECTION("an application pipeline around an SDK pipeline, one call") {
-    auto sdk = keel::pipeline(two).on(clock);
-    auto application = keel::pipeline(two).on(clock);
+    auto sdk = keel::pipeline(two).in(keel::environment{clock});
+    auto application = keel::pipeline(two).in(keel::environment{clock});
     keel::call call(clock.now(), {.timeout = 1min, .max_attempts = 4});
     CHECK_FALSE(application.run(call, [&](const keel::attempt&) { return sdk.run(call, provider); }).ok());
     CHECK(budget.figures(clock.now()).requests == 1);
   }
   SECTION("each call deposits once; another budget gets its own deposit") {
     keel::retry_budget other({.ratio = 1.0, .min_per_second = 0.0});
-    auto pipe = keel::pipeline(two, keel::retry({.max_attempts = 2, .budget = &other})).on(clock);
+    auto pipe = keel::pipeline(two, keel::retry({.max_attempts = 2, .budget = &other})).in(keel::environment{clock});
     for (int i = 0; i < 3; ++i) {
       keel::call call(clock.now(), {.timeout = 1min, .max_attempts = 4});
       (void)pipe.run(call, provider);
@@ -450,7 +450,7 @@ TEST_CASE("the retry budget never over-admits under contention", "[budget][concu
 TEST_CASE("cancellation while waiting to retry ends the call at once", "[retry][concurrency]") {
   manual_clock clock;
   scripted_provider<int> provider(clock, {kt::unavailable(), kt::answer(1)}, scripted_provider<int>::mode::sleep);
-  auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}, keel::constant_backoff{.delay_each = 5s})).on(clock);
+  auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}, keel::constant_backoff{.delay_each = 5s})).in(keel::environment{clock});
   std::stop_source stop;
   absl::StatusOr<int> result = 0;
   std::thread caller([&] {

@@ -248,7 +248,7 @@ TEST_CASE("as a pipeline stage: refused before the work, a permit per attempt, r
   keel::shared_concurrency fleet(fleet_redis(prefix, offset), {.name = "provider:m", .limit = 1, .permit_ttl = 5s});
   keel::shared_concurrency other(fleet_redis(prefix, offset), {.name = "provider:m", .limit = 1, .permit_ttl = 5s});
   std::vector<std::string> log;
-  auto pipe = keel::pipeline(fleet).on(clock).observe(fleet_log{&log});
+  auto pipe = keel::pipeline(fleet).in(keel::environment{clock}.with_listener(fleet_log{&log}));
   int ran = 0;
   bool outlive = false;
   auto work = [&](const keel::attempt&) -> absl::StatusOr<int> {
@@ -297,8 +297,8 @@ TEST_CASE("a breaker opened in one replica stops the others at their next read, 
   keel::shared_provider_state a(fleet_redis(prefix, offset), {.refresh_every = 100ms}, &breakers_a);
   keel::shared_provider_state b(fleet_redis(prefix, offset), {.refresh_every = 100ms}, &breakers_b);
   std::vector<std::string> log_a, log_b;
-  auto pipe_a = keel::pipeline(a, breakers_a).on(clock).observe(fleet_log{&log_a});
-  auto pipe_b = keel::pipeline(b, breakers_b).on(clock).observe(fleet_log{&log_b});
+  auto pipe_a = keel::pipeline(a, breakers_a).in(keel::environment{clock}.with_listener(fleet_log{&log_a}));
+  auto pipe_b = keel::pipeline(b, breakers_b).in(keel::environment{clock}.with_listener(fleet_log{&log_b}));
   int calls_a = 0, calls_b = 0;
   auto failing = [&](const keel::attempt&) -> absl::StatusOr<int> {
     ++calls_a;
@@ -378,12 +378,12 @@ TEST_CASE("fleet half-open: the fleet sends max_probes probes per window, a succ
   offset->fetch_add(keel::detail::to_ns(1s));  // the next window
   probes = 0;
   std::vector<std::string> log;
-  auto pipe0 = keel::pipeline(*replicas[0]).on(clock).observe(fleet_log{&log});
+  auto pipe0 = keel::pipeline(*replicas[0]).in(keel::environment{clock}.with_listener(fleet_log{&log}));
   keel::call probe_call(clock.now(), {.labels = llm});
   CHECK(pipe0.run(probe_call, provider).status().code() == absl::StatusCode::kUnavailable);
   CHECK(probes == 1);
   CHECK(log == std::vector<std::string>{"published breaker"});
-  auto pipe1 = keel::pipeline(*replicas[1]).on(clock);
+  auto pipe1 = keel::pipeline(*replicas[1]).in(keel::environment{clock});
   keel::call refused(clock.now(), {.labels = llm});
   CHECK(keel::refused_by(pipe1.run(refused, provider).status()) ==
         std::optional<std::string>("fleet:endpoint=api.provider,model=m-large,region=eu:breaker"));
@@ -397,7 +397,7 @@ TEST_CASE("fleet half-open: the fleet sends max_probes probes per window, a succ
   const absl::StatusOr<keel::fleet_provider_view> v = replicas[3]->read(llm_domain, clock.now());
   REQUIRE(v.ok());
   CHECK_FALSE(v->breaker_known);
-  auto pipe3 = keel::pipeline(*replicas[3]).on(clock);
+  auto pipe3 = keel::pipeline(*replicas[3]).in(keel::environment{clock});
   for (int i = 0; i < 3; ++i) {
     keel::call c(clock.now(), {.labels = llm});
     CHECK(pipe3.run(c, provider).ok());
@@ -413,8 +413,8 @@ TEST_CASE("a provider's cooldown hint heard by one replica is honoured by all, u
   keel::shared_provider_state a(fleet_redis(prefix, offset), {.refresh_every = 0ms, .max_cooldown = 1min});
   keel::shared_provider_state b(fleet_redis(prefix, offset), {.refresh_every = 0ms, .max_cooldown = 1min});
   std::vector<std::string> log_a;
-  auto pipe_a = keel::pipeline(a).on(clock).observe(fleet_log{&log_a});
-  auto pipe_b = keel::pipeline(b).on(clock);
+  auto pipe_a = keel::pipeline(a).in(keel::environment{clock}.with_listener(fleet_log{&log_a}));
+  auto pipe_b = keel::pipeline(b).in(keel::environment{clock});
   int calls = 0;
   auto throttled = [&](const keel::attempt&) -> absl::StatusOr<int> {
     ++calls;
@@ -464,8 +464,8 @@ TEST_CASE("failure domains whose display names coincide keep separate fleet stat
                                               .max_cooldown = 1min};
   keel::shared_provider_state a(fleet_redis(prefix, offset), o);
   keel::shared_provider_state b(fleet_redis(prefix, offset), o);
-  auto pipe_a = keel::pipeline(a).on(clock);
-  auto pipe_b = keel::pipeline(b).on(clock);
+  auto pipe_a = keel::pipeline(a).in(keel::environment{clock});
+  auto pipe_b = keel::pipeline(b).in(keel::environment{clock});
   int calls = 0;
   auto throttled = [&](const keel::attempt&) -> absl::StatusOr<int> {
     ++calls;
@@ -497,7 +497,7 @@ TEST_CASE("Redis unreachable: the provider state decides alone, says so, and ask
   keel::breaker_registry breakers({.breaker = {.window_calls = 2, .minimum_calls = 2, .open_duration = 10s}});
   keel::shared_provider_state s(unreachable_redis(), {.refresh_every = 0ms, .fallback_hold = 1s}, &breakers);
   std::vector<std::string> log;
-  auto pipe = keel::pipeline(s, breakers).on(clock).observe(fleet_log{&log});
+  auto pipe = keel::pipeline(s, breakers).in(keel::environment{clock}.with_listener(fleet_log{&log}));
   int calls = 0;
   auto ok = [&](const keel::attempt&) -> absl::StatusOr<int> {
     ++calls;

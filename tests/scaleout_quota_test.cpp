@@ -191,7 +191,7 @@ TEST_CASE("as a pipeline level after admission: refusal before the work, replays
     void operator()(const keel::events::shared_quota_refused& e) const { log->push_back(std::string(e.name)); }
   };
   std::vector<std::string> refusals;
-  auto pipe = keel::pipeline(quotas, provider).on(clock).observe(seen{&refusals});
+  auto pipe = keel::pipeline(quotas, provider).in(keel::environment{clock}.with_listener(seen{&refusals}));
   int ran = 0;
   auto work = [&](const keel::attempt&) -> absl::StatusOr<int> {
     ++ran;
@@ -219,7 +219,7 @@ TEST_CASE("all-or-nothing across the shared level: its refusal leaves the tenant
   keel::admission quotas({.tenant_defaults = {.rate = 2, .burst = 2}});
   keel::shared_quota provider(quota_redis(keel_scaleout::fresh_name("quota")),
                               {.name = "provider:m", .rate = 1, .per = 1h, .burst = 1, .fallback_rate = 1});
-  auto pipe = keel::pipeline(quotas, provider).on(clock);
+  auto pipe = keel::pipeline(quotas, provider).in(keel::environment{clock});
   int ran = 0;
   auto work = [&](const keel::attempt&) -> absl::StatusOr<int> {
     ++ran;
@@ -253,7 +253,7 @@ TEST_CASE("all-or-nothing across the shared level: a refusal further in gives th
                               {.name = "provider:m", .rate = 2, .per = 1h, .burst = 2, .fallback_rate = 1});
   keel::circuit_breaker breaker({.name = "llm"});
   breaker.force_open(clock.now());
-  auto pipe = keel::pipeline(quotas, provider, breaker).on(clock);
+  auto pipe = keel::pipeline(quotas, provider, breaker).in(keel::environment{clock});
   int ran = 0;
   auto work = [&](const keel::attempt&) -> absl::StatusOr<int> {
     ++ran;
@@ -289,7 +289,7 @@ TEST_CASE("tokens: a pass reserves its estimate and settles fleet-wide to what i
   manual_clock clock;
   const bool over = GENERATE(false, true);
   const std::int64_t estimate = over ? 100 : 400, used = over ? 400 : 100;
-  auto pipe = keel::pipeline(a.with_estimate([&](const keel::call&) { return estimate; })).on(clock);
+  auto pipe = keel::pipeline(a.with_estimate([&](const keel::call&) { return estimate; })).in(keel::environment{clock});
   auto work = [&](const keel::attempt& at) -> absl::StatusOr<int> {
     at.charge(used);
     return 7;
@@ -315,7 +315,7 @@ TEST_CASE("tokens: a stream's usage chunk settles the fleet's reservation; a ref
   keel::circuit_breaker breaker({.name = "llm"});
   auto pipe = keel::pipeline(keel::retry({.max_attempts = 1}),
                              a.with_estimate([](const keel::call&) { return std::int64_t{700}; }), breaker)
-                  .on(clock);
+                  .in(keel::environment{clock});
   // Three tokens counted, the provider's bill 250: the bill settles.
   keel::testing::scripted_stream provider(
       clock, {{keel::testing::tok("a"), keel::testing::tok("b"), keel::testing::tok("c"),
@@ -347,7 +347,7 @@ TEST_CASE("tokens: an estimate over the burst reserves the burst and settles the
                            .fallback_burst = 500, .fallback_hold = 1h});
   CHECK(q.reservation(5000) == 500);
   CHECK(q.reservation(0) == 1);
-  auto pipe = keel::pipeline(q.with_estimate([](const keel::call&) { return std::int64_t{5000}; })).on(clock);
+  auto pipe = keel::pipeline(q.with_estimate([](const keel::call&) { return std::int64_t{5000}; })).in(keel::environment{clock});
   auto work = [&](const keel::attempt& at) -> absl::StatusOr<int> {
     at.charge(600);  // more than the bucket holds: it goes 100 into debt
     return 7;

@@ -127,7 +127,7 @@ auto seed_plan(seed_parts<Clock>& p, SmallModel& small_model, Cached& cached, Cl
              p.quotas, p.pools, keel::time_limit({.at_most = 1000ms}), p.hedger,
              keel::retry({.max_attempts = 2, .budget = &p.budget, .min_attempt_time = 500ms}), p.breakers,
              p.timeouts)
-      .on(std::move(clock));
+      .in(keel::environment{std::move(clock)});
 }
 
 absl::StatusOr<std::string> cached_feedback(const keel::attempt&) { return std::string("cached rubric feedback"); }
@@ -324,7 +324,7 @@ TEST_CASE("seed plan, admission refusal: the primary provider is never called", 
                                                keel::retry({.max_attempts = 2, .budget = &parts.budget,
                                                             .min_attempt_time = 500ms}),
                                                parts.breakers, parts.timeouts)
-                                    .on(clock);
+                                    .in(keel::environment{clock});
     const absl::StatusOr<std::string> r = admitted_first.run(call, std::ref(model));
     REQUIRE_FALSE(r.ok());
     CHECK(r.status().code() == absl::StatusCode::kResourceExhausted);
@@ -373,7 +373,7 @@ TEST_CASE("clock reads per successful call: the full protection pipeline and the
     keel::adaptive_timeout timeouts;
     const auto pipe = keel::pipeline(keel::time_limit({.at_most = 2s}), quotas, pools, breaker,
                                      keel::retry({.max_attempts = 3, .budget = &budget}), timeouts)
-                          .on(clock);
+                          .in(keel::environment{clock});
     keel::call call(base.now(), {.timeout = 3s, .response_reserve = 200ms,
                                  .labels = {.tenant = "acme", .model = "m-large", .work_class = "interactive"}});
     const absl::StatusOr<int> r = pipe.run(call, trivial{});

@@ -337,7 +337,7 @@ TEST_CASE("stream: tool-call deltas alone commit the stream, keep its stall cloc
   keel::testing::scripted_stream provider(
       clock, {{tool(0, "", "call_1", "get_weather", 1500ms), tool(0, "{\"city\":", {}, {}, 800ms),
                tool(0, "\"Pa", {}, {}, 800ms), tool(0, "ris\"", {}, {}, 800ms), tool(0, "}", {}, {}, 800ms), end()}});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
   event_run run(guard, pipe, provider, {.timeout = 60s});
   clock.await_sleepers(2);
   clock.advance(1500ms);
@@ -379,7 +379,7 @@ TEST_CASE("stream: a stream broken inside a tool call's arguments is partial and
       clock, {{tok("Let me look.", 100ms), tool(0, "", "call_1", "get_weather"), tool(0, "{\"city\":\"Pa", {}, {}, 100ms),
                end(absl::UnavailableError("connection cut"), 100ms)}});
   keel::testing::scripted_stream rest(clock, {{tok("ris\"}"), end()}});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 60s});
   keel::token_stream stream(guard, [](std::string_view) {});
   std::optional<absl::StatusOr<keel::stream_result>> result;
@@ -427,7 +427,7 @@ TEST_CASE("stream: a refusal-only stream commits; its answer is the refusal, not
   keel::stream_guard guard(budgets, clock);
   keel::testing::scripted_stream provider(
       clock, {{keel::testing::refusal("I'm sorry", 1500ms), keel::testing::refusal(", I can't.", 800ms), end()}});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
   event_run run(guard, pipe, provider, {.timeout = 60s});
   clock.await_sleepers(2);
   clock.advance(1500ms);

@@ -578,7 +578,7 @@ TEST_CASE("stream: tokens pass through as they come; a usage chunk that disagree
   keel::testing::scripted_stream provider(
       clock, {{tok("a", 500ms), tok("b", 500ms), keel::testing::usage({.prompt_tokens = 3, .completion_tokens = 50}),
                end()}});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).in(keel::environment{clock});
   stream_run run(guard, pipe, provider, {.timeout = 60s});
   clock.await_sleepers(2);  // the provider and the watchdog
   clock.advance(500ms);
@@ -603,7 +603,7 @@ TEST_CASE("stream: no first token within its budget is a transient failure befor
   manual_clock clock;
   keel::stream_guard guard(budgets, clock);
   keel::testing::scripted_stream provider(clock, {{tok("late", 5s), end()}, {tok("x", 100ms), end()}});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 0s})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 0s})).in(keel::environment{clock});
   stream_run run(guard, pipe, provider, {.timeout = 60s});
   clock.await_sleepers(2);
   clock.advance(2s);  // the first-token budget: the watchdog stops attempt 1
@@ -625,7 +625,7 @@ TEST_CASE("stream: the first-token timeout's status is a transient DeadlineExcee
   manual_clock clock;
   keel::stream_guard guard(budgets, clock);
   keel::testing::scripted_stream provider(clock, {{tok("late", 5s), end()}});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
   stream_run run(guard, pipe, provider, {.timeout = 60s});
   clock.await_sleepers(2);
   clock.advance(2s);
@@ -641,7 +641,7 @@ TEST_CASE("stream: a stall after the commit is a partial answer with the text, n
   keel::stream_guard guard(budgets, clock);
   keel::testing::scripted_stream provider(clock,
                                           {{tok("a", 100ms), tok("b", 100ms), tok("c", 100ms), tok("d", 10s), end()}});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).in(keel::environment{clock});
   stream_run run(guard, pipe, provider, {.timeout = 60s});
   for (int i = 0; i < 3; ++i) {
     clock.await_sleepers(2);
@@ -673,7 +673,7 @@ TEST_CASE("stream: the whole-stream budget and the call's deadline end a stream 
   std::vector<keel::testing::stream_step> trickle;
   for (int i = 0; i < 10; ++i) trickle.push_back(tok("t", 800ms));
   keel::testing::scripted_stream provider(clock, {trickle});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).in(keel::environment{clock});
   SECTION("whole") {
     stream_run run(guard, pipe, provider, {.timeout = 60s});
     for (int i = 0; i < 3; ++i) {
@@ -710,7 +710,7 @@ TEST_CASE("stream: a failure after the commit is partial; continuable unless per
       clock, {{tok("a", 100ms), tok("b"),
                end(permanent ? absl::InvalidArgumentError("content filter") : absl::UnavailableError("connection cut"),
                    100ms)}});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).in(keel::environment{clock});
   stream_run run(guard, pipe, provider, {.timeout = 60s});
   clock.await_sleepers(2);
   clock.advance(100ms);
@@ -737,7 +737,7 @@ TEST_CASE("stream: continuation is explicit: another provider resumes with the t
     asked_with = std::string(w.text_so_far());
     return rest(a, w);
   };
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).in(keel::environment{clock});
   std::string shown;
   std::atomic<int> seen{0};
   keel::call call(clock.now(), {.timeout = 5s});
@@ -779,7 +779,7 @@ TEST_CASE("stream: a continuation that cannot commit leaves the partial answer a
   manual_clock clock;
   keel::stream_guard guard(budgets, clock);
   keel::testing::scripted_stream rest(clock, {{end(absl::UnavailableError("down"))}});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 5s});
   keel::token_stream stream(guard, [](std::string_view) {});
   keel::stream_result partial;
@@ -802,7 +802,7 @@ TEST_CASE("stream: cancelling the call stops the stream at once, before or after
   keel::stream_guard guard(budgets, clock);
   const bool committed = GENERATE(false, true);
   keel::testing::scripted_stream provider(clock, {{tok("a", 100ms), tok("b", 10s), end()}});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).in(keel::environment{clock});
   std::stop_source caller;
   stream_run run(guard, pipe, provider, {.timeout = 60s, .stop = caller.get_token()});
   clock.await_sleepers(2);
@@ -836,7 +836,7 @@ TEST_CASE("stream: a first-token hedge races a second stream; the first to produ
   // Primary: first token at 3 s (or 1.5 s); hedge (started at 1 s): at 1.2 s from its start (2.2 s).
   keel::testing::scripted_stream provider(
       clock, {{tok("primary", hedge_wins ? 3s : 1500ms), end()}, {tok("hedge", 1200ms), end()}});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).in(keel::environment{clock});
   stream_run run(guard, pipe, provider, {.timeout = 60s});
   clock.await_sleepers(2);
   clock.advance(1s);        // the hedge starts
@@ -872,7 +872,7 @@ TEST_CASE("stream: no hedge when the retry budget is spent or the attempt cap re
   keel::stream_guard guard({.first_token = 5s, .stall = 1s, .hedge_delay = 1s, .budget = by_budget ? &budget : nullptr},
                            pool, clock);
   keel::testing::scripted_stream provider(clock, {{tok("primary", 3s), end()}});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
   stream_run run(guard, pipe, provider, {.timeout = 60s, .max_attempts = by_budget ? 3 : 1});
   clock.await_sleepers(2);
   clock.advance(1s);  // the hedge is due: refused
@@ -894,7 +894,7 @@ TEST_CASE("stream: the first-token hedge spends one retry of the budget and depo
   keel::retry_budget budget({.ratio = 0.5, .min_per_second = 10});
   keel::stream_guard guard({.first_token = 5s, .stall = 1s, .hedge_delay = 1s, .budget = &budget}, pool, clock);
   keel::testing::scripted_stream provider(clock, {{tok("primary", 3s), end()}, {tok("hedge", 100ms), end()}});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
   stream_run run(guard, pipe, provider, {.timeout = 60s});
   clock.await_sleepers(2);
   clock.advance(1s);
@@ -916,7 +916,7 @@ TEST_CASE("stream: a learned first-token hedge delay follows the recent times to
   keel::stream_guard guard(
       {.first_token = 10s, .stall = 1s, .hedge_delay = 1s, .hedge_percentile = 0.95, .hedge_min_delay = 10ms}, pool,
       clock);
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).in(keel::environment{clock});
   CHECK(guard.current_hedge_delay() == 1s);  // nothing learned yet: the fixed delay
   keel::testing::scripted_stream quick(clock, {{tok("q", 200ms), end()}});
   for (int i = 0; i < 20; ++i) {  // the tracker's min_samples: 20 times to first token of 200 ms
@@ -975,7 +975,7 @@ TEST_CASE("stream: the policy allocates nothing per token", "[stream][policy][al
   keel::call call(clock.now(), {.timeout = 60s});
   keel::token_stream stream(guard, [&](std::string_view t) { relayed += t.size(); });
   stream.reserve(8 << 10);
-  auto r = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock).run(call, stream.attempts(provider));
+  auto r = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock}).run(call, stream.attempts(provider));
   REQUIRE(r.ok());
   CHECK(r->tokens == 1064);
   CHECK(relayed == 64 * 4 + 1000 * 5);
@@ -1084,7 +1084,7 @@ TEST_CASE("stream: time to first token is what the client waited, from the call'
   keel::stream_guard guard(budgets, clock);
   // Attempt 1 never shows a token within the 2 s budget; attempt 2 does after 500 ms.
   keel::testing::scripted_stream provider(clock, {{tok("late", 5s), end()}, {tok("x", 500ms), end()}});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 0s})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 0s})).in(keel::environment{clock});
   stream_run run(guard, pipe, provider, {.timeout = 60s});
   clock.await_sleepers(2);
   clock.advance(2s);
@@ -1131,7 +1131,7 @@ TEST_CASE("stream tokens: admission reserves an estimate and settles to the usag
       keel::pipeline(quotas.with_estimate(keel::from_request<chat>([](const chat& c) { return c.max_tokens; },
                                                                      std::int64_t{0})),
                      keel::retry({.max_attempts = 1}))
-          .on(clock);
+          .in(keel::environment{clock});
   const bool usage_sent = GENERATE(true, false);
   // The usage chunk disagrees with the count: the provider's bill wins.
   std::vector<keel::testing::stream_step> script{tok("a"), tok("b"), tok("c")};
@@ -1157,7 +1157,7 @@ TEST_CASE("stream tokens: a stream that fails before its first token is charged 
   keel::admission quotas({.tenant_defaults = {.compute_budget = 1'000, .compute_window = 1h}});
   const auto pipe = keel::pipeline(quotas.with_estimate([](const keel::call&) { return std::int64_t{300}; }),
                                    keel::retry({.max_attempts = 1}))
-                        .on(clock);
+                        .in(keel::environment{clock});
   const bool usage_sent = GENERATE(true, false);
   std::vector<keel::testing::stream_step> script;
   if (usage_sent) script.push_back(keel::testing::usage({.prompt_tokens = 40, .completion_tokens = 0}));
@@ -1183,7 +1183,7 @@ TEST_CASE("stream tokens: a first-token race charges the winner's bill and what 
       clock, {{keel::testing::usage({.prompt_tokens = 25, .completion_tokens = 0}), tok("slow", 3s), end()},
               {tok("a", 100ms), tok("b"), tok("c"), keel::testing::usage({.prompt_tokens = 25, .completion_tokens = 3}),
                end()}});
-  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).on(clock);
+  const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
   stream_run run(guard, pipe, provider, {.timeout = 60s});
   clock.await_sleepers(2);
   clock.advance(1s);
@@ -1203,7 +1203,7 @@ TEST_CASE("stream tokens: a stream over its estimate is charged the excess", "[s
   keel::admission quotas({.tenant_defaults = {.compute_budget = 1'000, .compute_window = 1h}});
   const auto pipe = keel::pipeline(quotas.with_estimate([](const keel::call&) { return std::int64_t{200}; }),
                                    keel::retry({.max_attempts = 1}))
-                        .on(clock);
+                        .in(keel::environment{clock});
   keel::testing::scripted_stream provider(
       clock, {{tok("a"), keel::testing::usage({.prompt_tokens = 100, .completion_tokens = 400}), end()}});
   keel::call call(clock.now(), {.timeout = 60s, .labels = {.tenant = "acme"}});

@@ -80,13 +80,11 @@ TEST_CASE("retries, their waits and every reason to stop are counted", "[telemet
   const keel::metrics_listener listener(registry);
   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3, .max_retry_after = 30s},
                                          keel::constant_backoff{.delay_each = 40ms}))
-                  .on(clock)
-                  .observe(listener);
+                  .in(keel::environment{clock}.with_listener(listener));
   keel::retry_budget empty_budget({.ratio = 0.0, .min_per_second = 0.0});
   auto budgeted = keel::pipeline(keel::retry({.max_attempts = 3, .budget = &empty_budget},
                                              keel::constant_backoff{.delay_each = 40ms}))
-                      .on(clock)
-                      .observe(listener);
+                      .in(keel::environment{clock}.with_listener(listener));
 
   int retries_seen = 0;
   auto run = [&](auto& p, std::vector<keel::testing::step<int>> script) {
@@ -143,8 +141,7 @@ TEST_CASE("deadline and cancellation stops are counted", "[telemetry][metrics]")
   SECTION("deadline") {
     clock.auto_advance(true);
     auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}, keel::constant_backoff{.delay_each = 2s}))
-                    .on(clock)
-                    .observe(listener);
+                    .in(keel::environment{clock}.with_listener(listener));
     scripted_provider<int> provider(clock, {kt::unavailable(10ms)});
     keel::call call(clock.now(), {.timeout = 1s});
     CHECK_FALSE(pipe.run(call, provider).ok());
@@ -152,8 +149,7 @@ TEST_CASE("deadline and cancellation stops are counted", "[telemetry][metrics]")
   }
   SECTION("cancelled while waiting") {
     auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}, keel::constant_backoff{.delay_each = 10s}))
-                    .on(clock)
-                    .observe(listener);
+                    .in(keel::environment{clock}.with_listener(listener));
     std::stop_source stop;
     absl::Status got;
     std::thread worker([&] {
@@ -176,7 +172,7 @@ TEST_CASE("counts stay exact with many threads running pipelines", "[telemetry][
   keel::metrics_registry registry;
   const keel::metrics_listener listener(registry);
   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}, keel::constant_backoff{.delay_each = 0s}))
-                  .observe(listener);
+                  .in(keel::environment<>{}.with_listener(listener));
   constexpr int kThreads = 4, kCalls = 500;
   std::vector<int> failures(kThreads, 0);
   std::vector<std::thread> workers;
@@ -257,7 +253,7 @@ TEST_CASE("breaker transitions and rejections are counted by breaker and state",
                                  .failure_rate_threshold = 0.5,
                                  .open_duration = 5s,
                                  .half_open_probes = 1});
-  auto pipe = keel::pipeline(breaker).on(clock).observe(listener);
+  auto pipe = keel::pipeline(breaker).in(keel::environment{clock}.with_listener(listener));
   auto run = [&](absl::Status result) {
     keel::call call(clock.now(), {.timeout = 1s});
     return pipe.run(call, [&](const keel::attempt&) { return result; });
@@ -304,8 +300,7 @@ TEST_CASE("fallbacks used and skipped are counted by path, reason and gate", "[t
   auto pipe = keel::pipeline(keel::fallback({residency},
                                             keel::alternate("us-model", us_model, {.labels = {.region = "us"}}),
                                             keel::alternate("cached", cached, {.labels = {.region = "eu"}, .provider_call = false})))
-                  .on(clock)
-                  .observe(listener);
+                  .in(keel::environment{clock}.with_listener(listener));
   keel::call call(clock.now(), {.timeout = 2s, .labels = {.region = "eu"}});
   REQUIRE(pipe.run(call, model).value() == "cached");
   CHECK(us_model.calls() == 0);
@@ -322,7 +317,7 @@ TEST_CASE("hedges started, losers cancelled and outstanding work are reported", 
   keel::metrics_registry registry;
   const keel::metrics_listener listener(registry);
   keel::watch_hedge(registry, "llm", hedger);
-  auto pipe = keel::pipeline(hedger).on(clock).observe(listener);
+  auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(listener));
   // The primary waits for its stop token (up to 10 s); the hedge answers at once.
   auto provider = [&clock](const keel::attempt& a) -> absl::StatusOr<int> {
     if (a.hedge == 0) {
@@ -421,7 +416,7 @@ TEST_CASE("idempotent begins are counted by what the store answered", "[telemetr
 TEST_CASE("the default sink is no sink: observing null_listener changes nothing", "[telemetry]") {
   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}));
   // The same type, so the same code: the events are never built.
-  STATIC_REQUIRE(std::is_same_v<decltype(pipe), decltype(pipe.observe(keel::null_listener{}))>);
+  STATIC_REQUIRE(std::is_same_v<decltype(pipe), decltype(pipe.in(keel::environment<>{}.with_listener(keel::null_listener{})))>);
   STATIC_REQUIRE_FALSE(keel::wants<keel::null_listener, keel::events::retry_scheduled>);
   STATIC_REQUIRE(keel::wants<keel::metrics_listener, keel::events::retry_scheduled>);
   STATIC_REQUIRE(keel::wants<keel::metrics_listener, keel::events::breaker_state_changed>);
@@ -479,7 +474,7 @@ TEST_CASE("admission and bulkhead rejections are counted with the limit that ref
   auto ok = [](const keel::attempt&) -> absl::StatusOr<int> { return 1; };
 
   keel::admission quotas({.tenant_defaults = {.max_in_flight = 1}});
-  auto admitted = keel::pipeline(quotas).observe(listener);
+  auto admitted = keel::pipeline(quotas).in(keel::environment<>{}.with_listener(listener));
   {
     // acme's one in-flight slot is held; its next call is refused, globex's is not.
     absl::StatusOr<keel::admission_ticket> held =
@@ -494,7 +489,7 @@ TEST_CASE("admission and bulkhead rejections are counted with the limit that ref
   }
 
   keel::bulkhead pools({.classes = {{.name = "batch", .capacity = 1, .max_queue = 0}}});
-  auto isolated = keel::pipeline(pools).observe(listener);
+  auto isolated = keel::pipeline(pools).in(keel::environment<>{}.with_listener(listener));
   {
     keel::bulkhead_permit busy = pools.try_acquire(*pools.class_index("batch"));
     REQUIRE(busy);
@@ -641,7 +636,7 @@ TEST_CASE("adaptive limits: the limit as a gauge, refusals by limiter or throttl
                               .classes = {{.name = "interactive"}, {.name = "batch", .share = 0.5}},
                               .default_class = "interactive"});
   keel::adaptive_throttle throttle({.name = "llm", .window = 1min}, keel::testing::seeded_random(4));
-  auto pipe = keel::pipeline(throttle, limit).on(clock).observe(listener);
+  auto pipe = keel::pipeline(throttle, limit).in(keel::environment{clock}.with_listener(listener));
   auto run = [&](std::string_view cls, absl::Status result) {
     keel::call call(clock.now(), {.timeout = 10s, .labels = {.work_class = cls}});
     return pipe.run(call, [&](const keel::attempt&) -> absl::Status {

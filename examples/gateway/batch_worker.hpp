@@ -199,8 +199,7 @@ class batch_worker {
                                             .min_attempt_time = r_.timeout.options().lower},
                                            r_.options.backoff),
                                breaker().attempt_gate(), r_.timeout)
-                    .on(r_.clock)
-                    .observe(r_.listener);
+                    .in(keel::environment{r_.clock}.with_listener(r_.listener));
     if (r_.on_progress) r_.on_progress("start", job.id);
     const keel::time_point asked = r_.clock.now();
     absl::StatusOr<std::string> raw =

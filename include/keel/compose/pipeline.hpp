@@ -37,9 +37,9 @@
 //
 // A pipeline runs in an environment (keel/core/environment.hpp): the clock,
 // classifier and event listener of the service, built once at startup.
-// `.in(env)` returns the same policies in `env`; `.on(clock)`,
-// `.classify_with(classifier)` and `.observe(listener)` replace one member
-// of the pipeline's environment. A run builds a run context, the
+// `.in(env)` returns the same policies in `env`, the one way to give a
+// pipeline its clock, classifier and listener (a test's is one line:
+// `.in(keel::environment{manual_clock})`). A run builds a run context, the
 // environment plus the call, and every policy takes all three from it.
 //
 // Thread-safety: run() is const and may be called from many threads at once,
@@ -216,7 +216,8 @@ class basic_pipeline {
     return detail::run_from<0, R>(chain, ctx, plan);
   }
 
-  // The same policies in another environment: the service's, built once.
+  // The same policies in another environment: the service's, built once
+  // (or, in a test, one on a manual clock).
   template <class C, class K, class L>
   [[nodiscard]] basic_pipeline<C, K, L, Policies...> in(keel::environment<C, K, L> env) const {
     return std::apply(
@@ -224,22 +225,6 @@ class basic_pipeline {
           return basic_pipeline<C, K, L, Policies...>(std::move(env), static_cast<Policies>(p)...);
         },
         policies_);
-  }
-
-  // The same policies with one member of the environment replaced: another
-  // clock (a manual clock in tests), classifier, or event listener
-  // (keel/core/telemetry.hpp).
-  template <keel::clock C>
-  [[nodiscard]] basic_pipeline<C, Classifier, Listener, Policies...> on(C clock) const {
-    return in(env_.with_clock(std::move(clock)));
-  }
-  template <keel::classifier K>
-  [[nodiscard]] basic_pipeline<Clock, K, Listener, Policies...> classify_with(K classifier) const {
-    return in(env_.with_classifier(std::move(classifier)));
-  }
-  template <class L>
-  [[nodiscard]] basic_pipeline<Clock, Classifier, L, Policies...> observe(L listener) const {
-    return in(env_.with_listener(std::move(listener)));
   }
 
   [[nodiscard]] const environment_type& environment() const noexcept { return env_; }

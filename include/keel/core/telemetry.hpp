@@ -26,7 +26,8 @@
 //     void operator()(const keel::events::retry_scheduled&) const { ++*retries; }
 //   };
 //   std::atomic<int> retries{0};
-//   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).observe(retry_counter{&retries});
+//   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}))
+//                   .in(keel::environment<>{}.with_listener(retry_counter{&retries}));
 //
 // Thread-safety: listeners are called concurrently from every thread that
 // runs keel components; they must be thread-safe and should be quick (count,

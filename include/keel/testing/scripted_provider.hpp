@@ -18,7 +18,7 @@
 //       keel::testing::unavailable(std::chrono::milliseconds(30)),
 //       keel::testing::answer(42, std::chrono::milliseconds(80)),
 //   });
-//   // pipe.on(clock).run(call, provider) sees 429 (retry after 2 s), 503, then 42.
+//   // pipe.in(keel::environment{clock}).run(call, provider) sees 429 (retry after 2 s), 503, then 42.
 //
 // Thread-safety: operator() may be called from several threads at once;
 // which step each gets then depends on the interleaving.
