@@ -205,7 +205,8 @@ void per_token(benchmark::State& state, std::int64_t tokens_per_iter, std::int64
 void BM_Stream_PerToken(benchmark::State& state) {
   constexpr std::int64_t kStream = 4096;
   keel::testing::manual_clock clock;
-  keel::stream_guard guard({.first_token = 10s, .stall = 10s}, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard({.first_token = 10s, .stall = 10s}, guard_timer);
   std::size_t relayed = 0;
   keel::token_stream stream(guard, [&](std::string_view t) { relayed += t.size(); });
   const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
@@ -222,6 +223,9 @@ void BM_Stream_PerToken(benchmark::State& state) {
     benchmark::DoNotOptimize(r);
   }
   per_token(state, kStream, before);
+  // How often a stream's arm woke the timer's thread (a futex wake each).
+  state.counters["timer_wakeups/stream"] =
+      static_cast<double>(guard_timer.figures().wakeups) / static_cast<double>(state.iterations());
   benchmark::DoNotOptimize(relayed);
 }
 BENCHMARK(BM_Stream_PerToken);
@@ -232,7 +236,8 @@ BENCHMARK(BM_Stream_PerToken);
 void BM_Stream_PerToolDelta(benchmark::State& state) {
   constexpr std::int64_t kStream = 4096;
   keel::testing::manual_clock clock;
-  keel::stream_guard guard({.first_token = 10s, .stall = 10s}, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard({.first_token = 10s, .stall = 10s}, guard_timer);
   std::size_t relayed = 0;
   keel::token_stream stream(guard, [&](std::string_view t) { relayed += t.size(); });
   const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
@@ -262,7 +267,8 @@ BENCHMARK(BM_Stream_PerToolDelta);
 void BM_Stream_PerEvent_Relay(benchmark::State& state) {
   constexpr std::int64_t kStream = 4096;
   keel::testing::manual_clock clock;
-  keel::stream_guard guard({.first_token = 10s, .stall = 10s}, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard({.first_token = 10s, .stall = 10s}, guard_timer);
   std::size_t relayed = 0;
   keel::token_stream stream(guard, [&](const keel::stream_event& e) { relayed += e.data.size(); });
   const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
@@ -336,7 +342,8 @@ BENCHMARK(BM_Stream_ParserOnly);
 void BM_Stream_ParsedIntoPolicy(benchmark::State& state) {
   const std::string& b = body();
   keel::testing::manual_clock clock;
-  keel::stream_guard guard({.first_token = 10s, .stall = 10s}, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard({.first_token = 10s, .stall = 10s}, guard_timer);
   keel::http::sse_parser parser;
   std::size_t relayed = 0;
   keel::token_stream stream(guard, [&](std::string_view t) { relayed += t.size(); });

@@ -64,10 +64,11 @@ int main() {
   keel::bounded_pool hedge_pool({.threads = 2, .queue_capacity = 8});
   // Hedge after the learned p95 (400 ms until enough answers are known);
   // the retry inside deposits each call into the budget, the hedge spends it.
-  keel::hedge<keel::bounded_pool, kt::manual_clock> hedger(
+  keel::deadline_timer timer{clock};  // starts the hedges on the story's clock
+  keel::hedge hedger(
       {.delay = 400ms, .percentile = 0.95, .min_delay = 100ms, .max_hedges = 1, .budget = &budget,
        .deposit_requests = false, .min_attempt_time = 500ms},
-      hedge_pool, clock);
+      hedge_pool, timer);
   keel::breaker_registry breakers({.breaker = {.minimum_calls = 20, .open_duration = 10s}});
   keel::adaptive_timeout timeouts({.margin = 200ms, .lower = 500ms, .upper = 1500ms, .initial = 1s});
   kt::scripted_provider<std::string> small_model(clock, {kt::answer(std::string("small-model feedback"), 1000ms)});

@@ -272,9 +272,10 @@ void hedge_case(mode m, loop& l, Executor& attempts, bool primary_on_caller) {
   gate g;
   keel::testing::manual_clock clock;
   keel::retry_budget budget({.ratio = 1.0, .min_per_second = 10});
-  keel::hedge<Executor, keel::testing::manual_clock> hedger(
+  keel::deadline_timer timer{clock};
+  keel::hedge<Executor> hedger(
       {.delay = 1s, .max_hedges = 1, .budget = &budget, .primary_on_caller_thread = primary_on_caller}, attempts,
-      clock);
+      timer);
   const auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 60s});
   auto f = start(m, l, pipe, call, g);

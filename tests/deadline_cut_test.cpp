@@ -61,20 +61,23 @@ std::vector<keel::unit> units_named(std::initializer_list<std::string_view> name
 
 }  // namespace
 
-TEST_CASE("hedge with a cut: a race of stalled attempts ends exactly at its deadline", "[deadline_cut][hedge]") {
+TEST_CASE("hedge with a cut: a race of stalled attempts ends exactly at its deadline, on one timer thread",
+          "[deadline_cut][hedge]") {
   manual_clock clock;
-  keel::deadline_timer timer(clock);
+  keel::deadline_timer timer(clock);  // starts the hedge and cuts both attempts
   keel::bounded_pool pool({.threads = 4});
-  keel::hedge hedger({.delay = 10ms, .max_hedges = 1, .cut = &timer}, pool, clock);
+  keel::hedge hedger({.delay = 10ms, .max_hedges = 1, .cut = &timer}, pool, timer);
   auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 100ms});
   std::atomic<int> started{0};
   async_call<absl::StatusOr<int>> run([&] { return pipe.run(call, counted_stall{&started}); });
   REQUIRE(eventually([&] { return started.load() == 1; }));
-  clock.await_sleepers(2);  // the hedge's timer (10 ms) and the deadline timer (100 ms)
+  clock.await_sleepers(1);  // the one timer thread: the hedge at 10 ms, the primary's cut at 100 ms
+  CHECK(timer.figures().fired == 0);
   clock.advance(10ms);
   REQUIRE(eventually([&] { return started.load() == 2; }));  // the hedge runs
-  clock.await_sleepers(1);  // the deadline timer; the hedge's timer is idle
+  CHECK(timer.figures().fired == 1);                            // started by the timer
+  clock.await_sleepers(1);  // the same thread, armed for the cuts
   clock.advance(89ms);
   clock.await_sleepers(1);
   CHECK_FALSE(run.done());
@@ -82,14 +85,15 @@ TEST_CASE("hedge with a cut: a race of stalled attempts ends exactly at its dead
   REQUIRE(eventually([&] { return run.done(); }));
   absl::StatusOr<int> r = run.get();
   CHECK(says_cut(r.status()));
-  CHECK(timer.figures().fired == 2);  // the primary and the hedge
+  CHECK(timer.figures().fired == 3);  // the hedge's start, then the primary's and the hedge's cuts
   REQUIRE(eventually([&] { return hedger.figures().outstanding == 0; }));
 }
 
 TEST_CASE("hedge without a cut: a stalled race waits for its attempts (the control)", "[deadline_cut][hedge]") {
   manual_clock clock;
   keel::bounded_pool pool({.threads = 4});
-  keel::hedge hedger({.delay = 10ms, .max_hedges = 1}, pool, clock);
+  keel::deadline_timer hedger_timer{clock};
+  keel::hedge hedger({.delay = 10ms, .max_hedges = 1}, pool, hedger_timer);
   auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
   std::stop_source caller;
   keel::call call(clock.now(), {.timeout = 100ms, .stop = caller.get_token()});

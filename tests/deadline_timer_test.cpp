@@ -2,7 +2,8 @@
 // the deadline on the manual clock, never before and never after a disarm;
 // a pipeline attempt that watches only its stop token cut at its deadline
 // (manual clock exactly, real clock generously); arms and disarms from many
-// threads while the timer fires; no allocation on the success path.
+// threads while the timer fires; no allocation on the success path; an entry
+// that runs again (a hedge, a stream's budgets), brought forward or cancelled.
 #include "keel/compose/deadline_timer.hpp"
 
 #include <atomic>
@@ -103,6 +104,62 @@ TEST_CASE("deadline timer: an earlier deadline wakes a thread sleeping until a l
   CHECK(timer.figures().wakeups == before);
   CHECK_FALSE(later.disarm());
   CHECK_FALSE(third.disarm());
+}
+
+// An entry whose function asks to run `times` times, 100 ms apart.
+struct repeating_entry : keel::detail::timer_entry {
+  int times = 0;
+  std::atomic<int> runs{0};
+  std::vector<keel::time_point> at;  // the timer's thread writes; read after cancel()
+
+  explicit repeating_entry(int n) : times(n) {
+    fire = [](keel::detail::timer_entry& t, keel::time_point now) {
+      auto& self = static_cast<repeating_entry&>(t);
+      self.at.push_back(now);
+      return self.runs.fetch_add(1) + 1 < self.times ? now + 100ms : keel::time_point::max();
+    };
+  }
+};
+
+TEST_CASE("deadline timer: an entry runs again while its function asks, and is brought forward, never back",
+          "[deadline_timer]") {
+  manual_clock clock;
+  keel::deadline_timer timer(clock);
+  repeating_entry e(3);
+  const keel::time_point t0 = clock.now();
+  timer.schedule(e, t0 + 1s);
+  clock.await_sleepers(1);
+  timer.bring_forward(e, t0 + 300ms);  // earlier: taken, and the sleeping thread woken for it
+  timer.bring_forward(e, t0 + 2s);     // later: ignored
+  clock.await_sleepers(1);
+  clock.advance(299ms);
+  clock.await_sleepers(1);
+  CHECK(e.runs.load() == 0);
+  clock.advance(1ms);
+  REQUIRE(eventually([&] { return e.runs.load() == 1; }));
+  for (int i = 2; i <= 3; ++i) {
+    clock.await_sleepers(1);
+    clock.advance(100ms);
+    REQUIRE(eventually([&] { return e.runs.load() == i; }));
+  }
+  CHECK(timer.cancel(e));  // it ran, and is done
+  CHECK(e.at == std::vector<keel::time_point>{t0 + 300ms, t0 + 400ms, t0 + 500ms});
+  CHECK(timer.figures().fired == 3);
+}
+
+TEST_CASE("deadline timer: an entry cancelled between its runs never runs again", "[deadline_timer]") {
+  manual_clock clock;
+  keel::deadline_timer timer(clock);
+  repeating_entry e(1000);
+  timer.schedule(e, clock.now() + 100ms);
+  clock.await_sleepers(1);
+  clock.advance(100ms);
+  REQUIRE(eventually([&] { return e.runs.load() == 1; }));
+  clock.await_sleepers(1);  // armed again, for 100 ms on
+  CHECK_FALSE(timer.cancel(e));  // armed, not done: unlinked
+  clock.advance(1s);
+  CHECK_FALSE(eventually([&] { return e.runs.load() > 1; }, 50ms));
+  CHECK(timer.figures().fired == 1);
 }
 
 TEST_CASE("deadline timer: destroyed with cuts armed, it detaches them without firing", "[deadline_timer]") {

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "keel/compose/deadline_timer.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"
@@ -370,7 +371,8 @@ TEST_CASE("fallback outside a hedge: when the race has no acceptable answer, the
           "[fallback][hedge]") {
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
-  keel::hedge hedger({.delay = 100ms}, pool, clock);
+  keel::deadline_timer hedger_timer{clock};
+  keel::hedge hedger({.delay = 100ms}, pool, hedger_timer);
   text_provider model(clock, {kt::bad_credential(10ms)});  // permanent: the race ends at once, no hedge
   text_provider backup(clock, {kt::answer(std::string("from the backup"), 10ms)});
   auto pipe = keel::pipeline(keel::fallback({}, keel::alternate("backup", backup)), hedger).in(keel::environment{clock});

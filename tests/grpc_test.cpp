@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "keel/compose/deadline_timer.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"
@@ -277,8 +278,9 @@ TEST_CASE("grpc: a hedge's losing call is cancelled on the wire, and the hedge a
   keel_test::player_server server;
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
-  std::optional<keel::hedge<keel::bounded_pool, manual_clock>> hedger;
-  hedger.emplace(keel::hedge_options{.delay = 50ms, .max_hedges = 1}, pool, clock);
+  keel::deadline_timer timer{clock};
+  std::optional<keel::hedge<keel::bounded_pool>> hedger;
+  hedger.emplace(keel::hedge_options{.delay = 50ms, .max_hedges = 1}, pool, timer);
   const auto pipe = keel::pipeline(*hedger).in(keel::environment{clock});
   PlayRequest hang;
   hang.set_hang(true);

@@ -14,7 +14,9 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "keel/compose/deadline_timer.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/core/call.hpp"
@@ -109,7 +111,8 @@ TEST_CASE("a hedge starts after the delay; the first acceptable success wins ove
           "[hedge][seed]") {
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
-  keel::hedge hedger({.delay = 100ms, .max_hedges = 1}, pool, clock);
+  keel::deadline_timer hedger_timer{clock};
+  keel::hedge hedger({.delay = 100ms, .max_hedges = 1}, pool, hedger_timer);
   auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
 
   SECTION("the hedge fails fast; the slower primary still wins") {
@@ -162,7 +165,8 @@ TEST_CASE("a winning hedge cancels the primary, which observes its stop token", 
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
   event_log events;
-  keel::hedge hedger({.delay = 100ms}, pool, clock);
+  keel::deadline_timer hedger_timer{clock};
+  keel::hedge hedger({.delay = 100ms}, pool, hedger_timer);
   auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(recorder{&events}));
   provider_t primary(clock, {kt::stall()}, sleep_mode);
   provider_t backup(clock, {kt::answer(7, 30ms)}, sleep_mode);
@@ -213,7 +217,8 @@ TEST_CASE("a loser that ignores its stop token does not hold the caller once a h
   provider_t backup(clock, {kt::answer(7, 30ms)}, sleep_mode);
 
   SECTION("the primary runs on the executor: the call returns with the hedge's answer at once") {
-    keel::hedge hedger({.delay = 100ms}, pool, clock);
+    keel::deadline_timer hedger_timer{clock};
+    keel::hedge hedger({.delay = 100ms}, pool, hedger_timer);
     auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(recorder{&events}));
     keel::call call(clock.now(), {.timeout = 20s});
     const keel::time_point t0 = clock.now();
@@ -248,7 +253,8 @@ TEST_CASE("a loser that ignores its stop token does not hold the caller once a h
   }
 
   SECTION("primary_on_caller_thread: the caller is the loser's thread, and waits for it") {
-    keel::hedge hedger({.delay = 100ms, .primary_on_caller_thread = true}, pool, clock);
+    keel::deadline_timer hedger_timer{clock};
+    keel::hedge hedger({.delay = 100ms, .primary_on_caller_thread = true}, pool, hedger_timer);
     auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
     keel::call call(clock.now(), {.timeout = 20s});
     const keel::time_point t0 = clock.now();
@@ -282,7 +288,8 @@ TEST_CASE("two hedges, one per delay; the winner cancels both others", "[hedge][
   manual_clock clock;
   keel::bounded_pool pool({.threads = 3, .queue_capacity = 8});
   event_log events;
-  keel::hedge hedger({.delay = 100ms, .max_hedges = 2}, pool, clock);
+  keel::deadline_timer hedger_timer{clock};
+  keel::hedge hedger({.delay = 100ms, .max_hedges = 2}, pool, hedger_timer);
   auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(recorder{&events}));
   provider_t primary(clock, {kt::stall()}, sleep_mode);
   provider_t first(clock, {kt::stall()}, sleep_mode);
@@ -318,7 +325,8 @@ TEST_CASE("the retry budget stops hedges", "[hedge][budget]") {
   // No ratio, and a floor of one retry (then one per 10 s).
   keel::retry_budget budget({.ratio = 0.0, .min_per_second = 0.1, .window = 10s});
   event_log events;
-  keel::hedge hedger({.delay = 100ms, .budget = &budget}, pool, clock);
+  keel::deadline_timer hedger_timer{clock};
+  keel::hedge hedger({.delay = 100ms, .budget = &budget}, pool, hedger_timer);
   auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(recorder{&events}));
   provider_t primary(clock, {kt::answer(1, 300ms)}, sleep_mode);
   provider_t backup(clock, {kt::answer(2, 10ms)}, sleep_mode);
@@ -359,7 +367,8 @@ TEST_CASE("retries and hedges spend one retry budget: retries that drained it st
   keel::retry_budget shared({.ratio = 0.0, .min_per_second = 2, .window = 10s});
   keel::retry_budget elsewhere({.ratio = 0.0, .min_per_second = 2, .window = 10s});
   event_log events;
-  keel::hedge hedger({.delay = 100ms, .budget = &shared}, pool, clock);
+  keel::deadline_timer hedger_timer{clock};
+  keel::hedge hedger({.delay = 100ms, .budget = &shared}, pool, hedger_timer);
   // The primary's first two tries fail after 10 ms each and are retried
   // without a wait; its third is slow (300 ms). A hedge answers in 10 ms.
   provider_t primary(clock, {kt::unavailable(10ms), kt::unavailable(10ms), kt::answer(1, 300ms)}, sleep_mode);
@@ -433,7 +442,8 @@ TEST_CASE("a consequential write without an idempotency identity is never hedged
   auto both = keel::alternates(std::ref(primary), std::ref(backup));
 
   SECTION("refused with a clear status, nothing called") {
-    keel::hedge hedger({.delay = 100ms}, pool, clock);
+    keel::deadline_timer hedger_timer{clock};
+    keel::hedge hedger({.delay = 100ms}, pool, hedger_timer);
     auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(recorder{&events}));
     keel::call write(clock.now(), {.timeout = 1s, .operation = {.effect = keel::effect::write}});
     const absl::StatusOr<int> r = pipe.run(write, both);
@@ -448,7 +458,8 @@ TEST_CASE("a consequential write without an idempotency identity is never hedged
 
   SECTION("or run as a single attempt when the options say so") {
     provider_t slow(clock, {kt::answer(5, 300ms)}, sleep_mode);
-    keel::hedge hedger({.delay = 100ms, .run_unsafe_writes_unhedged = true}, pool, clock);
+    keel::deadline_timer hedger_timer{clock};
+    keel::hedge hedger({.delay = 100ms, .run_unsafe_writes_unhedged = true}, pool, hedger_timer);
     auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(recorder{&events}));
     keel::call write(clock.now(), {.timeout = 1s, .operation = {.effect = keel::effect::write}});
     async_call<absl::StatusOr<int>> run([&] { return pipe.run(write, keel::alternates(std::ref(slow), std::ref(backup))); });
@@ -461,7 +472,8 @@ TEST_CASE("a consequential write without an idempotency identity is never hedged
   }
 
   SECTION("an idempotent write is hedged") {
-    keel::hedge hedger({.delay = 100ms}, pool, clock);
+    keel::deadline_timer hedger_timer{clock};
+    keel::hedge hedger({.delay = 100ms}, pool, hedger_timer);
     auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
     keel::call write(clock.now(),
                      {.timeout = 1s, .operation = {.effect = keel::effect::write, .idempotent = true}});
@@ -536,7 +548,8 @@ TEST_CASE("a hedged pipeline copies its provider: a function, a copyable callabl
 TEST_CASE("a fast retryable failure with nothing else running starts the hedge at once", "[hedge]") {
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
-  keel::hedge hedger({.delay = 100ms}, pool, clock);
+  keel::deadline_timer hedger_timer{clock};
+  keel::hedge hedger({.delay = 100ms}, pool, hedger_timer);
   auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
   provider_t primary(clock, {kt::unavailable(10ms)}, sleep_mode);
   provider_t backup(clock, {kt::answer(5, 20ms)}, sleep_mode);
@@ -555,7 +568,8 @@ TEST_CASE("a fast retryable failure with nothing else running starts the hedge a
 TEST_CASE("a permanent failure with nothing else running ends the race", "[hedge]") {
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
-  keel::hedge hedger({.delay = 100ms}, pool, clock);
+  keel::deadline_timer hedger_timer{clock};
+  keel::hedge hedger({.delay = 100ms}, pool, hedger_timer);
   auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
   provider_t primary(clock, {kt::bad_credential(10ms)}, sleep_mode);
   provider_t backup(clock, {kt::answer(5, 20ms)}, sleep_mode);
@@ -570,7 +584,8 @@ TEST_CASE("a permanent failure with nothing else running ends the race", "[hedge
 TEST_CASE("an answer the acceptance check refuses does not win", "[hedge][accept]") {
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
-  keel::hedge hedger({.delay = 100ms}, pool, clock, [](int v) { return v > 0; });
+  keel::deadline_timer hedger_timer{clock};
+  keel::hedge hedger({.delay = 100ms}, pool, hedger_timer, [](int v) { return v > 0; });
   auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
 
   SECTION("a later acceptable answer wins") {
@@ -608,7 +623,8 @@ TEST_CASE("an answer the acceptance check refuses does not win", "[hedge][accept
 TEST_CASE("cancelling the call stops every attempt of the race", "[hedge][cancel]") {
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
-  keel::hedge hedger({.delay = 100ms}, pool, clock);
+  keel::deadline_timer hedger_timer{clock};
+  keel::hedge hedger({.delay = 100ms}, pool, hedger_timer);
   auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
   provider_t primary(clock, {kt::stall()}, sleep_mode);
   provider_t backup(clock, {kt::stall()}, sleep_mode);
@@ -633,7 +649,8 @@ TEST_CASE("cancelling the call stops every attempt of the race", "[hedge][cancel
 TEST_CASE("the hedge delay can be a percentile of recent latency, learned online", "[hedge][percentile]") {
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
-  keel::hedge hedger({.delay = 100ms, .percentile = 0.9, .samples = 16, .min_samples = 16}, pool, clock);
+  keel::deadline_timer hedger_timer{clock};
+  keel::hedge hedger({.delay = 100ms, .percentile = 0.9, .samples = 16, .min_samples = 16}, pool, hedger_timer);
   auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
   CHECK(hedger.current_delay() == ms(100));  // nothing learned yet
   for (int i = 0; i < 16; ++i) {
@@ -680,7 +697,8 @@ TEST_CASE("a hedge the executor refuses is skipped; the primary goes on", "[hedg
   REQUIRE(pool.try_execute([] {}).ok());  // the queue is now full
 
   event_log events;
-  keel::hedge hedger({.delay = 100ms}, pool, clock);
+  keel::deadline_timer hedger_timer{clock};
+  keel::hedge hedger({.delay = 100ms}, pool, hedger_timer);
   auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(recorder{&events}));
   provider_t primary(clock, {kt::answer(1, 300ms)}, sleep_mode);
   provider_t backup(clock, {kt::answer(2, 10ms)}, sleep_mode);
@@ -720,7 +738,8 @@ TEST_CASE("a refused hedge is not the answer: the primary's own failure is, and 
   REQUIRE(pool.try_execute([] {}).ok());  // the queue is now full: the primary runs on the caller's thread
 
   event_log events;
-  keel::hedge hedger({.delay = 100ms}, pool, clock);
+  keel::deadline_timer hedger_timer{clock};
+  keel::hedge hedger({.delay = 100ms}, pool, hedger_timer);
   auto pipe = keel::pipeline(hedger).in(keel::environment{clock}.with_listener(recorder{&events}));
   // Fails fast and retryably with nothing else running: the hedge is due at
   // once, and the executor refuses it.
@@ -893,11 +912,30 @@ TEST_CASE("invalid hedge options are refused naming the field", "[hedge][options
   CHECK_THROWS_AS(keel::hedge(keel::hedge_options{.max_hedges = -1}, pool), keel::invalid_options);
 }
 
+TEST_CASE("a hedge whose timer runs on another clock than its pipeline refuses the call before any attempt",
+          "[hedge]") {
+  manual_clock clock;
+  keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
+  keel::hedge hedger({.delay = 100ms}, pool);  // keel::process_timer(): the real clock
+  const auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
+  keel::call call(clock.now(), {.timeout = 1s});
+  std::atomic<int> invoked{0};
+  const absl::StatusOr<int> r = pipe.run(call, [&invoked](const keel::attempt&) -> absl::StatusOr<int> {
+    ++invoked;
+    return 1;
+  });
+  CHECK(r.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(r.status().message(), "another clock"));
+  CHECK(keel::marked_outcome(r.status()) == keel::outcome_kind::permanent);
+  CHECK(invoked.load() == 0);
+}
+
 TEST_CASE("a hedged pipeline run inside a provider on the same call takes over that provider's attempt",
           "[hedge][attempts]") {
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
-  keel::hedge<keel::bounded_pool, manual_clock> hedger({.delay = 1s, .max_hedges = 1}, pool, clock);
+  keel::deadline_timer timer{clock};
+  keel::hedge hedger({.delay = 1s, .max_hedges = 1}, pool, timer);
   const auto sdk = keel::pipeline(hedger).in(keel::environment{clock});   // the SDK's own layer
   const auto app = keel::pipeline().in(keel::environment{clock});          // the application's layer around it
   // One downstream call allowed: three layers must not make it two.

@@ -311,7 +311,8 @@ TEST_CASE("tokens: a stream's usage chunk settles the fleet's reservation; a ref
       .name = "provider:m:tpm", .rate = 1000, .per = 100h, .burst = 1000, .fallback_rate = 100};
   keel::shared_quota a(quota_redis(prefix), o), b(quota_redis(prefix), o);
   manual_clock clock;
-  keel::stream_guard guard({.first_token = 2s, .stall = 1s}, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard({.first_token = 2s, .stall = 1s}, guard_timer);
   keel::circuit_breaker breaker({.name = "llm"});
   auto pipe = keel::pipeline(keel::retry({.max_attempts = 1}),
                              a.with_estimate([](const keel::call&) { return std::int64_t{700}; }), breaker)

@@ -18,6 +18,7 @@
 #include <thread>
 #include <utility>
 
+#include "keel/compose/deadline_timer.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/fallback.hpp"
 #include "keel/compose/hedge.hpp"
@@ -84,7 +85,8 @@ constexpr keel::labels learner{.tenant = "learner-7",
 template <class Clock>
 struct seed_parts {
   explicit seed_parts(Clock timer_clock, bool primary_on_caller_thread = false)
-      : quotas({.tenant_defaults = {.rate = 20, .burst = 40, .max_in_flight = 8},
+      : hedge_timer(std::move(timer_clock)),
+        quotas({.tenant_defaults = {.rate = 20, .burst = 40, .max_in_flight = 8},
                 .model_defaults = {.max_in_flight = 64},
                 .tenants = {{"learner-7", {.rate = 20, .burst = 40, .max_in_flight = 1}}}}),
         pools({.classes = {{.name = "interactive", .capacity = 24, .max_queue = 48},
@@ -96,15 +98,16 @@ struct seed_parts {
         hedger({.delay = 400ms, .percentile = 0.95, .min_delay = 100ms, .max_hedges = 1, .budget = &budget,
                 .deposit_requests = false, .min_attempt_time = 500ms,
                 .primary_on_caller_thread = primary_on_caller_thread},
-               hedge_pool, std::move(timer_clock)),
+               hedge_pool, hedge_timer),
         breakers({.breaker = {.minimum_calls = 20, .open_duration = 10s}}),
         timeouts({.margin = 200ms, .lower = 500ms, .upper = 1500ms, .initial = 1s}) {}
 
+  keel::deadline_timer<Clock> hedge_timer;  // first: outlives the hedge
   keel::admission quotas;
   keel::bulkhead pools;
   keel::retry_budget budget;
   keel::bounded_pool hedge_pool;  // before the hedge: the hedge stops first
-  keel::hedge<keel::bounded_pool, Clock> hedger;
+  keel::hedge<keel::bounded_pool> hedger;
   keel::breaker_registry breakers;
   keel::adaptive_timeout timeouts;
 };

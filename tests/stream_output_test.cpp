@@ -303,7 +303,7 @@ struct event_run {
   std::jthread thread;
 
   event_run(Guard& g, const Pipe& pipe, Provider& provider, keel::call_options o)
-      : call(g.clock().now(), o), stream(g, [this](const keel::stream_event& e) {
+      : call(g.timer().now(), o), stream(g, [this](const keel::stream_event& e) {
           seen_event s{e.kind, std::string(e.content), std::string(e.refusal), {}, {}, e.tool_calls.size()};
           for (const keel::tool_call_delta& d : e.tool_calls) {
             s.arguments += d.arguments;
@@ -330,7 +330,8 @@ const keel::stream_options budgets{.first_token = 2s, .stall = 1s, .whole = 30s}
 TEST_CASE("stream: tool-call deltas alone commit the stream, keep its stall clock fresh, are counted and handed over",
           "[stream][policy][tools]") {
   manual_clock clock;
-  keel::stream_guard guard(budgets, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard(budgets, guard_timer);
   using keel::testing::tool;
   // The first fragment at 1.5 s (inside the 2 s first-token budget), the
   // rest 800 ms apart (inside the 1 s stall budget): 4.7 s in all.
@@ -373,7 +374,8 @@ TEST_CASE("stream: tool-call deltas alone commit the stream, keep its stall cloc
 TEST_CASE("stream: a stream broken inside a tool call's arguments is partial and never continued as text",
           "[stream][policy][tools]") {
   manual_clock clock;
-  keel::stream_guard guard(budgets, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard(budgets, guard_timer);
   using keel::testing::tool;
   keel::testing::scripted_stream provider(
       clock, {{tok("Let me look.", 100ms), tool(0, "", "call_1", "get_weather"), tool(0, "{\"city\":\"Pa", {}, {}, 100ms),
@@ -424,7 +426,8 @@ TEST_CASE("stream: a stream broken inside a tool call's arguments is partial and
 TEST_CASE("stream: a refusal-only stream commits; its answer is the refusal, not an empty one",
           "[stream][policy][refusal]") {
   manual_clock clock;
-  keel::stream_guard guard(budgets, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard(budgets, guard_timer);
   keel::testing::scripted_stream provider(
       clock, {{keel::testing::refusal("I'm sorry", 1500ms), keel::testing::refusal(", I can't.", 800ms), end()}});
   const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});

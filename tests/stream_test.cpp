@@ -552,7 +552,7 @@ struct stream_run {
   std::jthread thread;
 
   stream_run(Guard& g, const Pipe& pipe, Provider& provider, keel::call_options o)
-      : call(g.clock().now(), o), stream(g, [this](std::string_view t) {
+      : call(g.timer().now(), o), stream(g, [this](std::string_view t) {
           shown.append(t);
           seen.fetch_add(1);
         }) {
@@ -574,7 +574,8 @@ const keel::stream_options budgets{.first_token = 2s, .stall = 1s, .whole = 30s}
 TEST_CASE("stream: tokens pass through as they come; a usage chunk that disagrees with the count is reported as sent",
           "[stream][policy]") {
   manual_clock clock;
-  keel::stream_guard guard(budgets, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard(budgets, guard_timer);
   keel::testing::scripted_stream provider(
       clock, {{tok("a", 500ms), tok("b", 500ms), keel::testing::usage({.prompt_tokens = 3, .completion_tokens = 50}),
                end()}});
@@ -601,7 +602,8 @@ TEST_CASE("stream: tokens pass through as they come; a usage chunk that disagree
 TEST_CASE("stream: no first token within its budget is a transient failure before the commit: retried, the retry serves",
           "[stream][policy]") {
   manual_clock clock;
-  keel::stream_guard guard(budgets, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard(budgets, guard_timer);
   keel::testing::scripted_stream provider(clock, {{tok("late", 5s), end()}, {tok("x", 100ms), end()}});
   const auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 0s})).in(keel::environment{clock});
   stream_run run(guard, pipe, provider, {.timeout = 60s});
@@ -623,7 +625,8 @@ TEST_CASE("stream: no first token within its budget is a transient failure befor
 TEST_CASE("stream: the first-token timeout's status is a transient DeadlineExceeded when nothing retries it",
           "[stream][policy]") {
   manual_clock clock;
-  keel::stream_guard guard(budgets, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard(budgets, guard_timer);
   keel::testing::scripted_stream provider(clock, {{tok("late", 5s), end()}});
   const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
   stream_run run(guard, pipe, provider, {.timeout = 60s});
@@ -638,7 +641,8 @@ TEST_CASE("stream: the first-token timeout's status is a transient DeadlineExcee
 TEST_CASE("stream: a stall after the commit is a partial answer with the text, never restarted by a retry",
           "[stream][policy]") {
   manual_clock clock;
-  keel::stream_guard guard(budgets, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard(budgets, guard_timer);
   keel::testing::scripted_stream provider(clock,
                                           {{tok("a", 100ms), tok("b", 100ms), tok("c", 100ms), tok("d", 10s), end()}});
   const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).in(keel::environment{clock});
@@ -669,7 +673,8 @@ TEST_CASE("stream: a stall after the commit is a partial answer with the text, n
 TEST_CASE("stream: the whole-stream budget and the call's deadline end a stream that keeps trickling",
           "[stream][policy]") {
   manual_clock clock;
-  keel::stream_guard guard({.first_token = 2s, .stall = 1s, .whole = 2500ms}, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard({.first_token = 2s, .stall = 1s, .whole = 2500ms}, guard_timer);
   std::vector<keel::testing::stream_step> trickle;
   for (int i = 0; i < 10; ++i) trickle.push_back(tok("t", 800ms));
   keel::testing::scripted_stream provider(clock, {trickle});
@@ -704,7 +709,8 @@ TEST_CASE("stream: the whole-stream budget and the call's deadline end a stream 
 
 TEST_CASE("stream: a failure after the commit is partial; continuable unless permanent", "[stream][policy]") {
   manual_clock clock;
-  keel::stream_guard guard(budgets, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard(budgets, guard_timer);
   const bool permanent = GENERATE(false, true);
   keel::testing::scripted_stream provider(
       clock, {{tok("a", 100ms), tok("b"),
@@ -729,7 +735,8 @@ TEST_CASE("stream: a failure after the commit is partial; continuable unless per
 TEST_CASE("stream: continuation is explicit: another provider resumes with the text so far, degraded and partial",
           "[stream][policy]") {
   manual_clock clock;
-  keel::stream_guard guard(budgets, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard(budgets, guard_timer);
   keel::testing::scripted_stream first(clock, {{tok("ab", 100ms), tok("c", 100ms), tok("never", 10s), end()}});
   std::string asked_with;
   keel::testing::scripted_stream rest(clock, {{tok("def", 100ms), end()}});
@@ -777,7 +784,8 @@ TEST_CASE("stream: continuation is explicit: another provider resumes with the t
 
 TEST_CASE("stream: a continuation that cannot commit leaves the partial answer as it was", "[stream][policy]") {
   manual_clock clock;
-  keel::stream_guard guard(budgets, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard(budgets, guard_timer);
   keel::testing::scripted_stream rest(clock, {{end(absl::UnavailableError("down"))}});
   const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 5s});
@@ -799,7 +807,8 @@ TEST_CASE("stream: a continuation that cannot commit leaves the partial answer a
 
 TEST_CASE("stream: cancelling the call stops the stream at once, before or after the commit", "[stream][policy][cancel]") {
   manual_clock clock;
-  keel::stream_guard guard(budgets, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard(budgets, guard_timer);
   const bool committed = GENERATE(false, true);
   keel::testing::scripted_stream provider(clock, {{tok("a", 100ms), tok("b", 10s), end()}});
   const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).in(keel::environment{clock});
@@ -831,7 +840,8 @@ TEST_CASE("stream: a first-token hedge races a second stream; the first to produ
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 4});
   keel::retry_budget budget({.ratio = 0.5, .min_per_second = 10});
-  keel::stream_guard guard({.first_token = 5s, .stall = 1s, .hedge_delay = 1s, .budget = &budget}, pool, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard({.first_token = 5s, .stall = 1s, .hedge_delay = 1s, .budget = &budget}, pool, guard_timer);
   const bool hedge_wins = GENERATE(true, false);
   // Primary: first token at 3 s (or 1.5 s); hedge (started at 1 s): at 1.2 s from its start (2.2 s).
   keel::testing::scripted_stream provider(
@@ -869,8 +879,9 @@ TEST_CASE("stream: no hedge when the retry budget is spent or the attempt cap re
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 4});
   keel::retry_budget budget({.ratio = 0.0, .min_per_second = 0});
   const bool by_budget = GENERATE(true, false);
+  keel::deadline_timer guard_timer{clock};
   keel::stream_guard guard({.first_token = 5s, .stall = 1s, .hedge_delay = 1s, .budget = by_budget ? &budget : nullptr},
-                           pool, clock);
+                           pool, guard_timer);
   keel::testing::scripted_stream provider(clock, {{tok("primary", 3s), end()}});
   const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
   stream_run run(guard, pipe, provider, {.timeout = 60s, .max_attempts = by_budget ? 3 : 1});
@@ -892,7 +903,8 @@ TEST_CASE("stream: the first-token hedge spends one retry of the budget and depo
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 4});
   keel::retry_budget budget({.ratio = 0.5, .min_per_second = 10});
-  keel::stream_guard guard({.first_token = 5s, .stall = 1s, .hedge_delay = 1s, .budget = &budget}, pool, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard({.first_token = 5s, .stall = 1s, .hedge_delay = 1s, .budget = &budget}, pool, guard_timer);
   keel::testing::scripted_stream provider(clock, {{tok("primary", 3s), end()}, {tok("hedge", 100ms), end()}});
   const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
   stream_run run(guard, pipe, provider, {.timeout = 60s});
@@ -913,9 +925,10 @@ TEST_CASE("stream: a learned first-token hedge delay follows the recent times to
           "[stream][policy][hedge]") {
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 4});
+  keel::deadline_timer guard_timer{clock};
   keel::stream_guard guard(
       {.first_token = 10s, .stall = 1s, .hedge_delay = 1s, .hedge_percentile = 0.95, .hedge_min_delay = 10ms}, pool,
-      clock);
+      guard_timer);
   const auto pipe = keel::pipeline(keel::retry({.max_attempts = 3})).in(keel::environment{clock});
   CHECK(guard.current_hedge_delay() == 1s);  // nothing learned yet: the fixed delay
   keel::testing::scripted_stream quick(clock, {{tok("q", 200ms), end()}});
@@ -959,7 +972,8 @@ TEST_CASE("stream: the policy allocates nothing per token", "[stream][policy][al
     return;
   }
   manual_clock clock;
-  keel::stream_guard guard(budgets, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard(budgets, guard_timer);
   std::int64_t allocations_in_stream = -1;
   std::size_t relayed = 0;
   auto provider = [&](const keel::attempt&, keel::stream_writer& w) -> absl::Status {
@@ -1081,7 +1095,8 @@ TEST_CASE("stream SLO: the latency objective of a class is its time to first tok
 TEST_CASE("stream: time to first token is what the client waited, from the call's start, after a retry too",
           "[stream][policy][metrics]") {
   manual_clock clock;
-  keel::stream_guard guard(budgets, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard(budgets, guard_timer);
   // Attempt 1 never shows a token within the 2 s budget; attempt 2 does after 500 ms.
   keel::testing::scripted_stream provider(clock, {{tok("late", 5s), end()}, {tok("x", 500ms), end()}});
   const auto pipe = keel::pipeline(keel::retry({.max_attempts = 2}, keel::constant_backoff{.delay_each = 0s})).in(keel::environment{clock});
@@ -1122,7 +1137,8 @@ TEST_CASE("stream: time to first token is what the client waited, from the call'
 TEST_CASE("stream tokens: admission reserves an estimate and settles to the usage chunk, else to the count",
           "[stream][admission]") {
   manual_clock clock;
-  keel::stream_guard guard(budgets, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard(budgets, guard_timer);
   keel::admission quotas({.tenant_defaults = {.compute_budget = 10'000, .compute_window = 1h}});
   struct chat {
     std::int64_t max_tokens;
@@ -1153,7 +1169,8 @@ TEST_CASE("stream tokens: admission reserves an estimate and settles to the usag
 TEST_CASE("stream tokens: a stream that fails before its first token is charged what its usage says, else nothing",
           "[stream][admission]") {
   manual_clock clock;
-  keel::stream_guard guard(budgets, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard(budgets, guard_timer);
   keel::admission quotas({.tenant_defaults = {.compute_budget = 1'000, .compute_window = 1h}});
   const auto pipe = keel::pipeline(quotas.with_estimate([](const keel::call&) { return std::int64_t{300}; }),
                                    keel::retry({.max_attempts = 1}))
@@ -1177,7 +1194,8 @@ TEST_CASE("stream tokens: a first-token race charges the winner's bill and what 
           "[stream][admission][hedge]") {
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 4});
-  keel::stream_guard guard({.first_token = 5s, .stall = 1s, .hedge_delay = 1s}, pool, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard({.first_token = 5s, .stall = 1s, .hedge_delay = 1s}, pool, guard_timer);
   // The primary reported its prompt (25 tokens) before it went quiet; the hedge bills 3 + 25.
   keel::testing::scripted_stream provider(
       clock, {{keel::testing::usage({.prompt_tokens = 25, .completion_tokens = 0}), tok("slow", 3s), end()},
@@ -1199,7 +1217,8 @@ TEST_CASE("stream tokens: a first-token race charges the winner's bill and what 
 
 TEST_CASE("stream tokens: a stream over its estimate is charged the excess", "[stream][admission]") {
   manual_clock clock;
-  keel::stream_guard guard(budgets, clock);
+  keel::deadline_timer guard_timer{clock};
+  keel::stream_guard guard(budgets, guard_timer);
   keel::admission quotas({.tenant_defaults = {.compute_budget = 1'000, .compute_window = 1h}});
   const auto pipe = keel::pipeline(quotas.with_estimate([](const keel::call&) { return std::int64_t{200}; }),
                                    keel::retry({.max_attempts = 1}))

@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "keel/compose/deadline_timer.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/fallback.hpp"
 #include "keel/compose/hedge.hpp"
@@ -313,7 +314,8 @@ TEST_CASE("fallbacks used and skipped are counted by path, reason and gate", "[t
 TEST_CASE("hedges started, losers cancelled and outstanding work are reported", "[telemetry][hedge]") {
   manual_clock clock;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
-  keel::hedge hedger({.delay = 100ms}, pool, clock);
+  keel::deadline_timer hedger_timer{clock};
+  keel::hedge hedger({.delay = 100ms}, pool, hedger_timer);
   keel::metrics_registry registry;
   const keel::metrics_listener listener(registry);
   keel::watch_hedge(registry, "llm", hedger);

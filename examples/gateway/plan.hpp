@@ -116,9 +116,9 @@ class plan_builder {
  public:
   using env_type = keel::environment<Clock, keel::default_classifier, gateway_listener>;
   using once_type = keel::once<keel::sqlite_store<>, env_type>;
-  using guard_type = keel::stream_guard<Clock>;
+  using guard_type = keel::stream_guard;
   using chat_stream = keel::token_stream<guard_type, relay_token>;
-  using hedge_type = keel::hedge<keel::bounded_pool, Clock>;
+  using hedge_type = keel::hedge<keel::bounded_pool>;
 
   // What every plan uses and the gateway owns (it outlives the builder).
   struct shared {
@@ -137,7 +137,7 @@ class plan_builder {
     keel::bounded_pool& hedge_pool;  // runs the stream guards' hedges
   };
 
-  explicit plan_builder(shared s) : s_(std::move(s)), cut_timer_(s_.clock) {}
+  explicit plan_builder(shared s) : s_(std::move(s)), timer_(s_.clock) {}
   plan_builder(const plan_builder&) = delete;
   plan_builder& operator=(const plan_builder&) = delete;
 
@@ -317,7 +317,7 @@ class plan_builder {
                                                                  .budget = m.budget,
                                                                  .primary_on_caller_thread = true,
                                                                  .cut = cut_timer()},
-                                             s_.hedge_pool, s_.clock);
+                                             s_.hedge_pool, timer_);
     }
     m.interactive_attempts = s_.options.model_attempts * (hedged ? 2 : 1);
     // By value (a pipeline holds an lvalue by reference).
@@ -524,7 +524,7 @@ class plan_builder {
           h.hedge_min_delay == o.hedge_min_delay)
         return *g;
     }
-    guards_.emplace_back(model, std::make_unique<guard_type>(o, s_.hedge_pool, s_.clock));
+    guards_.emplace_back(model, std::make_unique<guard_type>(o, s_.hedge_pool, timer_));
     return *guards_.back().second;
   }
 
@@ -563,7 +563,7 @@ class plan_builder {
   [[nodiscard]] env_type env() const { return env_type{s_.clock, {}, s_.listener}; }
   // The deadline cut, unless the options switch it off.
   [[nodiscard]] keel::deadline_timer_base* cut_timer() {
-    return s_.options.cut_at_deadline ? &cut_timer_ : nullptr;
+    return s_.options.cut_at_deadline ? &timer_ : nullptr;
   }
   [[nodiscard]] keel::optional_stage<const keel::cut_at_deadline> cut() const {
     return keel::optional_stage<const keel::cut_at_deadline>(s_.options.cut_at_deadline ? &cut_ : nullptr);
@@ -578,9 +578,11 @@ class plan_builder {
   }
 
   shared s_;
-  // Cuts each interactive and embeddings attempt at its deadline (one thread).
-  keel::deadline_timer<Clock> cut_timer_;
-  const keel::cut_at_deadline cut_{cut_timer_};
+  // The gateway's timer (one thread): starts the interactive hedges and the
+  // streams' first-token hedges, stops streams at their budgets, and cuts
+  // each interactive and embeddings attempt at its deadline.
+  keel::deadline_timer<Clock> timer_;
+  const keel::cut_at_deadline cut_{timer_};
   // Every stream guard made (guard_for()): per model and budgets, kept for life.
   mutable std::mutex guards_mu_;
   std::vector<std::pair<std::string, std::unique_ptr<guard_type>>> guards_;

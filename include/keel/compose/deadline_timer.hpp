@@ -1,6 +1,12 @@
-// keel/compose/deadline_timer.hpp — deadlines that cut: a timer that requests
-// stop on an attempt's (or a call's) std::stop_source when its deadline
-// passes, and keel::cut_at_deadline, the pipeline policy that opts into it.
+// keel/compose/deadline_timer.hpp — keel's timer, and deadlines that cut: a
+// timer that requests stop on an attempt's (or a call's) std::stop_source
+// when its deadline passes, and keel::cut_at_deadline, the pipeline policy
+// that opts into it.
+//
+// The same timer starts a keel::hedge's hedges when they are due: one
+// thread per timer serves both, owned by whoever owns the clock (a service
+// builds one with its environment; keel::process_timer() is the real
+// clock's for components given none).
 //
 // Without it every keel timeout is cooperative: a provider that watches its
 // stop token but not its timeout spends the whole call, and hedges,
@@ -17,9 +23,10 @@
 //     idle timer's first entry, or a shorter deadline than any armed): the
 //     common arm is a bucket lock, a link, an unlock and one atomic load.
 //   - Firing is the slow path: the thread walks every bucket when it wakes
-//     (at the earliest due entry), unlinks what is due and requests stop on
-//     each outside the bucket lock. A deadline_cut disarmed while its stop
-//     is being requested waits for that request to finish, so a disarmed
+//     (at the earliest due entry), unlinks what is due and runs each outside
+//     the bucket lock: a cut requests stop, a hedge hands its next attempt
+//     to its executor (and stays armed for the one after). An entry
+//     disarmed while it runs waits for that run to finish, so a disarmed
 //     cut's stop_source may be destroyed at once.
 //   - keel::cut_at_deadline(timer) is a policy: what runs below it gets a
 //     plan.stop that fires at plan.deadline, linked to the caller's stop
@@ -104,29 +111,44 @@ namespace detail {
 
 struct cut_shard;
 
-// One armed deadline: an intrusive list node. Guarded by its shard's mutex.
-struct cut_entry {
+// One armed deadline: an intrusive list node, living with its owner (a
+// deadline_cut, a hedge's race block). Guarded by its shard's mutex.
+struct timer_entry {
   enum class state : std::uint8_t { idle, armed, firing, fired };
   time_point due{};
-  std::stop_source* target = nullptr;
-  cut_entry* prev = nullptr;
-  cut_entry* next = nullptr;
+  // Run by the timer's thread, outside every lock of the timer, once `due`
+  // has passed; returns when to run again (time_point::max(): done).
+  // A cancel waits for a run in progress to finish.
+  time_point (*fire)(timer_entry&, time_point now) = nullptr;
+  std::stop_source* target = nullptr;  // a cut's: the stop it requests
+  time_point wake_by = time_point::max();  // brought forward while it ran: run again by then
+  timer_entry* prev = nullptr;
+  timer_entry* next = nullptr;
   cut_shard* shard = nullptr;  // where it was armed; null: never armed, or detached
   state st = state::idle;
 };
 
+// One address per clock type: what a timer says it runs on.
+template <class Clock>
+inline constexpr char clock_tag = 0;
+
+inline time_point request_stop_at_deadline(timer_entry& e, time_point) {
+  e.target->request_stop();
+  return time_point::max();
+}
+
 struct alignas(64) cut_shard {
   std::mutex mu;
   std::condition_variable done;  // a disarm waits here while its entry fires
-  cut_entry* head = nullptr;
+  timer_entry* head = nullptr;
 
-  void link(cut_entry& e) noexcept {
+  void link(timer_entry& e) noexcept {
     e.prev = nullptr;
     e.next = head;
     if (head != nullptr) head->prev = &e;
     head = &e;
   }
-  void unlink(cut_entry& e) noexcept {
+  void unlink(timer_entry& e) noexcept {
     if (e.prev != nullptr) e.prev->next = e.next;
     else head = e.next;
     if (e.next != nullptr) e.next->prev = e.prev;
@@ -146,12 +168,13 @@ inline std::size_t cut_shard_of_thread(std::size_t count) noexcept {
 
 // What a timer has done since it was made.
 struct deadline_timer_figures {
-  std::int64_t fired = 0;   // stops requested at a deadline
+  std::int64_t fired = 0;   // entries run at their deadline (stops requested, hedges due)
   std::int64_t wakeups = 0; // times the thread was woken early by an arm
 };
 
 // The part of a deadline timer that policies and cuts use, whatever its
-// clock: hedge_options::cut and friends take a pointer to it.
+// clock: keel::hedge, cut_at_deadline, hedge_options::cut and friends take
+// a reference or a pointer to it.
 class deadline_timer_base {
  public:
   static constexpr std::size_t shard_count = 16;
@@ -163,17 +186,56 @@ class deadline_timer_base {
     return {.fired = fired_.load(std::memory_order_relaxed), .wakeups = wakeups_.load(std::memory_order_relaxed)};
   }
 
+  // For keel's components (a deadline_cut, a hedge's race): runs e.fire at
+  // `when` on the timer's thread, and again while it returns a later time.
+  // `e` must be idle (never armed, or cancelled).
+  void schedule(detail::timer_entry& e, time_point when) { arm(e, when); }
+  // Unlinks `e`; true when it has run at least once and is done. Returns
+  // once the timer no longer touches `e` (a run in progress finishes first).
+  bool cancel(detail::timer_entry& e) { return disarm(e); }
+
+  // Brings an armed `e` forward to `when` if that is earlier (a stream's
+  // first token makes its stall budget the next thing due). One owner
+  // calls it, as schedule and cancel.
+  void bring_forward(detail::timer_entry& e, time_point when) {
+    detail::cut_shard* s = e.shard;
+    if (s == nullptr) return;
+    {
+      std::lock_guard lock(s->mu);
+      if (e.st == detail::timer_entry::state::firing) {
+        e.wake_by = std::min(e.wake_by, when);  // the run in progress relinks it by then
+      } else if (e.st == detail::timer_entry::state::armed && when < e.due) {
+        e.due = when;
+      } else {
+        return;
+      }
+    }
+    wake_for(when);
+  }
+
+  // The timer's clock, read now: components without a run context (a
+  // stream's writer) read time here.
+  [[nodiscard]] time_point now() const noexcept { return read_(this); }
+
+  // Whether this timer runs on clock type `C` (a time read from another
+  // clock means nothing to it).
+  template <class C>
+  [[nodiscard]] bool on_clock() const noexcept {
+    return clock_tag_ == &detail::clock_tag<std::remove_cvref_t<C>>;
+  }
+
  protected:
-  deadline_timer_base() = default;
+  deadline_timer_base(const void* clock, time_point (*read)(const deadline_timer_base*)) noexcept
+      : clock_tag_(clock), read_(read) {}
   // Detaches the entries still armed (the derived timer has joined its
   // thread): they are never fired, and their disarm touches nothing here.
   ~deadline_timer_base() {
     for (detail::cut_shard& s : shards_) {
       std::lock_guard lock(s.mu);
       while (s.head != nullptr) {
-        detail::cut_entry& e = *s.head;
+        detail::timer_entry& e = *s.head;
         s.unlink(e);
-        e.st = detail::cut_entry::state::idle;
+        e.st = detail::timer_entry::state::idle;
         e.shard = nullptr;
       }
     }
@@ -183,14 +245,14 @@ class deadline_timer_base {
   time_point fire_due(time_point now) {
     time_point earliest = time_point::max();
     for (detail::cut_shard& s : shards_) {
-      detail::cut_entry* due = nullptr;  // chained through `next` once unlinked
+      detail::timer_entry* due = nullptr;  // chained through `next` once unlinked
       {
         std::lock_guard lock(s.mu);
-        for (detail::cut_entry* e = s.head; e != nullptr;) {
-          detail::cut_entry* following = e->next;
+        for (detail::timer_entry* e = s.head; e != nullptr;) {
+          detail::timer_entry* following = e->next;
           if (e->due <= now) {
             s.unlink(*e);
-            e->st = detail::cut_entry::state::firing;
+            e->st = detail::timer_entry::state::firing;
             e->next = due;
             due = e;
           } else {
@@ -201,18 +263,27 @@ class deadline_timer_base {
       }
       if (due == nullptr) continue;
       // Outside the bucket lock: a stop request runs the token's callbacks
-      // (an adapter aborting a transfer). The entries stay valid meanwhile:
-      // their disarm waits for `fired`.
+      // (an adapter aborting a transfer), a hedge hands an attempt to its
+      // executor. The entries stay valid meanwhile: their disarm waits for
+      // `fired`.
       std::int64_t n = 0;
-      for (detail::cut_entry* e = due; e != nullptr; e = e->next) ++n;
+      for (detail::timer_entry* e = due; e != nullptr; e = e->next) ++n;
       fired_.fetch_add(n, std::memory_order_relaxed);  // counted before anyone can see the stops
-      for (detail::cut_entry* e = due; e != nullptr; e = e->next) e->target->request_stop();
+      for (detail::timer_entry* e = due; e != nullptr; e = e->next) e->due = e->fire(*e, now);
       {
         std::lock_guard lock(s.mu);
-        for (detail::cut_entry* e = due; e != nullptr;) {
-          detail::cut_entry* following = e->next;
+        for (detail::timer_entry* e = due; e != nullptr;) {
+          detail::timer_entry* following = e->next;
           e->next = nullptr;
-          e->st = detail::cut_entry::state::fired;
+          if (e->due != time_point::max()) e->due = std::min(e->due, e->wake_by);
+          e->wake_by = time_point::max();
+          if (e->due != time_point::max()) {  // runs again: back in its bucket
+            s.link(*e);
+            e->st = detail::timer_entry::state::armed;
+            earliest = std::min(earliest, e->due);
+          } else {
+            e->st = detail::timer_entry::state::fired;
+          }
           e = following;
         }
       }
@@ -227,6 +298,8 @@ class deadline_timer_base {
   static constexpr duration::rep scanning = std::numeric_limits<duration::rep>::min();
   static constexpr duration::rep idle = std::numeric_limits<duration::rep>::max();
 
+  const void* clock_tag_;  // detail::clock_tag of the derived timer's clock
+  time_point (*read_)(const deadline_timer_base*);
   std::array<detail::cut_shard, shard_count> shards_{};
   std::atomic<duration::rep> next_wake_{scanning};
   std::mutex wake_mu_;
@@ -238,37 +311,41 @@ class deadline_timer_base {
  private:
   friend class deadline_cut;
 
-  void arm(detail::cut_entry& e, time_point when, std::stop_source& target) {
+  void arm(detail::timer_entry& e, time_point when) {
     detail::cut_shard& s = shards_[detail::cut_shard_of_thread(shard_count)];
     e.due = when;
-    e.target = &target;
     {
       std::lock_guard lock(s.mu);
       s.link(e);
       e.shard = &s;
-      e.st = detail::cut_entry::state::armed;
+      e.st = detail::timer_entry::state::armed;
     }
-    // After the link: a thread that has not yet walked this bucket sees the
-    // entry; one that has, published `scanning` before it did, or the time
-    // it now sleeps until, which this compares with.
+    wake_for(when);
+  }
+
+  // After a link or a move forward: a thread that has not yet walked this
+  // bucket sees the entry; one that has, published `scanning` before it
+  // did, or the time it now sleeps until, which this compares with.
+  void wake_for(time_point when) {
     const duration::rep wake = next_wake_.load(std::memory_order_acquire);
     if (wake == scanning || when.time_since_epoch().count() < wake) poke();
   }
 
   // True when the entry fired. Returns once the timer no longer touches it.
-  bool disarm(detail::cut_entry& e) {
+  bool disarm(detail::timer_entry& e) {
     detail::cut_shard* s = e.shard;
-    if (s == nullptr) return e.st == detail::cut_entry::state::fired;
+    if (s == nullptr) return e.st == detail::timer_entry::state::fired;
     std::unique_lock lock(s->mu);
-    if (e.st == detail::cut_entry::state::armed) {
+    // A run in progress finishes first; it may have asked to run again.
+    s->done.wait(lock, [&] { return e.st != detail::timer_entry::state::firing; });
+    if (e.st == detail::timer_entry::state::armed) {
       s->unlink(e);
-      e.st = detail::cut_entry::state::idle;
+      e.st = detail::timer_entry::state::idle;
       e.shard = nullptr;
       return false;
     }
-    s->done.wait(lock, [&] { return e.st != detail::cut_entry::state::firing; });
     e.shard = nullptr;
-    return e.st == detail::cut_entry::state::fired;
+    return e.st == detail::timer_entry::state::fired;
   }
 
   void poke() {
@@ -287,7 +364,10 @@ template <keel::clock Clock = real_clock>
 class deadline_timer final : public deadline_timer_base {
  public:
   explicit deadline_timer(Clock clock = {})
-      : clock_(std::move(clock)), thread_([this](std::stop_token stop) { loop(std::move(stop)); }) {}
+      : deadline_timer_base(&detail::clock_tag<Clock>,
+                            [](const deadline_timer_base* t) { return static_cast<const deadline_timer*>(t)->clock_.now(); }),
+        clock_(std::move(clock)),
+        thread_([this](const std::stop_token& stop) { loop(stop); }) {}
   // Stops and joins the thread (thread_ is the last member), then the base
   // detaches the entries still armed.
   ~deadline_timer() = default;
@@ -295,7 +375,7 @@ class deadline_timer final : public deadline_timer_base {
   [[nodiscard]] const Clock& clock() const noexcept { return clock_; }
 
  private:
-  void loop(std::stop_token stop) {
+  void loop(const std::stop_token& stop) {
     for (;;) {
       next_wake_.store(scanning, std::memory_order_seq_cst);
       const time_point earliest = fire_due(clock_.now());
@@ -323,6 +403,15 @@ class deadline_timer final : public deadline_timer_base {
   std::jthread thread_;  // last: starts after the members above exist, stops first
 };
 
+// The process's timer on the real clock, for components given none of their
+// own (a keel::hedge built without a timer): one thread, started on first
+// use and never stopped, so components in static storage may use it until
+// the process exits.
+inline deadline_timer_base& process_timer() {
+  static deadline_timer<real_clock>* const timer = new deadline_timer<real_clock>();
+  return *timer;
+}
+
 // One armed deadline: requests stop on `target` when `d` passes, unless
 // disarmed first. Lives wherever its owner keeps it (no allocation);
 // disarmed by its destructor. Not copyable or movable (the timer links it).
@@ -342,7 +431,9 @@ class deadline_cut {
     fired_ = false;
     if (d.is_infinite() || !target.stop_possible()) return;
     timer_ = &timer;
-    timer.arm(entry_, d.when(), target);
+    entry_.fire = &detail::request_stop_at_deadline;
+    entry_.target = &target;
+    timer.arm(entry_, d.when());
   }
 
   // Disarms; true when the stop was requested at the deadline (now or by an
@@ -359,7 +450,7 @@ class deadline_cut {
   [[nodiscard]] bool armed() const noexcept { return timer_ != nullptr; }
 
  private:
-  detail::cut_entry entry_;
+  detail::timer_entry entry_;
   deadline_timer_base* timer_ = nullptr;
   bool fired_ = false;
 };

@@ -93,11 +93,13 @@
 // the listener, also from losers after run() has returned: a listener must
 // be copyable and safe to call then (keel::metrics_listener is).
 //
-// The hedge owns one timer thread that starts hedges when they are due; the
-// executor runs them and must use other threads than the timer's (see
-// keel/compose/executor.hpp). On a keel::testing::manual_clock the timer thread is
-// one of the clock's sleepers from the moment a call arms it until the clock
-// passes that call's hedge time.
+// Hedges are started when due by a keel::deadline_timer (keel/compose/
+// deadline_timer.hpp): the one given to the constructor, on the pipeline's
+// clock, or keel::process_timer() on the real clock. The hedge has no
+// thread of its own. The executor runs the attempts and must use other
+// threads than the timer's (see keel/compose/executor.hpp). On a
+// keel::testing::manual_clock the timer's thread is one of the clock's
+// sleepers while a call is armed on it.
 //
 // Events (keel/core/telemetry.hpp): hedge_started, hedge_skipped (budget,
 // executor, attempt cap, deadline, cancelled), hedge_refused_write,
@@ -122,7 +124,6 @@
 #include <stop_token>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -255,17 +256,6 @@ class alternates {
 
 namespace detail {
 
-// One call's slot in a hedge's timer list. Lives in the call's race block.
-struct hedge_timer {
-  time_point due{};
-  hedge_timer* prev = nullptr;
-  hedge_timer* next = nullptr;
-  bool linked = false;
-  // Called by the timer thread, under its lock, once `due` has passed.
-  // Returns true to stay armed (with `due` moved on), false to be unlinked.
-  bool (*fire)(hedge_timer*, time_point now) = nullptr;
-};
-
 // The race's own copies of the call's label strings: an attempt that is
 // still running after the caller left reads these, not the caller's. Kept
 // with the block between calls, so their capacity is reused.
@@ -318,7 +308,7 @@ template <class R, class Accept>
 
 }  // namespace detail
 
-template <keel::executor Executor, keel::clock Clock = real_clock, class Accept = accept_any>
+template <keel::executor Executor, class Accept = accept_any>
 class hedge {
  public:
   // Lets a pipeline refuse, at compile time, a provider that declares a
@@ -326,27 +316,28 @@ class hedge {
   // a copy of the provider (keel/compose/pipeline.hpp).
   static constexpr bool concurrent_attempts = true;
 
-  // Starts the timer thread. Throws keel::invalid_options if `o` is invalid.
-  hedge(const hedge_options& o, Executor& executor, Clock clock = {}, Accept accept = {})
+  // Hedges start on `timer` (the pipeline's clock's: a manual clock's timer
+  // in tests). Throws keel::invalid_options if `o` is invalid.
+  hedge(const hedge_options& o, Executor& executor, deadline_timer_base& timer = process_timer(),
+        Accept accept = {})
       : options_((detail::require_valid(o.validate()), o)),
         executor_(executor),
-        clock_(std::move(clock)),
+        timer_(timer),
         accept_(std::move(accept)),
         tracker_(o.percentile > 0.0 ? std::make_unique<latency_tracker>(latency_tracker_options{
                                           .percentile = o.percentile,
                                           .samples = o.samples,
                                           .min_samples = o.min_samples,
                                           .refresh_every = std::min(32, o.samples)})
-                                    : nullptr),
-        timer_([this](std::stop_token stop) { timer_loop(std::move(stop)); }) {}
+                                    : nullptr) {}
   hedge(const hedge&) = delete;
   hedge& operator=(const hedge&) = delete;
   // Waits for the attempts still running (losers whose callers have their
-  // answers); then timer_ (declared last) stops and joins.
+  // answers).
   ~hedge() {
     std::unique_lock lock(mu_);
     draining_ = true;
-    drained_.wait(lock, [&] { return races_ == 0; });
+    drained_.wait(lock, [&] { return races_.load(std::memory_order_relaxed) == 0; });
   }
 
   [[nodiscard]] const hedge_options& options() const noexcept { return options_; }
@@ -374,8 +365,6 @@ class hedge {
   template <class Ctx, class Next>
   auto execute(Ctx& ctx, const attempt_plan& plan, Next& next) -> decltype(next(ctx, plan)) {
     using R = decltype(next(ctx, plan));
-    static_assert(std::is_same_v<std::remove_cvref_t<decltype(ctx.clock)>, Clock>,
-                  "keel::hedge<..., Clock> must run in a pipeline on the same clock type (pipeline.on(clock))");
     static_assert(detail::run_context_parts<Ctx>::known,
                   "keel::hedge runs inside a keel::pipeline: its ctx must be a keel::run_context");
     static_assert(std::is_move_constructible_v<Next>,
@@ -394,6 +383,12 @@ class hedge {
           outcome_kind::permanent));
     }
     if (options_.max_hedges == 0) return next(ctx, plan);
+    if (!timer_.template on_clock<decltype(ctx.clock)>()) {
+      return R(with_outcome(mark_not_started(absl::FailedPreconditionError(
+                                "keel: hedge: its timer runs on another clock than the pipeline (give the hedge a "
+                                "keel::deadline_timer on the pipeline's clock)")),
+                            outcome_kind::permanent));
+    }
     if (options_.budget != nullptr && options_.deposit_requests) options_.budget->record_request(ctx.call, plan.now);
     return race<R, Ctx, Next>::acquire().run(*this, ctx, next, plan, current_delay());
   }
@@ -414,7 +409,7 @@ class hedge {
   // caller is still waiting (!decided): the caller leaves only after taking
   // `mu` and seeing `decided`.
   template <class R, class Ctx, class Next>
-  struct race final : detail::hedge_timer {
+  struct race final : detail::timer_entry {
     using parts = detail::run_context_parts<Ctx>;
     using clock_type = typename parts::clock;
     using classifier_type = typename parts::classifier;
@@ -525,8 +520,8 @@ class hedge {
         if (winner >= 0) return std::move(*answer);
         return R(std::move(last_failure));
       }();
-      // Unlinked from the timer and the caller's reference dropped under one
-      // timer lock (the order on_timer takes them in).
+      // Disarmed first (a hedge being started meanwhile finishes), then the
+      // caller's reference dropped: on_timer never sees a released block.
       if (o.disarm_and_release(*this, [this] { return --refs == 0; })) recycle(/*counted=*/true);
       return result;
     }
@@ -748,16 +743,17 @@ class hedge {
       if (!counted) o.race_released();
     }
 
-    // The timer thread, under the hedge's timer lock.
-    static bool on_timer(detail::hedge_timer* t, time_point now) {
-      race& self = static_cast<race&>(*t);
+    // On the timer's thread, once the next hedge is due; returns when the
+    // one after it is. The caller's disarm waits for this to return.
+    static time_point on_timer(detail::timer_entry& t, time_point now) {
+      race& self = static_cast<race&>(t);
       std::lock_guard lock(self.mu);
-      if (self.decided) return false;
+      if (self.decided) return time_point::max();
       const int i = self.reserve_locked(now);
-      if (i < 0) return false;
+      if (i < 0) return time_point::max();
       const bool more = self.hedges < self.owner->options_.max_hedges;
-      if (more) self.due = now + self.owner->current_delay();
-      return self.hand_over_locked(i) && more;
+      if (!self.hand_over_locked(i) || !more) return time_point::max();
+      return now + self.owner->current_delay();
     }
 
     hedge* owner = nullptr;
@@ -797,96 +793,38 @@ class hedge {
 
   // --- the timer ------------------------------------------------------------
 
-  // A race begins: linked for its hedge time, and counted until released.
-  void arm(detail::hedge_timer& t) {
-    bool wake = false;
-    {
-      std::lock_guard lock(mu_);
-      ++races_;
-      t.prev = nullptr;
-      t.next = head_;
-      if (head_ != nullptr) head_->prev = &t;
-      head_ = &t;
-      t.linked = true;
-      if (idle_) {
-        wake = true;
-      } else if (t.due < armed_) {
-        // The thread wakes by t.due at the latest now. Saying so here, not
-        // when it gets to run, keeps an older, later linger time from
-        // outliving this entry if the clock passes t.due first.
-        armed_ = t.due;
-        changed_ = true;
-        wake = true;
-      }
-    }
-    if (wake) wake_.notify_one();
+  // A race begins: counted until released, and armed for its hedge time.
+  void arm(detail::timer_entry& t) {
+    // No lock: only a release (under mu_) can end the destructor's wait, and
+    // no call starts while it runs.
+    races_.fetch_add(1, std::memory_order_relaxed);
+    timer_.schedule(t, t.due);
   }
 
-  // The caller leaves its race: unlinked, then `drop` (its reference, under
-  // the race's lock). True when it was the last: the race is released.
+  // The caller leaves its race: disarmed (a hedge being started finishes
+  // first), then `drop` (its reference, under the race's lock). True when
+  // it was the last: the race is released.
   template <class Race, class Drop>
   bool disarm_and_release(Race& r, Drop drop) {
-    std::lock_guard lock(mu_);
-    if (r.linked) unlink(r);
+    (void)timer_.cancel(r);
     bool last = false;
     {
       std::lock_guard race_lock(r.mu);
       last = drop();
     }
-    if (last && --races_ == 0 && draining_) drained_.notify_all();
+    if (last) race_released();
     return last;
   }
 
   // A race block has no owner left. The last thing a loser does with the hedge.
   void race_released() {
     std::lock_guard lock(mu_);
-    if (--races_ == 0 && draining_) drained_.notify_all();
-  }
-
-  void unlink(detail::hedge_timer& t) noexcept {
-    if (t.prev != nullptr) t.prev->next = t.next;
-    else head_ = t.next;
-    if (t.next != nullptr) t.next->prev = t.prev;
-    t.prev = t.next = nullptr;
-    t.linked = false;
-  }
-
-  void timer_loop(std::stop_token stop) {
-    std::unique_lock lock(mu_);
-    while (!stop.stop_requested()) {
-      const time_point now = clock_.now();
-      time_point earliest = time_point::max();
-      for (detail::hedge_timer* t = head_; t != nullptr;) {
-        detail::hedge_timer* following = t->next;
-        if (t->due <= now && !t->fire(t, now)) {
-          unlink(*t);
-        } else {
-          earliest = std::min(earliest, t->due);
-        }
-        t = following;
-      }
-      if (head_ == nullptr) {
-        if (armed_ > now && armed_ != time_point::max()) {
-          // Linger until the time last armed: calls arriving meanwhile hedge
-          // later than that and need not wake this thread.
-          earliest = armed_;
-        } else {
-          idle_ = true;
-          armed_ = time_point::max();
-          wake_.wait(lock, stop, [&] { return head_ != nullptr; });
-          idle_ = false;
-          continue;
-        }
-      }
-      armed_ = earliest;
-      changed_ = false;
-      clock_.wait_until(lock, wake_, earliest, stop, [&] { return changed_; });
-    }
+    if (races_.fetch_sub(1, std::memory_order_relaxed) == 1 && draining_) drained_.notify_all();
   }
 
   hedge_options options_;
   Executor& executor_;
-  Clock clock_;
+  deadline_timer_base& timer_;
   Accept accept_;
   std::unique_ptr<latency_tracker> tracker_;
 
@@ -900,16 +838,10 @@ class hedge {
   std::atomic<std::int64_t> cancelled_losers_{0};
   std::atomic<std::int64_t> outstanding_{0};
 
-  std::mutex mu_;                     // the timer list and races_
-  keel::condition wake_;  // the timer thread waits here (through the clock)
-  std::condition_variable drained_;   // the destructor waits here for races_ == 0
-  detail::hedge_timer* head_ = nullptr;
-  time_point armed_ = time_point::max();  // when the timer thread will next wake by itself
-  std::int64_t races_ = 0;                // race blocks not yet released
-  bool draining_ = false;                 // the destructor is waiting
-  bool idle_ = false;                     // waiting for a first entry, not on the clock
-  bool changed_ = false;                  // an entry due before armed_ arrived
-  std::jthread timer_;                    // last: starts after everything above exists
+  std::mutex mu_;                        // releases and draining_
+  std::condition_variable drained_;      // the destructor waits here for races_ == 0
+  std::atomic<std::int64_t> races_{0};   // race blocks not yet released (decremented under mu_)
+  bool draining_ = false;                // the destructor is waiting
 };
 
 }  // namespace keel

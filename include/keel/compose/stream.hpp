@@ -5,8 +5,9 @@
 // A stream fails in ways a single response does not: the first token never
 // comes, the stream stalls halfway, the connection drops after 600 tokens,
 // an error event arrives mid-stream. keel::stream_guard watches streams
-// (one background thread for all of them) and keel::token_stream runs one
-// call's stream through a keel pipeline:
+// (on a keel::deadline_timer's thread, the one that also cuts deadlines and
+// starts keel::hedge's hedges) and keel::token_stream runs one call's
+// stream through a keel pipeline:
 //
 //   - Time to first token (stream_result::time_to_first_token) is what the
 //     client waited: from the call's start, whatever retries or hedges came
@@ -73,16 +74,18 @@
 //   absl::StatusOr<keel::stream_result> r = keel::pipeline(keel::retry()).run(call, stream.attempts(provider));
 //   // r->text == "Hello", r->complete
 //
-// Time is the guard's clock (a keel::testing::manual_clock in tests). A
-// provider passes the time it read its bytes at to token(text, now): the
-// HTTP adapter reads the clock once per network read, not once per token.
+// Time is the guard's timer's clock (keel::process_timer() on the real
+// clock by default; in tests a keel::deadline_timer on a
+// keel::testing::manual_clock, passed to the guard). A provider passes the
+// time it read its bytes at to token(text, now): the HTTP adapter reads the
+// clock once per network read, not once per token.
 //
 // Costs: per token, a stop check, a relaxed-ordered store, the copy of the
 // token into the call's text (a buffer whose capacity stays with the
 // token_stream) and the on_token call; nothing is allocated once the buffer
 // has grown to the answer (bench/stream_bench.cpp, BM_Stream_PerToken). Per
-// attempt, two locks of the guard's watch list (arm, disarm) and one at the
-// commit. A hedge allocates its task in the executor.
+// attempt, a timer entry armed and disarmed (a bucket lock each) and
+// brought forward at the commit. A hedge allocates its task in the executor.
 //
 // Thread-safety: a stream_guard is shared by any number of threads and
 // streams; its destructor requires that no stream is running through it. A
@@ -107,7 +110,6 @@
 #include <stop_token>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -116,6 +118,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "keel/compose/deadline_timer.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/tool_calls.hpp"
 #include "keel/core/call.hpp"
@@ -328,24 +331,27 @@ inline constexpr std::int64_t no_token = std::numeric_limits<std::int64_t>::min(
 [[nodiscard]] inline std::int64_t ticks(time_point t) noexcept { return t.time_since_epoch().count(); }
 [[nodiscard]] inline time_point from_ticks(std::int64_t n) noexcept { return time_point(duration(n)); }
 
-// One stream attempt as the guard's watchdog sees it. Lives with the attempt.
-struct stream_watch {
-  // Set before arm(), read by the watchdog under its lock.
+class stream_hub;
+
+// One stream attempt as the guard's timer sees it: an entry armed for its
+// next due budget or hedge. Lives with the attempt.
+struct stream_watch : timer_entry {
+  stream_hub* hub = nullptr;
+  // Set before arm(), read when the timer runs it.
   time_point start{};
   time_point first_token_due = time_point::max();
   time_point end_due = time_point::max();
   bool end_is_deadline = false;  // end_due is the attempt's deadline, not `whole`
   duration stall{};
   std::stop_source* stop = nullptr;
-  // The watchdog's, under its lock: when a hedge is due, and what starts it.
+  // When a hedge is due, and what starts it: set before arm(), then the
+  // timer's (it runs the entry).
   time_point hedge_due = time_point::max();
   void (*on_hedge)(stream_watch*, time_point) = nullptr;
   void* race = nullptr;
-  // The attempt's thread writes, the watchdog reads.
+  // The attempt's thread writes, the timer reads.
   std::atomic<std::int64_t> last_token{no_token};
   std::atomic<stream_stop> why{stream_stop::none};
-  stream_watch* prev = nullptr;
-  stream_watch* next = nullptr;
 };
 
 // What every stream attempt of one call writes into: the text and the
@@ -421,7 +427,7 @@ class stream_writer {
     }
     return true;
   }
-  [[nodiscard]] bool event(const stream_event& e) noexcept { return event(e, now_(clock_)); }
+  [[nodiscard]] bool event(const stream_event& e) noexcept { return event(e, timer_->now()); }
 
   // The upstream's HTTP status and relay headers (keel/core/upstream.hpp),
   // reported by the provider before its first event: handed over with every
@@ -431,11 +437,11 @@ class stream_writer {
     has_upstream_ = true;
   }
   // The same, reading the guard's clock.
-  [[nodiscard]] bool token(std::string_view text) noexcept { return token(text, now_(clock_)); }
+  [[nodiscard]] bool token(std::string_view text) noexcept { return token(text, timer_->now()); }
 
   // The guard's clock, read now: a provider reads it once per network read
   // and passes it to every token of that read.
-  [[nodiscard]] time_point now() const noexcept { return now_(clock_); }
+  [[nodiscard]] time_point now() const noexcept { return timer_->now(); }
 
   // The provider's usage report (the usage chunk); the last one counts.
   void usage(const token_usage& u) noexcept { usage_ = u; }
@@ -454,15 +460,13 @@ class stream_writer {
   [[nodiscard]] std::string_view text_so_far() const noexcept { return sink_->text; }
 
  private:
-  template <keel::clock>
   friend class stream_guard;
   template <class, class>
   friend class token_stream;
   friend struct detail::stream_race;
 
-  stream_writer(detail::stream_hub& hub, detail::stream_sink& sink, time_point (*now)(const void*),
-                const void* clock)
-      : hub_(&hub), sink_(&sink), now_(now), clock_(clock), token_(stop_.get_token()) {}
+  stream_writer(detail::stream_hub& hub, detail::stream_sink& sink, const deadline_timer_base& timer)
+      : hub_(&hub), sink_(&sink), timer_(&timer), token_(stop_.get_token()) {}
 
   bool commit(time_point now) noexcept;
 
@@ -519,8 +523,7 @@ class stream_writer {
 
   detail::stream_hub* hub_;
   detail::stream_sink* sink_;
-  time_point (*now_)(const void*);
-  const void* clock_;
+  const deadline_timer_base* timer_;
   std::stop_source stop_;
   std::stop_token token_;
   detail::stream_watch watch_;
@@ -555,7 +558,7 @@ struct forward_stream_stop {
   }
 };
 
-// The guard's watch list and figures, independent of the clock type.
+// The guard's figures, and its streams armed on its timer.
 class stream_hub {
  public:
   struct counters {
@@ -563,41 +566,19 @@ class stream_hub {
         mid_stream_failures{0}, hedges_started{0}, hedge_wins{0}, hedges_skipped{0}, continuations{0};
   };
 
-  // The watchdog is woken only when `w` is due before the time it sleeps
-  // until (or it is idle): a stream whose budgets end after the earliest
-  // one armed costs a lock and a link, no wake-up.
+  explicit stream_hub(deadline_timer_base& timer) noexcept : timer_(&timer) {}
+
+  // Armed for its first due time: its first token, its end, its hedge.
   void arm(stream_watch& w) {
-    bool wake = false;
-    {
-      std::lock_guard lock(mu_);
-      w.prev = nullptr;
-      w.next = head_;
-      if (head_ != nullptr) head_->prev = &w;
-      head_ = &w;
-      wake = earliest_due(w) < sleeping_until_;
-      changed_ = changed_ || wake;
-    }
-    if (wake) wake_.notify_one();
+    w.hub = this;
+    w.fire = &on_due;
+    timer_->schedule(w, earliest_due(w));
   }
-  // After it returns the watchdog no longer touches `w`.
-  void disarm(stream_watch& w) {
-    std::lock_guard lock(mu_);
-    if (w.prev != nullptr) w.prev->next = w.next;
-    else if (head_ == &w) head_ = w.next;
-    if (w.next != nullptr) w.next->prev = w.prev;
-    w.prev = w.next = nullptr;
-  }
-  // Stream `w` committed at `now`: its next due time (a stall) may be
-  // earlier than what the watchdog sleeps until; if not, it is not woken.
-  void changed(const stream_watch& w, time_point now) {
-    bool wake = false;
-    {
-      std::lock_guard lock(mu_);
-      wake = std::min(now + w.stall, w.end_due) < sleeping_until_;
-      changed_ = changed_ || wake;
-    }
-    if (wake) wake_.notify_one();
-  }
+  // After it returns the timer no longer touches `w`, and no hedge starts.
+  void disarm(stream_watch& w) { (void)timer_->cancel(w); }
+  // Stream `w` committed at `now`: its stall budget may now be due before
+  // the time it is armed for.
+  void changed(stream_watch& w, time_point now) { timer_->bring_forward(w, std::min(now + w.stall, w.end_due)); }
 
   // Sets why and requests stop, unless the attempt was stopped already.
   static bool stop(stream_watch& w, stream_stop why) noexcept {
@@ -607,41 +588,37 @@ class stream_hub {
     return true;
   }
 
-  // The watchdog's pass at `now` (under mu_): stops what is due, starts
-  // due hedges; returns the earliest next due time.
-  time_point pass_locked(time_point now) {
-    time_point earliest = time_point::max();
-    for (stream_watch* w = head_; w != nullptr; w = w->next) {
-      if (w->why.load(std::memory_order_relaxed) != stream_stop::none) continue;
-      const std::int64_t last = w->last_token.load(std::memory_order_acquire);
-      if (last == no_token) {
-        if (w->hedge_due <= now && w->on_hedge != nullptr) {
-          w->hedge_due = time_point::max();
-          w->on_hedge(w, now);
-        }
-        const time_point due = std::min(w->first_token_due, w->end_due);
-        if (now >= due) {
-          const bool first = w->first_token_due <= w->end_due;
-          if (stop(*w, first ? stream_stop::first_token : end_reason(*w))) count_stop(*w);
-          continue;
-        }
-        earliest = std::min({earliest, due, w->hedge_due});
-      } else {
-        const time_point stall_due = from_ticks(last) + w->stall;
-        const time_point due = std::min(stall_due, w->end_due);
-        if (now >= due) {
-          if (stop(*w, stall_due <= w->end_due ? stream_stop::stall : end_reason(*w))) count_stop(*w);
-          continue;
-        }
-        earliest = std::min(earliest, due);
-      }
-    }
-    return earliest;
-  }
-
   counters figures_;
 
  protected:
+  // On the timer's thread, when `e` is due: stops the stream whose budget
+  // ran out, starts its hedge when due; returns when it is next due.
+  static time_point on_due(timer_entry& e, time_point now) {
+    stream_watch& w = static_cast<stream_watch&>(e);
+    if (w.why.load(std::memory_order_relaxed) != stream_stop::none) return time_point::max();
+    const std::int64_t last = w.last_token.load(std::memory_order_acquire);
+    if (last == no_token) {
+      if (w.hedge_due <= now && w.on_hedge != nullptr) {
+        w.hedge_due = time_point::max();
+        w.on_hedge(&w, now);
+      }
+      const time_point due = std::min(w.first_token_due, w.end_due);
+      if (now >= due) {
+        const bool first = w.first_token_due <= w.end_due;
+        if (stop(w, first ? stream_stop::first_token : end_reason(w))) w.hub->count_stop(w);
+        return time_point::max();
+      }
+      return std::min(due, w.hedge_due);
+    }
+    const time_point stall_due = from_ticks(last) + w.stall;
+    const time_point due = std::min(stall_due, w.end_due);
+    if (now >= due) {
+      if (stop(w, stall_due <= w.end_due ? stream_stop::stall : end_reason(w))) w.hub->count_stop(w);
+      return time_point::max();
+    }
+    return due;
+  }
+
   static stream_stop end_reason(const stream_watch& w) noexcept {
     return w.end_is_deadline ? stream_stop::deadline : stream_stop::whole;
   }
@@ -658,13 +635,7 @@ class stream_hub {
     return std::min({w.first_token_due, w.end_due, w.hedge_due});
   }
 
-  std::mutex mu_;
-  keel::condition wake_;
-  stream_watch* head_ = nullptr;
-  bool changed_ = false;
-  // What the watchdog sleeps until (under mu_); max while it is idle or
-  // between passes, so that an arm then wakes it.
-  time_point sleeping_until_ = time_point::max();
+  deadline_timer_base* timer_;
 };
 
 // Two streams of one attempt racing to the first content token.
@@ -697,30 +668,29 @@ inline bool stream_writer::commit(time_point now) noexcept {
   return true;
 }
 
-template <keel::clock Clock = real_clock>
 class stream_guard : private detail::stream_hub {
  public:
-  // Starts the watchdog thread. Throws keel::invalid_options if `o` is invalid.
-  explicit stream_guard(const stream_options& o, Clock clock = {})
-      : options_((detail::require_valid(o.validate()), o)), clock_(std::move(clock)), tracker_(make_tracker(o)),
-        thread_([this](std::stop_token stop) { loop(std::move(stop)); }) {}
+  // Budgets and hedges run out on `timer` (it must outlive the guard), and
+  // time is its clock's. Throws keel::invalid_options if `o` is invalid.
+  explicit stream_guard(const stream_options& o, deadline_timer_base& timer = process_timer())
+      : stream_hub(timer), options_((detail::require_valid(o.validate()), o)), tracker_(make_tracker(o)) {}
   // The same, with an executor for first-token hedges (it must outlive the guard).
   template <keel::executor Executor>
-  stream_guard(const stream_options& o, Executor& executor, Clock clock = {})
-      : options_((detail::require_valid(o.validate()), o)),
-        clock_(std::move(clock)),
+  stream_guard(const stream_options& o, Executor& executor, deadline_timer_base& timer = process_timer())
+      : stream_hub(timer),
+        options_((detail::require_valid(o.validate()), o)),
         tracker_(make_tracker(o)),
         executor_(&executor),
         submit_([](void* e, absl::AnyInvocable<void() &&> task) {
           return static_cast<Executor*>(e)->try_execute(std::move(task));
-        }),
-        thread_([this](std::stop_token stop) { loop(std::move(stop)); }) {}
+        }) {}
   stream_guard(const stream_guard&) = delete;
   stream_guard& operator=(const stream_guard&) = delete;
-  ~stream_guard() = default;  // thread_ (last) stops and joins first
+  ~stream_guard() = default;
 
   [[nodiscard]] const stream_options& options() const noexcept { return options_; }
-  [[nodiscard]] const Clock& clock() const noexcept { return clock_; }
+  // The timer its budgets run out on; its clock is the guard's.
+  [[nodiscard]] const deadline_timer_base& timer() const noexcept { return *timer_; }
   [[nodiscard]] bool hedging() const noexcept { return executor_ != nullptr && options_.hedge_delay > duration::zero(); }
 
   // The delay a stream starting now would hedge after.
@@ -755,8 +725,6 @@ class stream_guard : private detail::stream_hub {
         .percentile = o.hedge_percentile, .samples = 256, .min_samples = 20, .refresh_every = 16});
   }
 
-  static time_point read_clock(const void* c) noexcept { return static_cast<const Clock*>(c)->now(); }
-
   // Arms `w` for an attempt from `a` starting at `now`: budgets, the
   // caller's stop linked in.
   void prepare(stream_writer& w, const attempt& a, time_point now) {
@@ -776,27 +744,10 @@ class stream_guard : private detail::stream_hub {
     if (tracker_ != nullptr) tracker_->record(ttft);
   }
 
-  void loop(std::stop_token stop) {
-    std::unique_lock lock(mu_);
-    while (!stop.stop_requested()) {
-      changed_ = false;
-      if (head_ == nullptr) {
-        wake_.wait(lock, stop, [&] { return head_ != nullptr; });
-        continue;
-      }
-      const time_point earliest = pass_locked(clock_.now());
-      sleeping_until_ = earliest;
-      clock_.wait_until(lock, wake_, earliest, stop, [&] { return changed_; });
-      sleeping_until_ = time_point::max();
-    }
-  }
-
   stream_options options_;
-  Clock clock_;
   std::unique_ptr<latency_tracker> tracker_;
   void* executor_ = nullptr;
   absl::Status (*submit_)(void*, absl::AnyInvocable<void() &&>) = nullptr;
-  std::jthread thread_;  // last: starts after everything above exists
 };
 
 // One call's stream: the text shown so far and the client's callback.
@@ -888,8 +839,8 @@ class token_stream {
   template <class Provider>
   absl::StatusOr<stream_result> run_attempt(const attempt& a, Provider& provider) {
     Guard& g = *guard_;
-    const time_point now = g.clock_.now();
-    stream_writer w(g, sink_, &Guard::read_clock, &g.clock_);
+    const time_point now = g.timer_->now();
+    stream_writer w(g, sink_, *g.timer_);
     g.prepare(w, a, now);
     std::optional<std::stop_callback<detail::forward_stream_stop>> link;
     if (a.stop.stop_possible()) link.emplace(a.stop, detail::forward_stream_stop{&w.stop_, &w.watch_, a.owner});
@@ -898,7 +849,7 @@ class token_stream {
     detail::stream_race& race = hc.race;
     if (g.hedging() && a.owner != nullptr) {
       if (g.options_.budget != nullptr && g.options_.deposit_requests) g.options_.budget->record_request(*a.owner, now);
-      a.owner->share_across_threads();  // the hedge begins an attempt on it from the watchdog
+      a.owner->share_across_threads();  // the hedge begins an attempt on it from the timer's thread
       race.writers[0] = &w;
       w.race_ = &race;
       w.watch_.hedge_due = now + g.current_hedge_delay();
@@ -931,8 +882,8 @@ class token_stream {
     return finish(*hc.second, std::move(hc.result), a, 1, &w);
   }
 
-  // The watchdog, under the guard's lock: a stream has no content token
-  // after the hedge delay. Starts its hedge, or counts why not.
+  // On the timer's thread: a stream has no content token after the hedge
+  // delay. Starts its hedge, or counts why not.
   template <class Provider>
   static void start_hedge(detail::stream_watch* watch, time_point now) {
     auto& hc = *static_cast<hedge_ctx<Provider>*>(watch->race);
@@ -947,7 +898,7 @@ class token_stream {
     if (number == 0) return skipped();
     std::lock_guard lock(hc.race.mu);
     if (hc.race.winner >= 0) return;
-    hc.second.reset(new stream_writer(g, hc.self->sink_, &Guard::read_clock, &g.clock_));
+    hc.second.reset(new stream_writer(g, hc.self->sink_, *g.timer_));
     stream_writer& w2 = *hc.second;
     g.prepare(w2, a, now);
     w2.race_ = &hc.race;
