@@ -18,9 +18,9 @@ the offered load is the same in every phase. The same cycle of faults runs
 threads, open descriptors and the size of the SQLite files; at the end,
 every gauge is checked back at zero.
 
-burst: a short steady load, then N concurrent 64 KB deeply nested JSON
-bodies (the shape a JSON DOM spends the most memory on), then RSS every
-second for --burst-watch seconds.
+burst: a short warm-up, then N concurrent 64 KB JSON bodies, deeply nested
+(the shape a JSON DOM spends the most memory on) or wide (thousands of
+empty arrays side by side), then RSS for --burst-watch seconds.
 
 It prints a Markdown report: requests by outcome, p50/p99 per class, the
 error budget, the resources over time and the gauges.
@@ -32,7 +32,8 @@ Standard library only. Usage (normally through scripts/soak):
   soak.py --gateway PATH --redis-script tests/servers/redis.sh --redis-dir DIR
           [--mode closed|open|burst] [--minutes 10] [--cycle-seconds 60] [--rate 30]
           [--feedback-rate 10] [--batch-rate 2] [--chat-rate 1] [--stream-rate 1]
-          [--sample-seconds 30] [--no-faults] [--burst 96] [--wrap CMD] [--report FILE]
+          [--sample-seconds 30] [--no-faults] [--burst 96] [--burst-shape nested|wide]
+          [--wrap CMD] [--report FILE]
 """
 import argparse
 import itertools
@@ -583,11 +584,16 @@ def open_loop(a, gw):
 
 # --- burst -----------------------------------------------------------------
 
-def nested_body(size):
+def burst_body(size, shape):
     """A JSON object of `size` bytes whose one field is an array nested as deep
-    as the size allows: [[[[...]]]]."""
+    as the size allows ([[[[...]]]], shape "nested"), or as many empty arrays
+    side by side ([[],[],...], shape "wide": shallow, but as many values)."""
     head, tail = '{"tenant":"t0","messages":', "}"
-    depth = (size - len(head) - len(tail)) // 2
+    room = size - len(head) - len(tail)
+    if shape == "wide":
+        n = (room - 1) // 3
+        return (head + "[" + ",".join(["[]"] * n) + "]" + tail).encode()
+    depth = room // 2
     return (head + "[" * depth + "]" * depth + tail).encode()
 
 
@@ -600,7 +606,7 @@ def burst(a, gw):
             open_request(gw, cls, n, run)
     time.sleep(2)
     before = gw.sample()
-    body = nested_body(a.burst_bytes)
+    body = burst_body(a.burst_bytes, a.burst_shape)
     peak = [before["rss"]]
     done = threading.Event()
 
@@ -646,7 +652,7 @@ def burst(a, gw):
     gauges, _ = await_idle(gw, 30)
     gw.stop(300 if a.wrap else 20)
     lat = tally.latency.get("burst", [])
-    out = [f"### Burst: {a.burst} concurrent {len(body)}-byte nested JSON bodies to {a.burst_path}", ""]
+    out = [f"### Burst: {a.burst} concurrent {len(body)}-byte {a.burst_shape} JSON bodies to {a.burst_path}", ""]
     out.append("Answers: " + ", ".join(f"{k[1]}: {v}" for k, v in sorted(tally.outcomes.items())) +
                f"; p50 {pct(lat, 0.5) * 1000:.0f} ms, p99 {pct(lat, 0.99) * 1000:.0f} ms.")
     out.append("")
@@ -682,6 +688,7 @@ def main():
     ap.add_argument("--burst", type=int, default=96, help="burst: concurrent requests")
     ap.add_argument("--burst-bytes", type=int, default=64 * 1024 - 16, help="burst: each body's size")
     ap.add_argument("--burst-path", default="/v1/chat/completions")
+    ap.add_argument("--burst-shape", choices=["nested", "wide"], default="nested", help="burst: the bodies' shape")
     ap.add_argument("--burst-watch", type=float, default=60, help="burst: seconds of RSS after it")
     ap.add_argument("--wrap", default="", help="run the gateway under this command (heaptrack -o FILE ...)")
     ap.add_argument("--data-dir", default="", help="the gateway's data directory (default: a new temporary one)")
