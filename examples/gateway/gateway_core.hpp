@@ -236,6 +236,36 @@ namespace detail {
   return absl::InvalidArgumentError(std::string(what));
 }
 
+// The deepest nesting of arrays and objects a request body may have. A
+// request the gateway serves nests a few levels (OpenAI's tool schemas
+// perhaps twenty); a 64 KB body of `[[[[...` nests 32,000 deep, and its DOM
+// (two small allocations a level, about 2 MB) is built before any field
+// check refuses it: 96 of those at once left the heap 50 MB bigger
+// (docs/reliability.md, "The soak, open loop").
+inline constexpr int max_json_depth = 64;
+
+// The deepest nesting in `body` (brackets inside strings not counted), or
+// -1 past `limit`: a linear scan that allocates nothing.
+[[nodiscard]] inline int json_depth(std::string_view body, int limit) noexcept {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : body) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limit) return -1;
+      deepest = std::max(deepest, depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 [[nodiscard]] inline absl::StatusOr<json> parse_object(std::string_view body) {
   // nlohmann's parser stops at a NUL as at the end of the input, so
   // `{...}\0garbage` would pass. JSON text never holds a raw NUL (inside a
@@ -243,6 +273,8 @@ namespace detail {
   if (const std::size_t nul = body.find('\0'); nul != std::string_view::npos) {
     return bad_input(cat("the body is not valid JSON: a NUL byte at offset ", nul));
   }
+  if (json_depth(body, max_json_depth) < 0)
+    return bad_input(cat("the body nests arrays and objects deeper than ", max_json_depth, " levels"));
   json j = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return bad_input("the body is not valid JSON");
   if (!j.is_object()) return bad_input("the body must be a JSON object");
