@@ -336,8 +336,10 @@ class hedge {
   // answers).
   ~hedge() {
     std::unique_lock lock(mu_);
-    draining_ = true;
-    drained_.wait(lock, [&] { return races_.load(std::memory_order_relaxed) == 0; });
+    // The hedge's own count goes; a race still held ends the wait by
+    // releasing the last one, under mu_.
+    if (races_.fetch_sub(1, std::memory_order_acq_rel) == 1) return;
+    drained_.wait(lock, [&] { return drained_flag_; });
   }
 
   [[nodiscard]] const hedge_options& options() const noexcept { return options_; }
@@ -795,9 +797,7 @@ class hedge {
 
   // A race begins: counted until released, and armed for its hedge time.
   void arm(detail::timer_entry& t) {
-    // No lock: only a release (under mu_) can end the destructor's wait, and
-    // no call starts while it runs.
-    races_.fetch_add(1, std::memory_order_relaxed);
+    races_.fetch_add(1, std::memory_order_relaxed);  // no call starts while the destructor runs
     timer_.schedule(t, t.due);
   }
 
@@ -817,9 +817,13 @@ class hedge {
   }
 
   // A race block has no owner left. The last thing a loser does with the hedge.
+  // No lock unless it is the last (the destructor's count is gone): then
+  // the destructor waits on mu_ and returns only once this has let go.
   void race_released() {
+    if (races_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
     std::lock_guard lock(mu_);
-    if (races_.fetch_sub(1, std::memory_order_relaxed) == 1 && draining_) drained_.notify_all();
+    drained_flag_ = true;
+    drained_.notify_all();
   }
 
   hedge_options options_;
@@ -838,10 +842,12 @@ class hedge {
   std::atomic<std::int64_t> cancelled_losers_{0};
   std::atomic<std::int64_t> outstanding_{0};
 
-  std::mutex mu_;                        // releases and draining_
-  std::condition_variable drained_;      // the destructor waits here for races_ == 0
-  std::atomic<std::int64_t> races_{0};   // race blocks not yet released (decremented under mu_)
-  bool draining_ = false;                // the destructor is waiting
+  // Race blocks not yet released, plus one for the hedge itself until its
+  // destructor runs: only then can a release bring it to zero.
+  std::atomic<std::int64_t> races_{1};
+  std::mutex mu_;                    // the destructor's wait
+  std::condition_variable drained_;  // the destructor waits here for the last release
+  bool drained_flag_ = false;        // under mu_
 };
 
 }  // namespace keel
