@@ -468,6 +468,30 @@ TEST_CASE("a body of valid JSON followed by a NUL and garbage is refused, on eve
   CHECK(core->queue().counts().value().total() == 0);
 }
 
+TEST_CASE("a body nested deeper than 64 arrays and objects is refused before it is parsed; brackets in strings do not count",
+          "[service][errors][hostile]") {
+  temp_dir dir;
+  const gateway::gateway_options o = seed_options(dir.path());
+  kt::manual_clock clock;
+  clock.auto_advance(true);
+  auto core = open_core(o, clock);
+  auto nested = [](int levels) { return std::string(levels, '[') + std::string(levels, ']'); };
+  // The object is one level: 64 arrays inside it make 65.
+  const std::string prefix = R"({"tenant":"acme","question_id":"q-timeouts","answer":)";
+  const gateway::reply deep = core->feedback(prefix + nested(64) + "}", "k-deep");
+  CHECK(deep.status == 400);
+  CHECK(parse(deep)["error"]["message"].get<std::string>().find("deeper than 64 levels") != std::string::npos);
+  CHECK(core->batch_submit(R"({"tenant":"acme","learner":"l","sessions":)" + nested(64) + "}", "k-deep").status == 400);
+  CHECK(core->effects().count("feedback", "acme", "k-deep").value() == 0);
+  // 64 levels in all pass the depth check (and are then refused for what they hold, not their depth).
+  const gateway::reply at_limit = core->feedback(prefix + nested(63) + "}", "k-at-limit");
+  CHECK(at_limit.status == 400);
+  CHECK(parse(at_limit)["error"]["message"].get<std::string>().find("deeper than") == std::string::npos);
+  // Brackets inside a string, escaped quotes among them, are text.
+  const std::string text = std::string(100, '[') + "\\\"" + std::string(100, '{');
+  CHECK(core->feedback(prefix + "\"" + text + "\"}", "k-text").status == 200);
+}
+
 TEST_CASE("idempotency keys are checked as the bytes given: a NUL or a control byte is refused, %xx is kept",
           "[service][idempotency][hostile]") {
   CHECK(!gateway::detail::check_idempotency_key(std::string_view("u1\0AAA", 6)).ok());
