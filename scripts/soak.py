@@ -238,6 +238,20 @@ GAUGE_RE = re.compile(r"^# TYPE (\S+) gauge$", re.M)
 IDLE_GAUGE = re.compile(r"in_flight|outstanding|active|queued|permits|held|depth")
 
 
+def outcome_table(tally, classes, sent=None):
+    """Markdown rows: per class, each outcome's count (and what was sent, when given), p50 and p99."""
+    kinds = sorted({k[1] for k in tally.outcomes})
+    head = "| class | " + ("sent | " if sent is not None else "")
+    rows = [head + " | ".join(kinds) + " | p50 ms | p99 ms |",
+            "|---|" + ("---|" if sent is not None else "") + "---|" * (len(kinds) + 2)]
+    for cls in classes:
+        lat = tally.latency.get(cls, [])
+        sent_cell = f"{sent[cls]} | " if sent is not None else ""
+        rows.append(f"| {cls} | {sent_cell}" + " | ".join(str(tally.outcomes.get((cls, k), 0)) for k in kinds) +
+                    f" | {pct(lat, 0.5) * 1000:.0f} | {pct(lat, 0.99) * 1000:.0f} |")
+    return rows
+
+
 def idle_gauges(gw):
     """Every gauge that should be zero at idle, with its value: from /healthz
     (bulkhead slots, the batch queue) and /metrics (in-flight, outstanding,
@@ -336,14 +350,7 @@ def closed_loop(a, gw):
     out.append("")
     out.append("Requests by class and outcome (client side):")
     out.append("")
-    classes = sorted({k[0] for k in total.outcomes})
-    kinds = sorted({k[1] for k in total.outcomes})
-    out.append("| class | " + " | ".join(kinds) + " | p50 ms | p99 ms |")
-    out.append("|---|" + "---|" * (len(kinds) + 2))
-    for cls in classes:
-        lat = total.latency.get(cls, [])
-        out.append(f"| {cls} | " + " | ".join(str(total.outcomes.get((cls, k), 0)) for k in kinds) +
-                   f" | {pct(lat, 0.5) * 1000:.0f} | {pct(lat, 0.99) * 1000:.0f} |")
+    out.extend(outcome_table(total, sorted({k[0] for k in total.outcomes})))
     out.append("")
     out.append("Per cycle: the fault injected (Redis killed and restarted in the same phase), interactive p99, "
                "RSS and open fds at the cycle's start and end, gauges not back at zero at idle:")
@@ -540,13 +547,7 @@ def open_loop(a, gw):
     out.append("")
     out.append("Requests by class and outcome (client side):")
     out.append("")
-    kinds = sorted({k[1] for k in tally.outcomes})
-    out.append("| class | sent | " + " | ".join(kinds) + " | p50 ms | p99 ms |")
-    out.append("|---|---|" + "---|" * (len(kinds) + 2))
-    for cls in OPEN_CLASSES:
-        lat = tally.latency.get(cls, [])
-        out.append(f"| {cls} | {sent[cls]} | " + " | ".join(str(tally.outcomes.get((cls, k), 0)) for k in kinds) +
-                   f" | {pct(lat, 0.5) * 1000:.0f} | {pct(lat, 0.99) * 1000:.0f} |")
+    out.extend(outcome_table(tally, OPEN_CLASSES, sent))
     out.append("")
     out.append(f"Resources every {a.sample_seconds:.0f} s (RSS and its anonymous part from /proc, the SQLite "
                "files' bytes in the data directory):")
