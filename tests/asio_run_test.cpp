@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <future>
 #include <memory>
 #include <optional>
@@ -36,6 +35,7 @@
 #include "keel/policy/retry.hpp"
 #include "keel/testing/manual_clock.hpp"
 #include "support/async_provider.hpp"
+#include "support/threads.hpp"
 
 namespace {
 
@@ -72,14 +72,6 @@ std::future<gate::result_type> start(mode m, loop& l, const Pipe& pipe, keel::ca
 void await_waiting(const gate& g, std::size_t n) {
   for (int i = 0; i < 60000 && g.waiting() != n; ++i) std::this_thread::sleep_for(1ms);
   REQUIRE(g.waiting() == n);
-}
-
-int threads_in_process() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
-  return -1;
 }
 
 // One slot, a queue of one that waits at most `age`: the bulkhead cases.
@@ -244,7 +236,7 @@ TEST_CASE("two thousand runs in flight park on one thread", "[asio]") {
   std::vector<std::optional<keel::call>> calls(n);
   std::atomic<int> ok{0};
   std::atomic<int> finished{0};
-  const int threads_before = threads_in_process();
+  const int threads_before = keel_test::threads_in_process();
   for (int i = 0; i < n; ++i) {
     calls[static_cast<std::size_t>(i)].emplace(keel::real_clock{}.now(), keel::call_options{.timeout = 60s});
     keel::asio::async_run(l.ex(), pipe, *calls[static_cast<std::size_t>(i)], g.as_provider(),
@@ -254,7 +246,8 @@ TEST_CASE("two thousand runs in flight park on one thread", "[asio]") {
                           });
   }
   await_waiting(g, n);
-  CHECK(threads_in_process() == threads_before);
+  // No thread for any of them (see support/threads.hpp for why not "equal").
+  CHECK(keel_test::threads_in_process() <= threads_before);
   for (int i = 0; i < n; ++i) g.answer(i);
   for (int i = 0; i < 60000 && finished.load() != n; ++i) std::this_thread::sleep_for(1ms);
   CHECK(finished.load() == n);

@@ -37,6 +37,7 @@
 #include "support/mock_upstream.hpp"
 #include "support/service.hpp"
 #include "support/started_service.hpp"
+#include "support/threads.hpp"
 
 using namespace std::chrono_literals;
 using json = nlohmann::json;
@@ -334,16 +335,6 @@ TEST_CASE("a client that hangs up mid-stream stops the upstream's transfer", "[s
   CHECK(stat(b.stats(), "requests", "chat") == 0);  // a lost client is not continued
 }
 
-namespace {
-
-int threads_in_process() {
-  int n = 0;
-  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
-  return n;
-}
-
-}  // namespace
-
 TEST_CASE("on fibers, 64 streams in flight hold no thread each, and every one is answered whole",
           "[service][upstreams][chat][fibers]") {
   temp_dir dir;
@@ -362,7 +353,7 @@ TEST_CASE("on fibers, 64 streams in flight hold no thread each, and every one is
   without_hedge(o);
   auto svc = start(o);
   constexpr int streams = 64;
-  const int before = threads_in_process();
+  const int before = keel_test::threads_in_process();
   std::vector<std::unique_ptr<keel_service::raw_connection>> clients;
   for (int i = 0; i < streams; ++i) {
     clients.push_back(std::make_unique<keel_service::raw_connection>(svc->port()));
@@ -374,7 +365,7 @@ TEST_CASE("on fibers, 64 streams in flight hold no thread each, and every one is
   INFO("busy " << busy << "; healthz " << healthz(svc->port()).dump()
                 << (all_busy ? std::string() : "; the first answer: " + clients.front()->read_until("}", 2s)));
   REQUIRE(all_busy);
-  const int during = threads_in_process();
+  const int during = keel_test::threads_in_process();
   INFO("threads before " << before << ", with " << streams << " streams in flight " << during);
   // Fewer threads in the whole process than streams in flight (worker
   // threads would need one each: this process would hold 256 of them), and
