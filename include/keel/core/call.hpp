@@ -229,8 +229,9 @@ class call {
   void share_across_threads() noexcept { shared_.store(true, std::memory_order_relaxed); }
   [[nodiscard]] bool shared() const noexcept { return shared_.load(std::memory_order_relaxed); }
 
-  // Record keeping, for policies and providers.
-  void charge(std::int64_t units) noexcept { add(cost_, units); }
+  // Record keeping, for policies and providers. Charging is a counter a
+  // provider adds to through its attempt's read-only view of the call.
+  void charge(std::int64_t units) const noexcept { add(cost_, units); }
   void note_retry() noexcept { add(retries_, 1); }
   void note_missing(int units = 1) noexcept { add(missing_, units); }
   void set_served_by(std::string_view path) noexcept { served_by_ = path; }
@@ -257,7 +258,7 @@ class call {
   }
 
   template <class T>
-  void add(std::atomic<T>& counter, T n) noexcept {
+  void add(std::atomic<T>& counter, T n) const noexcept {
     if (shared()) {
       counter.fetch_add(n, std::memory_order_relaxed);
     } else {
@@ -288,7 +289,7 @@ class call {
   std::atomic<int> attempts_{0};
   std::atomic<int> retries_{0};
   std::atomic<int> missing_{0};
-  std::atomic<std::int64_t> cost_{0};
+  mutable std::atomic<std::int64_t> cost_{0};
   std::string_view served_by_;
   bool degraded_ = false;
   bool replayed_ = false;
@@ -302,7 +303,10 @@ struct attempt {
   keel::deadline deadline{};  // the attempt must be done by then
   duration timeout{};         // deadline - start
   std::stop_token stop{};     // requested when the call is cancelled or this attempt lost a race
-  keel::call* owner = nullptr;
+  // The call this attempt belongs to, read-only: its request, operation,
+  // labels, stop token and deadlines. Its bookkeeping (attempt numbers,
+  // retries, deposits, marks) is the policies' and stays out of reach.
+  const keel::call* owner = nullptr;
   int hedge = 0;              // 0: the primary; k: the k-th hedge (keel/compose/hedge.hpp), e.g. to pick an alternate
 
   [[nodiscard]] const keel::labels& labels() const noexcept { return owner->labels(); }
@@ -310,6 +314,14 @@ struct attempt {
   // the attempt then succeeds or fails.
   void charge(std::int64_t units) const noexcept { owner->charge(units); }
 };
+
+namespace detail {
+
+// The call behind an attempt keel's own stages made from a call they hold
+// (never a const one): a stream's first-token hedge begins its attempt on it.
+[[nodiscard]] inline keel::call& bookkeeping(const attempt& a) noexcept { return const_cast<keel::call&>(*a.owner); }
+
+}  // namespace detail
 
 // Adapts `f(const Request&, args...)` into a callable on
 // `(const keel::call&, args...)`: it reads the call's request and gives
