@@ -7,7 +7,7 @@
 
 #include <benchmark/benchmark.h>
 
-#include "keel/compose/deadline_timer.hpp"
+#include "keel/compose/cut_at_deadline.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/core/call.hpp"
 #include "keel/policy/adaptive_timeout.hpp"

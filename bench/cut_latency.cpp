@@ -24,7 +24,7 @@
 #include <thread>
 #include <vector>
 
-#include "keel/compose/deadline_timer.hpp"
+#include "keel/compose/cut_at_deadline.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"
@@ -85,7 +85,7 @@ void attempts(keel::deadline_timer<>& timer) {
 
 void hedges(keel::deadline_timer<>& timer) {
   keel::bounded_pool pool({.threads = 4});
-  keel::hedge hedger({.delay = 1ms, .max_hedges = 1, .cut = &timer}, pool);
+  keel::hedge hedger({.delay = 1ms, .max_hedges = 1, .cut = true}, pool, timer);
   auto pipe = keel::pipeline(hedger);
   std::vector<keel::duration> late;
   int cuts = 0;

@@ -25,7 +25,7 @@
 #include "keel/asio/executor.hpp"
 #include "keel/asio/fiber_threads.hpp"
 #include "keel/asio/run.hpp"
-#include "keel/compose/deadline_timer.hpp"
+#include "keel/compose/cut_at_deadline.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/fallback.hpp"
 #include "keel/compose/hedge.hpp"

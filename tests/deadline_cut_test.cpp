@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "keel/compose/deadline_timer.hpp"
+#include "keel/core/timer.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/fallback.hpp"
 #include "keel/compose/hedge.hpp"
@@ -66,7 +66,7 @@ TEST_CASE("hedge with a cut: a race of stalled attempts ends exactly at its dead
   manual_clock clock;
   keel::deadline_timer timer(clock);  // starts the hedge and cuts both attempts
   keel::bounded_pool pool({.threads = 4});
-  keel::hedge hedger({.delay = 10ms, .max_hedges = 1, .cut = &timer}, pool, timer);
+  keel::hedge hedger({.delay = 10ms, .max_hedges = 1, .cut = true}, pool, timer);
   auto pipe = keel::pipeline(hedger).in(keel::environment{clock});
   keel::call call(clock.now(), {.timeout = 100ms});
   std::atomic<int> started{0};
@@ -114,7 +114,7 @@ TEST_CASE("hedge with a cut: on the real clock the stalled race returns soon aft
           "[deadline_cut][hedge]") {
   keel::deadline_timer timer;
   keel::bounded_pool pool({.threads = 4});
-  keel::hedge hedger({.delay = 5ms, .max_hedges = 1, .cut = &timer}, pool);
+  keel::hedge hedger({.delay = 5ms, .max_hedges = 1, .cut = true}, pool, timer);
   auto pipe = keel::pipeline(hedger);
   const keel::time_point start = keel::real_clock{}.now();
   keel::call call(start, {.timeout = 30ms});

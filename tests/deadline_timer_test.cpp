@@ -4,7 +4,7 @@
 // (manual clock exactly, real clock generously); arms and disarms from many
 // threads while the timer fires; no allocation on the success path; an entry
 // that runs again (a hedge, a stream's budgets), brought forward or cancelled.
-#include "keel/compose/deadline_timer.hpp"
+#include "keel/compose/cut_at_deadline.hpp"
 
 #include <atomic>
 #include <chrono>

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "keel/compose/deadline_timer.hpp"
+#include "keel/core/timer.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"

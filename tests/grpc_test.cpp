@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "keel/compose/deadline_timer.hpp"
+#include "keel/core/timer.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/hedge.hpp"
 #include "keel/compose/pipeline.hpp"

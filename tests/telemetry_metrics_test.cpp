@@ -13,7 +13,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "keel/compose/deadline_timer.hpp"
+#include "keel/core/timer.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/fallback.hpp"
 #include "keel/compose/hedge.hpp"

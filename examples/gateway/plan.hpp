@@ -65,7 +65,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "keel/compose/deadline_timer.hpp"
+#include "keel/compose/cut_at_deadline.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/compose/fallback.hpp"
 #include "keel/compose/hedge.hpp"
@@ -316,7 +316,7 @@ class plan_builder {
                                                                  .max_hedges = 1,
                                                                  .budget = m.budget,
                                                                  .primary_on_caller_thread = true,
-                                                                 .cut = cut_timer()},
+                                                                 .cut = cut_timer() != nullptr},
                                              s_.hedge_pool, timer_);
     }
     m.interactive_attempts = s_.options.model_attempts * (hedged ? 2 : 1);

@@ -52,7 +52,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "gateway_options.hpp"
-#include "keel/compose/deadline_timer.hpp"
+#include "keel/core/timer.hpp"
 #include "keel/core/call.hpp"
 #include "keel/core/policy.hpp"
 #include "keel/core/status.hpp"

@@ -81,7 +81,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
-#include "keel/compose/deadline_timer.hpp"
+#include "keel/compose/cut_at_deadline.hpp"
 #include "keel/compose/events.hpp"
 #include "keel/compose/pipeline.hpp"
 #include "keel/core/call.hpp"
@@ -213,7 +213,7 @@ struct fallback_options {
   // keep the rest; > 0. The default leaves the deadline as it is.
   duration primary_at_most = duration::max();
   // Cuts the primary at its deadline (above), and each alternative at its
-  // own, through this timer (keel/compose/deadline_timer.hpp): a stalled
+  // own, through this timer (keel/compose/cut_at_deadline.hpp): a stalled
   // primary that watches only its stop token is stopped in time for the
   // alternatives, and answers DeadlineExceeded, which falls back. Null:
   // the primary is not cut. The timer must outlive the fallback.

@@ -24,10 +24,10 @@
 //     events::hedge_losers_cancelled) until they return, because their
 //     upstream work may go on after a local cancel. They finish on the
 //     executor with what they own (below), not holding the caller.
-//   - With a keel::deadline_timer in `cut`, every attempt is also stopped at
-//     the race's deadline: a race whose attempts watch only their stop
-//     tokens ends then instead of waiting for them (an attempt cut so
-//     answers DeadlineExceeded).
+//   - With `cut`, every attempt is also stopped at the race's deadline, on
+//     the hedge's timer: a race whose attempts watch only their stop tokens
+//     ends then instead of waiting for them (an attempt cut so answers
+//     DeadlineExceeded).
 //   - Each hedge spends one retry from `budget` (the same keel::retry_budget
 //     as retries); when it is spent, no hedge starts. Hedges also count
 //     against the call's attempt cap. A hedge the executor refuses is
@@ -93,8 +93,8 @@
 // the listener, also from losers after run() has returned: a listener must
 // be copyable and safe to call then (keel::metrics_listener is).
 //
-// Hedges are started when due by a keel::deadline_timer (keel/compose/
-// deadline_timer.hpp): the one given to the constructor, on the pipeline's
+// Hedges are started when due by a keel::deadline_timer (keel/core/
+// timer.hpp): the one given to the constructor, on the pipeline's
 // clock, or keel::process_timer() on the real clock. The hedge has no
 // thread of its own. The executor runs the attempts and must use other
 // threads than the timer's (see keel/compose/executor.hpp). On a
@@ -131,7 +131,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "keel/compose/deadline_timer.hpp"
+#include "keel/compose/cut_at_deadline.hpp"
 #include "keel/compose/events.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/core/call.hpp"
@@ -178,13 +178,13 @@ struct hedge_options {
   // call whose hedge wins then returns only when its primary returns: only
   // for providers that honour their stop token at once.
   bool primary_on_caller_thread = false;
-  // Cuts every attempt of the race at the race's deadline: its stop is
-  // requested then (keel/compose/deadline_timer.hpp), so a race whose
-  // attempts watch only their stop tokens ends at its deadline, and an
-  // attempt cut that way answers DeadlineExceeded, not Cancelled. Null: the
-  // attempts are stopped only when the race is decided or the call is
-  // cancelled. The timer must outlive the hedge.
-  deadline_timer_base* cut = nullptr;
+  // Cuts every attempt of the race at the race's deadline, on the timer
+  // that starts the hedges: its stop is requested then (keel::deadline_cut,
+  // keel/core/timer.hpp), so a race whose attempts watch only their stop
+  // tokens ends at its deadline, and an attempt cut that way answers
+  // DeadlineExceeded, not Cancelled. false: the attempts are stopped only
+  // when the race is decided or the call is cancelled.
+  bool cut = false;
 
   static constexpr int max_hedges_limit = 7;
 
@@ -491,7 +491,7 @@ class hedge {
       slot& primary = slots[0];
       if (!primary.stop.stop_possible() || primary.stop.stop_requested()) primary.stop = std::stop_source();
       if (p.stop.stop_possible()) primary.link.emplace(p.stop, detail::forward_stop_to{&primary.stop});
-      if (o.options_.cut != nullptr) primary.cut.arm(*o.options_.cut, p.deadline, primary.stop);
+      if (o.options_.cut) primary.cut.arm(o.timer_, p.deadline, primary.stop);
       primary.start = p.now;
       primary.running = true;
       primary.cancelled = false;
@@ -578,15 +578,12 @@ class hedge {
       const bool timed = owner->tracker_ != nullptr;
       const time_point end = timed ? (ended ? *ended : clock->now()) : time_point{};
       // Armed before the attempt was handed over; only its own thread disarms.
-      const bool was_cut = slots[static_cast<std::size_t>(i)].cut.disarm();
+      r = slots[static_cast<std::size_t>(i)].cut.settle(std::move(r), plan.stop,
+                                                         [&](const absl::Status& st) { return ctx->classify(st); });
       bool last = false;
       {
         std::lock_guard lock(mu);
         slot& s = slots[static_cast<std::size_t>(i)];
-        if (was_cut && detail::cut_reads_cancelled(status_of(r), plan.stop,
-                                                   [&](const absl::Status& st) { return ctx->classify(st); })) {
-          r = R(detail::cut_status(status_of(r)));
-        }
         s.running = false;
         ++returned;
         if (s.cancelled) owner->outstanding_.fetch_sub(1, std::memory_order_relaxed);
@@ -664,7 +661,7 @@ class hedge {
       slot& s = slots[static_cast<std::size_t>(i)];
       s.stop = std::stop_source();
       if (plan.stop.stop_possible()) s.link.emplace(plan.stop, detail::forward_stop_to{&s.stop});
-      if (owner->options_.cut != nullptr) s.cut.arm(*owner->options_.cut, plan.deadline, s.stop);
+      if (owner->options_.cut) s.cut.arm(owner->timer_, plan.deadline, s.stop);
       s.start = now;
       s.running = true;
       s.cancelled = false;

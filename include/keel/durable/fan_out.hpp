@@ -112,7 +112,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "keel/compose/deadline_timer.hpp"
+#include "keel/core/timer.hpp"
 #include "keel/compose/executor.hpp"
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
@@ -177,7 +177,7 @@ struct fan_out_options {
   bool require_complete = true;
   duration unit_at_most = duration::max();  // per unit, of what is left; > 0
   // Stops each running unit at its deadline through this timer
-  // (keel/compose/deadline_timer.hpp): a unit that watches only its stop
+  // (keel/core/timer.hpp): a unit that watches only its stop
   // token ends then, failed with DeadlineExceeded. Null: units are stopped
   // only when the call's deadline passes, the rule is met or the call is
   // cancelled. The timer must outlive the runs.
@@ -546,11 +546,7 @@ class fan_out {
         const unit_context uc{units[i], i, s.start, s.work, stop, call};
         keel::deadline_cut cut;
         if (owner.options_.cut != nullptr) cut.arm(*owner.options_.cut, s.work, *s.stop);
-        answer = invoke(uc);
-        if (cut.disarm() && detail::cut_reads_cancelled(answer.status(), call.stop_token(),
-                                                        [&](const absl::Status& st) { return classify(st); })) {
-          answer = detail::cut_status(answer.status());
-        }
+        answer = cut.settle(invoke(uc), call.stop_token(), [&](const absl::Status& st) { return classify(st); });
       }
       const time_point end = env.clock.now();
       // Moved, not copied: the status goes to the caller's thread, and
