@@ -208,6 +208,15 @@ class metrics_listener {
   // a different metric.
   explicit metrics_listener(metrics_registry& registry, const metrics_listener_options& o = {})
       : max_series_((detail::require_valid(o.validate()), o.max_series)) {
+    register_policy_metrics(registry, o);
+    register_composition_metrics(registry, o.prefix);
+    register_durable_metrics(registry, o.prefix);
+  }
+
+ private:
+  // The families of keel/policy's events: retries, admission, bulkheads,
+  // adaptive limits and throttles, chaos stages, breakers.
+  void register_policy_metrics(metrics_registry& registry, const metrics_listener_options& o) {
     const std::string& p = o.prefix;
     auto& retries = registry.counter({.name = p + "retries_total",
                                       .help = "Retries scheduled, by whether the wait was the provider's "
@@ -256,7 +265,10 @@ class metrics_listener {
     breaker_rejections_ = &registry.counter({.name = p + "breaker_rejections_total",
                                              .help = "Calls a circuit breaker refused, by the state it was in.",
                                              .labels = {"breaker", "state"}});
+  }
 
+  // The families of keel/compose's events: hedges and fallbacks.
+  void register_composition_metrics(metrics_registry& registry, const std::string& p) {
     hedges_started_ =
         &registry.counter({.name = p + "hedges_started_total", .help = "Hedge attempts started."}).with({});
     auto& skipped = registry.counter(
@@ -281,7 +293,10 @@ class metrics_listener {
     fallback_skips_ = &registry.counter({.name = p + "fallback_skips_total",
                                          .help = "Fallback alternatives not used, by reason (and gate).",
                                          .labels = {"path", "reason", "gate"}});
+  }
 
+  // The families of keel/durable's events: leases, idempotency, jobs, fan-out.
+  void register_durable_metrics(metrics_registry& registry, const std::string& p) {
     leases_lost_ = &registry
                         .counter({.name = p + "leases_lost_total",
                                   .help = "Lease keepers that gave up the lease; their work was asked to stop."})
@@ -318,6 +333,8 @@ class metrics_listener {
     fan_out_runs_[0] = &runs.with({"false"});
     fan_out_runs_[1] = &runs.with({"true"});
   }
+
+ public:
 
   // --- retries
   void operator()(const events::retry_scheduled& e) const noexcept {

@@ -226,19 +226,36 @@ struct check {
 
 namespace detail::conformance {
 
+// Adds a named check to a suite's list, under the suite's area ("lease: ").
 template <class Store>
-std::vector<check<Store>> idempotency_checks() {
+struct check_list {
+  std::vector<check<Store>>& v;
+  std::string_view area;
+  void operator()(std::string_view name, std::function<void(context&, const store_harness<Store>&)> fn,
+                  check_needs n = {}) const {
+    v.push_back({std::string(area).append(name), n, std::move(fn)});
+  }
+};
+
+// What the idempotency checks share: one identity, the begin options and
+// two receipts with different contents.
+struct idempotency_inputs {
+  begin_options bo{.lease = std::chrono::seconds(10), .retention = std::chrono::seconds(60)};
+  request_identity id{.tenant = "merchant-82", .endpoint = "receipts", .key = "key-47"};
+  digest receipt_a = digest_of("receipt-A");
+  digest receipt_b = digest_of("receipt-B");
+};
+
+// Inputs are validated.
+template <class Store>
+void idempotency_input_checks(const check_list<Store>& add,
+    [[maybe_unused]] const begin_options bo,
+    [[maybe_unused]] const request_identity id,
+    [[maybe_unused]] const digest receipt_a,
+    [[maybe_unused]] const digest receipt_b) {
   using H = store_harness<Store>;
   using std::chrono::hours;
   using std::chrono::seconds;
-  std::vector<check<Store>> v;
-  const begin_options bo{.lease = seconds(10), .retention = seconds(60)};
-  const request_identity id{.tenant = "merchant-82", .endpoint = "receipts", .key = "key-47"};
-  const digest receipt_a = digest_of("receipt-A");
-  const digest receipt_b = digest_of("receipt-B");
-  auto add = [&](std::string name, std::function<void(context&, const H&)> fn, check_needs n = {}) {
-    v.push_back({"idempotency: " + std::move(name), n, std::move(fn)});
-  };
 
   add("identity parts are validated", [=](context& ctx, const H& h) {
     auto s = h.make();
@@ -305,6 +322,18 @@ std::vector<check<Store>> idempotency_checks() {
     KEEL_CONFORM_EXPECT(again.ok() && again->state == begin_state::in_flight, show(again));
     KEEL_CONFORM_EXPECT(s->commit(id, b->ownership, sample_decision("d-1"), seconds(60)).ok(), "valid commit");
   });
+}
+
+// Claims, conflicts, replays and retention.
+template <class Store>
+void idempotency_claim_checks(const check_list<Store>& add,
+    [[maybe_unused]] const begin_options bo,
+    [[maybe_unused]] const request_identity id,
+    [[maybe_unused]] const digest receipt_a,
+    [[maybe_unused]] const digest receipt_b) {
+  using H = store_harness<Store>;
+  using std::chrono::hours;
+  using std::chrono::seconds;
 
   add("a new key is claimed; a duplicate sees it in flight with the time left", [=](context& ctx, const H& h) {
     auto s = h.make();
@@ -395,6 +424,18 @@ std::vector<check<Store>> idempotency_checks() {
                             r->decision.result == "first",
                         show(r));
   });
+}
+
+// Who may commit: owners, fences, takeovers, expiry.
+template <class Store>
+void idempotency_ownership_checks(const check_list<Store>& add,
+    [[maybe_unused]] const begin_options bo,
+    [[maybe_unused]] const request_identity id,
+    [[maybe_unused]] const digest receipt_a,
+    [[maybe_unused]] const digest receipt_b) {
+  using H = store_harness<Store>;
+  using std::chrono::hours;
+  using std::chrono::seconds;
 
   add("wrong owner or wrong fence: lost ownership, nothing changes", [=](context& ctx, const H& h) {
     auto s = h.make();
@@ -470,6 +511,18 @@ std::vector<check<Store>> idempotency_checks() {
     auto b = s->begin(id, receipt_a, owner_id::random(), bo);
     KEEL_CONFORM_EXPECT(b.ok() && b->state == begin_state::claimed && !b->took_over, show(b));
   });
+}
+
+// A claim's lease: extended, abandoned, begun again.
+template <class Store>
+void idempotency_lease_checks(const check_list<Store>& add,
+    [[maybe_unused]] const begin_options bo,
+    [[maybe_unused]] const request_identity id,
+    [[maybe_unused]] const digest receipt_a,
+    [[maybe_unused]] const digest receipt_b) {
+  using H = store_harness<Store>;
+  using std::chrono::hours;
+  using std::chrono::seconds;
 
   add("extend lengthens the lease, never shortens it, and only for the holder", [=](context& ctx, const H& h) {
     auto s = h.make();
@@ -521,6 +574,18 @@ std::vector<check<Store>> idempotency_checks() {
     auto other = s->begin(id, receipt_a, owner_id::random(), bo);
     KEEL_CONFORM_EXPECT(other.ok() && other->state == begin_state::in_flight, "the lease was extended: " + show(other));
   });
+}
+
+// What is stored: failures, policy revisions, identities kept apart.
+template <class Store>
+void idempotency_record_checks(const check_list<Store>& add,
+    [[maybe_unused]] const begin_options bo,
+    [[maybe_unused]] const request_identity id,
+    [[maybe_unused]] const digest receipt_a,
+    [[maybe_unused]] const digest receipt_b) {
+  using H = store_harness<Store>;
+  using std::chrono::hours;
+  using std::chrono::seconds;
 
   add("a stored failure is replayed with its code and message", [=](context& ctx, const H& h) {
     auto s = h.make();
@@ -586,6 +651,18 @@ std::vector<check<Store>> idempotency_checks() {
     auto r = s->begin(utf8, receipt_a, owner_id::random(), bo);
     KEEL_CONFORM_EXPECT(r.ok() && r->state == begin_state::replay && r->decision.id == "d-utf8", show(r));
   });
+}
+
+// Threads racing for one key.
+template <class Store>
+void idempotency_race_checks(const check_list<Store>& add,
+    [[maybe_unused]] const begin_options bo,
+    [[maybe_unused]] const request_identity id,
+    [[maybe_unused]] const digest receipt_a,
+    [[maybe_unused]] const digest receipt_b) {
+  using H = store_harness<Store>;
+  using std::chrono::hours;
+  using std::chrono::seconds;
 
   add("N threads begin one key at once: exactly one claim", [=](context& ctx, const H& h) {
     auto s = h.make();
@@ -651,6 +728,18 @@ std::vector<check<Store>> idempotency_checks() {
     }
     KEEL_CONFORM_EXPECT(claimed == 1, claimed);
   });
+}
+
+// Keel::once over the store, and a second handle.
+template <class Store>
+void idempotency_once_checks(const check_list<Store>& add,
+    [[maybe_unused]] const begin_options bo,
+    [[maybe_unused]] const request_identity id,
+    [[maybe_unused]] const digest receipt_a,
+    [[maybe_unused]] const digest receipt_b) {
+  using H = store_harness<Store>;
+  using std::chrono::hours;
+  using std::chrono::seconds;
 
   add("keel::once: concurrent duplicates make one provider call and share one decision id",
       [=](context& ctx, const H& h) {
@@ -725,6 +814,18 @@ std::vector<check<Store>> idempotency_checks() {
     auto r = s->begin(id, receipt_a, owner_id::random(), bo);
     KEEL_CONFORM_EXPECT(r.ok() && r->state == begin_state::replay && r->decision.id == "via-peer", show(r));
   }, {.peer = true});
+}
+
+// Clocks that step back, and fences after a purge.
+template <class Store>
+void idempotency_clock_checks(const check_list<Store>& add,
+    [[maybe_unused]] const begin_options bo,
+    [[maybe_unused]] const request_identity id,
+    [[maybe_unused]] const digest receipt_a,
+    [[maybe_unused]] const digest receipt_b) {
+  using H = store_harness<Store>;
+  using std::chrono::hours;
+  using std::chrono::seconds;
 
   add("a clock stepping backwards lets no second owner in", [=](context& ctx, const H& h) {
     auto s = h.make();
@@ -807,21 +908,37 @@ std::vector<check<Store>> idempotency_checks() {
         KEEL_CONFORM_EXPECT(s->commit(id, e->ownership, sample_decision("d-2"), seconds(60)).ok(), "new commit");
       },
       {.purge = true});
-
+}
+template <class Store>
+std::vector<check<Store>> idempotency_checks() {
+  std::vector<check<Store>> v;
+  const check_list<Store> add{v, "idempotency: "};
+  const idempotency_inputs in;
+  idempotency_input_checks<Store>(add, in.bo, in.id, in.receipt_a, in.receipt_b);
+  idempotency_claim_checks<Store>(add, in.bo, in.id, in.receipt_a, in.receipt_b);
+  idempotency_ownership_checks<Store>(add, in.bo, in.id, in.receipt_a, in.receipt_b);
+  idempotency_lease_checks<Store>(add, in.bo, in.id, in.receipt_a, in.receipt_b);
+  idempotency_record_checks<Store>(add, in.bo, in.id, in.receipt_a, in.receipt_b);
+  idempotency_race_checks<Store>(add, in.bo, in.id, in.receipt_a, in.receipt_b);
+  idempotency_once_checks<Store>(add, in.bo, in.id, in.receipt_a, in.receipt_b);
+  idempotency_clock_checks<Store>(add, in.bo, in.id, in.receipt_a, in.receipt_b);
   return v;
 }
 
+// What the lease checks share: one key and a lease's term.
+struct lease_inputs {
+  duration ttl = std::chrono::seconds(10);
+  std::string_view key = "nightly-report";
+};
+
+// Validation, and a lease's whole life on one key.
 template <class Store>
-std::vector<check<Store>> lease_checks() {
+void lease_basic_checks(const check_list<Store>& add,
+    [[maybe_unused]] const duration ttl,
+    [[maybe_unused]] const std::string_view key) {
   using H = store_harness<Store>;
   using std::chrono::hours;
   using std::chrono::seconds;
-  std::vector<check<Store>> v;
-  const duration ttl = seconds(10);
-  const std::string_view key = "nightly-report";
-  auto add = [&](std::string name, std::function<void(context&, const H&)> fn, check_needs n = {}) {
-    v.push_back({"lease: " + std::move(name), n, std::move(fn)});
-  };
 
   add("keys, ttls and owners are validated", [=](context& ctx, const H& h) {
     auto s = h.make();
@@ -888,6 +1005,16 @@ std::vector<check<Store>> lease_checks() {
         KEEL_CONFORM_EXPECT(keel::is_lost_ownership(s->release(key, a->ownership)), "old release");
         KEEL_CONFORM_EXPECT(s->release(key, b->ownership).ok(), "new release");
       });
+}
+
+// Terms that lapse, renew and repeat; fences over keys.
+template <class Store>
+void lease_term_checks(const check_list<Store>& add,
+    [[maybe_unused]] const duration ttl,
+    [[maybe_unused]] const std::string_view key) {
+  using H = store_harness<Store>;
+  using std::chrono::hours;
+  using std::chrono::seconds;
 
   add("a lapsed lease nobody took over is still the holder's", [=](context& ctx, const H& h) {
     auto s = h.make();
@@ -943,6 +1070,16 @@ std::vector<check<Store>> lease_checks() {
     auto other = s->claim("other-work", owner_id::random(), ttl);
     KEEL_CONFORM_EXPECT(other.ok() && other->acquired && !other->took_over, show(other));
   });
+}
+
+// Threads racing, a second handle, clocks that step back.
+template <class Store>
+void lease_race_checks(const check_list<Store>& add,
+    [[maybe_unused]] const duration ttl,
+    [[maybe_unused]] const std::string_view key) {
+  using H = store_harness<Store>;
+  using std::chrono::hours;
+  using std::chrono::seconds;
 
   add("N threads claim one key at once: exactly one acquires it", [=](context& ctx, const H& h) {
     auto s = h.make();
@@ -1019,6 +1156,16 @@ std::vector<check<Store>> lease_checks() {
                             "the lease granted while the clock was behind is still live: " + show(c2));
       },
       {.step_back = true, .high_water = true});
+}
+
+// Fences after a purge.
+template <class Store>
+void lease_fence_checks(const check_list<Store>& add,
+    [[maybe_unused]] const duration ttl,
+    [[maybe_unused]] const std::string_view key) {
+  using H = store_harness<Store>;
+  using std::chrono::hours;
+  using std::chrono::seconds;
 
   add("a fence never goes backwards: a lease purged after it expired while held is claimed above every fence it had",
       [=](context& ctx, const H& h) {
@@ -1057,20 +1204,31 @@ std::vector<check<Store>> lease_checks() {
         KEEL_CONFORM_EXPECT(s->release(key, e->ownership).ok(), "the new owner's release");
       },
       {.purge = true});
-
+}
+template <class Store>
+std::vector<check<Store>> lease_checks() {
+  std::vector<check<Store>> v;
+  const check_list<Store> add{v, "lease: "};
+  const lease_inputs in;
+  lease_basic_checks<Store>(add, in.ttl, in.key);
+  lease_term_checks<Store>(add, in.ttl, in.key);
+  lease_race_checks<Store>(add, in.ttl, in.key);
+  lease_fence_checks<Store>(add, in.ttl, in.key);
   return v;
 }
 
+// What the result checks share: one key, as a fan-out names a unit's result.
+struct result_inputs {
+  std::string key = "panel:" + digest_of("facts+model+rubric").hex();
+};
+
+// Validation, first write wins, values byte for byte.
 template <class Store>
-std::vector<check<Store>> result_checks() {
+void result_basic_checks(const check_list<Store>& add,
+    [[maybe_unused]] const std::string key) {
   using H = store_harness<Store>;
   using std::chrono::hours;
   using std::chrono::seconds;
-  std::vector<check<Store>> v;
-  const std::string key = "panel:" + digest_of("facts+model+rubric").hex();
-  auto add = [&](std::string name, std::function<void(context&, const H&)> fn, check_needs n = {}) {
-    v.push_back({"results: " + std::move(name), n, std::move(fn)});
-  };
 
   add("keys and retention are validated", [=](context& ctx, const H& h) {
     auto s = h.make();
@@ -1125,6 +1283,15 @@ std::vector<check<Store>> result_checks() {
       KEEL_CONFORM_EXPECT(**l == value, absl::StrCat(k, ": ", (*l)->size(), " bytes back, ", value.size(), " saved"));
     }
   });
+}
+
+// Retention, races and a second handle.
+template <class Store>
+void result_retention_checks(const check_list<Store>& add,
+    [[maybe_unused]] const std::string key) {
+  using H = store_harness<Store>;
+  using std::chrono::hours;
+  using std::chrono::seconds;
 
   add("retention: a value expires on the store's clock; zero keeps it", [=](context& ctx, const H& h) {
     auto s = h.make();
@@ -1187,7 +1354,14 @@ std::vector<check<Store>> result_checks() {
     KEEL_CONFORM_EXPECT(l.ok() && l->has_value() && **l == "v", show(l));
     KEEL_CONFORM_EXPECT(!p->save_result(key, "w", duration::zero()).value_or(true), "first write wins across handles");
   }, {.peer = true});
-
+}
+template <class Store>
+std::vector<check<Store>> result_checks() {
+  std::vector<check<Store>> v;
+  const check_list<Store> add{v, "results: "};
+  const result_inputs in;
+  result_basic_checks<Store>(add, in.key);
+  result_retention_checks<Store>(add, in.key);
   return v;
 }
 
