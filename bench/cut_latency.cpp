@@ -100,9 +100,9 @@ void hedges(keel::deadline_timer<>& timer) {
 }
 
 void fan_outs(keel::deadline_timer<>& timer) {
-  keel::memory_store<> store;
+  keel::memory_store store;
   keel::bounded_pool pool({.threads = 2});
-  keel::fan_out<std::string, keel::memory_store<>, keel::bounded_pool> panel(
+  keel::fan_out<std::string, keel::memory_store, keel::bounded_pool> panel(
       {.width = 2, .unit_at_most = 3ms, .cut = &timer}, store, pool);
   std::vector<keel::unit> units;
   for (const char* n : {"a", "b"}) units.push_back({.name = n, .key = keel::digest_builder().field("u", n).finish()});

@@ -87,7 +87,7 @@ static_assert(keel::clock<jumping_clock>);
 // every begin finds an expired record and reuses its slot (no growth).
 void BM_Idempotency_BeginCommit_Memory(benchmark::State& state) {
   jumping_clock clock;
-  keel::memory_store<jumping_clock> store(clock);
+  keel::memory_store store(clock);
   constexpr std::size_t n = 4096;
   const std::vector<std::string> keys = make_keys(n);
   const keel::begin_options bo{.lease = 10s, .retention = 60s};

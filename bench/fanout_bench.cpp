@@ -47,7 +47,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-using panel_t = keel::fan_out<std::string, keel::memory_store<>, keel::bounded_pool>;
+using panel_t = keel::fan_out<std::string, keel::memory_store, keel::bounded_pool>;
 
 std::vector<keel::unit> eight_units(std::string_view facts) {
   std::vector<keel::unit> units;
@@ -70,7 +70,7 @@ auto trivial_worker() {
 }
 
 void BM_FanOut_8Units_AllCached(benchmark::State& state) {
-  keel::memory_store<> store;
+  keel::memory_store store;
   keel::bounded_pool pool({.threads = 4, .queue_capacity = 64});
   panel_t panel({.width = 8, .validator = has_score}, store, pool);
   const std::vector<keel::unit> units = eight_units("product-1");
@@ -89,7 +89,7 @@ void BM_FanOut_8Units_AllCached(benchmark::State& state) {
 BENCHMARK(BM_FanOut_8Units_AllCached);
 
 void BM_FanOut_8Units_Fresh(benchmark::State& state) {
-  keel::memory_store<> store;
+  keel::memory_store store;
   keel::bounded_pool pool({.threads = 4, .queue_capacity = 64});
   panel_t panel({.width = 8, .validator = has_score}, store, pool);
   const std::vector<keel::unit> units = eight_units("product-2");
@@ -157,7 +157,7 @@ BENCHMARK(BM_Executor_TaskRoundTrip);
 
 // The store alone: what saving and loading 8 results costs inline.
 void BM_Baseline_Store_8Saves(benchmark::State& state) {
-  keel::memory_store<> store;
+  keel::memory_store store;
   std::vector<std::string> keys;
   for (const keel::unit& u : eight_units("product-3")) keys.push_back("fanout:" + u.key.hex());
   keel_bench::count_allocations allocs(state);

@@ -1,6 +1,7 @@
-// The clocks: the real steady clock, and the manual clock every other test
-// drives time with.
+// The clocks: the real steady clock, the manual clock every other test
+// drives time with, and any_clock, which holds either.
 #include "keel/core/clock.hpp"
+#include "keel/core/any_clock.hpp"
 #include "keel/core/condition.hpp"
 
 #include <atomic>
@@ -146,6 +147,52 @@ TEST_CASE("manual_clock wait_until wakes on notify, on time, and on stop", "[clo
     REQUIRE(clock.wait_until(lock, cv, clock.now() + 1h, {}, [&] { return ready; }));
     REQUIRE(lock.owns_lock());
   }
+}
+
+TEST_CASE("any_clock holds a manual clock by value: copies share its timeline, and its waits are the clock's",
+          "[clock][any_clock]") {
+  manual_clock clock;
+  const keel::any_clock held(clock);
+  keel::any_clock copy = held;
+  clock.advance(3s);
+  CHECK(held.now() == clock.now());
+  CHECK(copy.now() == clock.now());
+  CHECK(held.target<manual_clock>() != nullptr);
+  CHECK(held.target<keel::real_clock>() == nullptr);
+
+  // A sleep through it is a sleeper on the manual clock, woken by advance().
+  std::atomic<bool> reached{false};
+  std::thread sleeper([&] { reached = held.sleep_until(clock.now() + 5s, {}); });
+  clock.await_sleepers(1);
+  CHECK_FALSE(reached.load());
+  clock.advance(5s);
+  sleeper.join();
+  CHECK(reached.load());
+
+  // A condition wait through it wakes on notify with the predicate true.
+  std::mutex mu;
+  keel::condition cv;
+  bool ready = false;
+  bool result = false;
+  std::thread waiter([&] {
+    std::unique_lock lock(mu);
+    result = copy.wait_until(lock, cv, clock.now() + 1h, {}, [&] { return ready; });
+  });
+  clock.await_sleepers(1);
+  {
+    std::lock_guard lock(mu);
+    ready = true;
+  }
+  cv.notify_all();
+  waiter.join();
+  CHECK(result);
+
+  // Assigned the real clock, it reads steady time, not the manual clock's.
+  copy = keel::any_clock{};
+  CHECK(copy.target<keel::real_clock>() != nullptr);
+  const keel::time_point real = keel::real_clock{}.now();
+  CHECK(copy.now() >= real);
+  CHECK(copy.now() < real + 1h);
 }
 
 TEST_CASE("manual_clock can be hammered by many sleepers and an advancing thread", "[clock][concurrency]") {

@@ -160,9 +160,9 @@ TEST_CASE("fan_out with a cut: a stalled unit ends exactly at its deadline, fail
           "[deadline_cut][fan_out]") {
   manual_clock clock;
   keel::deadline_timer timer(clock);
-  keel::memory_store<manual_clock> store(clock);
+  keel::memory_store store(clock);
   keel::bounded_pool pool({.threads = 3});
-  keel::fan_out<std::string, keel::memory_store<manual_clock>, keel::bounded_pool, keel::environment<manual_clock>>
+  keel::fan_out<std::string, keel::memory_store, keel::bounded_pool, keel::environment<manual_clock>>
       panel({.width = 3, .require_complete = false, .unit_at_most = 50ms, .cut = &timer}, store, pool,
             keel::environment{clock});
   const std::vector<keel::unit> units = units_named({"fast", "stalled"});
@@ -194,9 +194,9 @@ TEST_CASE("fan_out with a cut: a stalled unit ends exactly at its deadline, fail
 TEST_CASE("fan_out with a cut: on the real clock a stalled unit returns soon after its deadline",
           "[deadline_cut][fan_out]") {
   keel::deadline_timer timer;
-  keel::memory_store<> store;
+  keel::memory_store store;
   keel::bounded_pool pool({.threads = 2});
-  keel::fan_out<std::string, keel::memory_store<>, keel::bounded_pool> panel(
+  keel::fan_out<std::string, keel::memory_store, keel::bounded_pool> panel(
       {.width = 2, .unit_at_most = 30ms, .cut = &timer}, store, pool);
   const std::vector<keel::unit> units = units_named({"stalled-a", "stalled-b"});
   const keel::time_point start = keel::real_clock{}.now();

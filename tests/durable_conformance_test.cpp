@@ -14,7 +14,7 @@
 #include "support/catch.hpp"
 
 using keel::testing::manual_clock;
-using memory = keel::memory_store<manual_clock>;
+using memory = keel::memory_store;
 using sqlite = keel::sqlite_store<manual_clock>;
 
 namespace {

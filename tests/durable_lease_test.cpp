@@ -17,7 +17,7 @@
 
 using namespace std::chrono_literals;
 using keel::testing::manual_clock;
-using store_t = keel::memory_store<manual_clock>;
+using store_t = keel::memory_store;
 
 namespace {
 

@@ -27,7 +27,7 @@ using keel::testing::manual_clock;
 
 TEST_CASE("fan-out workers run pipelines with admission and a breaker per provider", "[fan_out][protection]") {
   manual_clock clock;
-  keel::memory_store<manual_clock> store(clock);
+  keel::memory_store store(clock);
   keel::bounded_pool pool({.threads = 3, .queue_capacity = 16});
   keel::admission quotas({.models = {{"C", {.max_in_flight = 1}}}});
   std::map<std::string, std::unique_ptr<keel::circuit_breaker>> breakers;
@@ -43,7 +43,7 @@ TEST_CASE("fan-out workers run pipelines with admission and a breaker per provid
                      .key = keel::digest_builder().field("facts", "f").field("model", m).finish(),
                      .labels = {.tenant = "shop-7", .model = m}});
   }
-  keel::fan_out<std::string, keel::memory_store<manual_clock>, keel::bounded_pool, keel::environment<manual_clock>> panel(
+  keel::fan_out<std::string, keel::memory_store, keel::bounded_pool, keel::environment<manual_clock>> panel(
       {.width = 3}, store, pool, keel::environment{clock});
   // The worker: admission outermost, then the provider's breaker, then retries.
   auto worker = [&](const keel::unit_context& u) -> absl::StatusOr<std::string> {
@@ -103,13 +103,13 @@ TEST_CASE("fan-out workers run pipelines with admission and a breaker per provid
 
 TEST_CASE("a panel refused by an open breaker says retry later, not do-not-retry", "[fan_out][protection][outcome]") {
   manual_clock clock;
-  keel::memory_store<manual_clock> store(clock);
+  keel::memory_store store(clock);
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
   keel::circuit_breaker breaker({.name = "B", .minimum_calls = 5});
   breaker.force_open(clock.now());
   const std::vector<keel::unit> units{
       {.name = "B", .key = keel::digest_builder().field("model", "B").finish(), .labels = {.model = "B"}}};
-  keel::fan_out<std::string, keel::memory_store<manual_clock>, keel::bounded_pool, keel::environment<manual_clock>> panel(
+  keel::fan_out<std::string, keel::memory_store, keel::bounded_pool, keel::environment<manual_clock>> panel(
       {.width = 1}, store, pool, keel::environment{clock});
   int calls = 0;
   auto worker = [&](const keel::unit_context& u) -> absl::StatusOr<std::string> {

@@ -38,7 +38,7 @@ using namespace std::chrono_literals;
 using keel::testing::manual_clock;
 namespace kt = keel::testing;
 using text_provider = kt::scripted_provider<std::string>;
-using store_t = keel::memory_store<manual_clock>;
+using store_t = keel::memory_store;
 using panel_t = keel::fan_out<std::string, store_t, keel::bounded_pool, keel::environment<manual_clock>>;
 constexpr auto sleep_mode = text_provider::mode::sleep;
 
@@ -408,7 +408,7 @@ struct verdict {
 
 TEST_CASE("best of n by a user score, with a result type of its own", "[fan_out][best]") {
   manual_clock clock;
-  keel::memory_store<manual_clock> store(clock);
+  keel::memory_store store(clock);
   keel::bounded_pool pool({.threads = 3, .queue_capacity = 16});
   keel::fan_out<verdict, store_t, keel::bounded_pool, keel::environment<manual_clock>> panel(
       {.width = 3,
@@ -592,9 +592,9 @@ TEST_CASE("cancelling the call cancels running units; those not started are miss
 }
 
 TEST_CASE("a full executor delays units but never loses them", "[fan_out][executor]") {
-  keel::memory_store<> store;
+  keel::memory_store store;
   keel::bounded_pool pool({.threads = 1, .queue_capacity = 1});
-  keel::fan_out<std::string, keel::memory_store<>, keel::bounded_pool> panel({.width = 6}, store, pool);
+  keel::fan_out<std::string, keel::memory_store, keel::bounded_pool> panel({.width = 6}, store, pool);
   const std::vector<keel::unit> units = panel_units({"A", "B", "C", "D", "E", "F"});
   std::atomic<int> calls{0};
   auto worker = [&](const keel::unit_context& u) -> absl::StatusOr<std::string> {
@@ -627,10 +627,10 @@ struct stale_refusal_pool {
 
 TEST_CASE("a refusal that goes stale while fan_out submits is tried again, not reported missing",
           "[fan_out][executor]") {
-  keel::memory_store<> store;
+  keel::memory_store store;
   keel::bounded_pool inner({.threads = 1, .queue_capacity = 1});
   stale_refusal_pool pool{inner};
-  keel::fan_out<std::string, keel::memory_store<>, stale_refusal_pool> panel({.width = 6}, store, pool);
+  keel::fan_out<std::string, keel::memory_store, stale_refusal_pool> panel({.width = 6}, store, pool);
   const std::vector<keel::unit> units = panel_units({"A", "B", "C", "D", "E", "F"});
   std::atomic<int> calls{0};
   auto worker = [&](const keel::unit_context& u) -> absl::StatusOr<std::string> {
@@ -669,11 +669,11 @@ struct task_probe {
 
 TEST_CASE("fan_out's tasks fit the executor's task inline: submitting a unit allocates nothing",
           "[fan_out][executor][alloc]") {
-  keel::memory_store<> store;
+  keel::memory_store store;
   keel::bounded_pool inner({.threads = 2, .queue_capacity = 8});
   task_probe pool{inner};
   STATIC_REQUIRE(keel::executor<task_probe>);
-  keel::fan_out<std::string, keel::memory_store<>, task_probe> panel({.width = 3}, store, pool);
+  keel::fan_out<std::string, keel::memory_store, task_probe> panel({.width = 3}, store, pool);
   const std::vector<keel::unit> units = panel_units({"A", "B", "C"});
   auto worker = [](const keel::unit_context& u) -> absl::StatusOr<std::string> { return "score:" + u.unit.name; };
   keel::call call(keel::real_clock{}.now(), {.timeout = 30s});
@@ -684,9 +684,9 @@ TEST_CASE("fan_out's tasks fit the executor's task inline: submitting a unit all
 }
 
 TEST_CASE("concurrent fan-outs on one pool and store stay consistent", "[fan_out][stress]") {
-  keel::memory_store<> store;
+  keel::memory_store store;
   keel::bounded_pool pool({.threads = 4, .queue_capacity = 64});
-  keel::fan_out<std::string, keel::memory_store<>, keel::bounded_pool> panel(
+  keel::fan_out<std::string, keel::memory_store, keel::bounded_pool> panel(
       {.width = 3, .complete_when = keel::completion::quorum(3), .validator = has_score}, store, pool);
   std::atomic<int> worker_calls{0};
   constexpr int callers = 4;

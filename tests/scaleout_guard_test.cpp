@@ -26,7 +26,7 @@ using keel::testing::manual_clock;
 static_assert(keel::idempotency_store<keel::guarded_store<keel::postgres_store>>);
 static_assert(keel::lease_store<keel::guarded_store<keel::redis_store>>);
 static_assert(keel::result_store<keel::guarded_store<keel::redis_store>>);
-static_assert(keel::notifying_store<keel::guarded_store<keel::memory_store<>>>);
+static_assert(keel::notifying_store<keel::guarded_store<keel::memory_store>>);
 static_assert(!keel::notifying_store<keel::guarded_store<keel::redis_store>>);
 
 namespace {

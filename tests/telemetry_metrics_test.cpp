@@ -388,7 +388,7 @@ TEST_CASE("a lease keeper that loses its lease is counted", "[telemetry][lease]"
 
 TEST_CASE("idempotent begins are counted by what the store answered", "[telemetry][idempotency]") {
   manual_clock clock;
-  keel::memory_store<manual_clock> store(clock);
+  keel::memory_store store(clock);
   keel::metrics_registry registry;
   const keel::metrics_listener listener(registry);
   keel::once decide(store, {.lease = 30s, .retention = 24h, .retry_window = 1h},
@@ -427,7 +427,7 @@ TEST_CASE("the default sink is no sink: observing null_listener changes nothing"
 }
 
 TEST_CASE("a fan-out's units, saves and outstanding work are reported", "[telemetry][fan_out]") {
-  keel::memory_store<> store;
+  keel::memory_store store;
   keel::bounded_pool pool({.threads = 2, .queue_capacity = 8});
   keel::metrics_registry registry;
   const keel::metrics_listener listener(registry);

@@ -14,6 +14,7 @@
 //   auto pipe = keel::pipeline(keel::retry({.max_attempts = 3}));
 #pragma once
 
+#include "keel/core/any_clock.hpp"
 #include "keel/core/call.hpp"
 #include "keel/core/clock.hpp"
 #include "keel/core/condition.hpp"

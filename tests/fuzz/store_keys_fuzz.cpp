@@ -200,7 +200,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // exactly when a naive key derivation would collide or not.
   const std::string wa = p[0] + p[1], wb = p[3] + p[4];
 
-  keel::memory_store<keel::testing::manual_clock> memory{keel::testing::manual_clock()};
+  keel::memory_store memory{keel::testing::manual_clock()};
   check_store(memory, a, b, wa, wb);
   keel::fuzz::sqlite_fixture& f = keel::fuzz::sqlite_fixture::get();
   f.reset();

@@ -62,7 +62,7 @@
 //
 // Example:
 //
-//   keel::memory_store<> store;                       // or keel::sqlite_store
+//   keel::memory_store store;                       // or keel::sqlite_store
 //   keel::bounded_pool pool({.threads = 4});
 //   keel::fan_out panel(
 //       keel::fan_out_options<std::string>{

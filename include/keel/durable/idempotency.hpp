@@ -46,8 +46,8 @@
 //
 // Example (what a backend implements; keel::memory_store is the smallest):
 //
-//   static_assert(keel::idempotency_store<keel::memory_store<>>);
-//   keel::memory_store<> store;
+//   static_assert(keel::idempotency_store<keel::memory_store>);
+//   keel::memory_store store;
 //   keel::request_identity id{.tenant = "merchant-82", .endpoint = "receipts", .key = "key-47"};
 //   absl::StatusOr<keel::begin_outcome> b =
 //       store.begin(id, keel::digest_builder().field("receipt", "r").finish(), keel::owner_id::random(), {});

@@ -39,6 +39,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "keel/core/any_clock.hpp"
 #include "keel/core/clock.hpp"
 #include "keel/core/outcome.hpp"
 #include "keel/core/status.hpp"
@@ -71,11 +72,12 @@ namespace keel {
   }
 }
 
-template <class Store, keel::clock Clock = real_clock>
+template <class Store>
 class guarded_store {
  public:
   // `store` and `breaker` must outlive the guard.
-  guarded_store(Store& store, circuit_breaker& breaker, Clock clock = {})
+  // `clock` times each operation for the breaker (any keel clock; the real one by default).
+  guarded_store(Store& store, circuit_breaker& breaker, any_clock clock = {})
       : store_(store), breaker_(breaker), clock_(std::move(clock)) {}
 
   [[nodiscard]] Store& store() noexcept { return store_; }
@@ -165,7 +167,7 @@ class guarded_store {
 
   Store& store_;
   circuit_breaker& breaker_;
-  Clock clock_;
+  any_clock clock_;
 };
 
 }  // namespace keel

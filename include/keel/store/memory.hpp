@@ -20,7 +20,7 @@
 //
 // Example:
 //
-//   keel::memory_store<> store;
+//   keel::memory_store store;
 //   keel::once decide(store, {.lease = std::chrono::seconds(10)});
 //   absl::StatusOr<keel::lease_claim> c = store.claim("reindex", keel::owner_id::random(), std::chrono::seconds(5));
 //
@@ -50,6 +50,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "keel/core/any_clock.hpp"
 #include "keel/core/clock.hpp"
 #include "keel/core/condition.hpp"
 #include "keel/core/status.hpp"
@@ -92,10 +93,10 @@ enum class record_state { in_flight, committed, abandoned };
 
 }  // namespace detail
 
-template <keel::clock Clock = real_clock>
 class memory_store {
  public:
-  explicit memory_store(Clock clock = {}) : clock_(std::move(clock)) {}
+  // The store's clock: any keel clock (keel/core/any_clock.hpp), the real one by default.
+  explicit memory_store(any_clock clock = {}) : clock_(std::move(clock)) {}
   memory_store(const memory_store&) = delete;
   memory_store& operator=(const memory_store&) = delete;
 
@@ -329,7 +330,7 @@ class memory_store {
     return n;
   }
 
-  [[nodiscard]] const Clock& clock() const noexcept { return clock_; }
+  [[nodiscard]] const any_clock& clock() const noexcept { return clock_; }
 
  private:
   struct record {
@@ -400,7 +401,7 @@ class memory_store {
                                              l->holder.fence == token.fence && l->held ? " by another owner" : ""));
   }
 
-  Clock clock_;
+  any_clock clock_;
   std::mutex mu_;
   keel::condition changed_;
   std::uint64_t version_ = 0;
@@ -411,9 +412,9 @@ class memory_store {
   absl::flat_hash_map<std::string, result_record> results_;
 };
 
-static_assert(idempotency_store<memory_store<>>);
-static_assert(notifying_store<memory_store<>>);
-static_assert(lease_store<memory_store<>>);
-static_assert(result_store<memory_store<>>);
+static_assert(idempotency_store<memory_store>);
+static_assert(notifying_store<memory_store>);
+static_assert(lease_store<memory_store>);
+static_assert(result_store<memory_store>);
 
 }  // namespace keel

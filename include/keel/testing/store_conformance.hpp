@@ -16,8 +16,8 @@
 // says how to make a fresh store and how to move its clock:
 //
 //   keel::testing::manual_clock clock;
-//   keel::testing::store_harness<keel::memory_store<keel::testing::manual_clock>> h{
-//       .make = [&] { return std::make_shared<keel::memory_store<keel::testing::manual_clock>>(clock); },
+//   keel::testing::store_harness<keel::memory_store> h{
+//       .make = [&] { return std::make_shared<keel::memory_store>(clock); },
 //       .advance = [&](keel::duration d) { clock.advance(d); },
 //       .step_back = [&](keel::duration d) { clock.set(clock.now() - d); },
 //   };
