@@ -117,10 +117,10 @@ BENCHMARK(BM_Sse_LineSplit);
 
 void BM_Sse_Parse(benchmark::State& state) {
   const std::string& b = body();
-  keel::http::sse_parser parser;
+  keel::sse_parser parser;
   std::size_t text = 0;
-  auto on = [&](const keel::http::chat_chunk& c) {
-    if (c.kind == keel::http::chunk_kind::content) text += c.text.size();
+  auto on = [&](const keel::chat_chunk& c) {
+    if (c.kind == keel::chunk_kind::content) text += c.text.size();
     return true;
   };
   {
@@ -320,11 +320,11 @@ BENCHMARK(BM_Stream_PerToken_Bare);
 // per iteration.
 void BM_Stream_ParserOnly(benchmark::State& state) {
   const std::string& b = body();
-  keel::http::sse_parser parser;
+  keel::sse_parser parser;
   std::string text;
   text.reserve(8192);
-  auto on = [&](const keel::http::chat_chunk& c) {
-    if (c.kind == keel::http::chunk_kind::content) text.append(c.text.data(), c.text.size());
+  auto on = [&](const keel::chat_chunk& c) {
+    if (c.kind == keel::chunk_kind::content) text.append(c.text.data(), c.text.size());
     for (const keel::tool_call_delta& d : c.tool_calls) text.append(d.arguments.data(), d.arguments.size());
     return true;
   };
@@ -344,7 +344,7 @@ void BM_Stream_ParsedIntoPolicy(benchmark::State& state) {
   keel::testing::manual_clock clock;
   keel::deadline_timer guard_timer{clock};
   keel::stream_guard guard({.first_token = 10s, .stall = 10s}, guard_timer);
-  keel::http::sse_parser parser;
+  keel::sse_parser parser;
   std::size_t relayed = 0;
   keel::token_stream stream(guard, [&](std::string_view t) { relayed += t.size(); });
   const auto pipe = keel::pipeline(keel::retry({.max_attempts = 1})).in(keel::environment{clock});
@@ -352,9 +352,9 @@ void BM_Stream_ParsedIntoPolicy(benchmark::State& state) {
     parser.reset();
     for (std::size_t off = 0; off < b.size(); off += kRead) {
       const keel::time_point now = w.now();  // once per read, as keel::http does
-      (void)parser.feed(std::string_view(b).substr(off, kRead), [&](const keel::http::chat_chunk& c) {
-        if (c.kind == keel::http::chunk_kind::content) return w.token(c.text, now);
-        if (c.kind == keel::http::chunk_kind::tool_call)
+      (void)parser.feed(std::string_view(b).substr(off, kRead), [&](const keel::chat_chunk& c) {
+        if (c.kind == keel::chunk_kind::content) return w.token(c.text, now);
+        if (c.kind == keel::chunk_kind::tool_call)
           return w.event({.kind = keel::stream_event_kind::tool_call, .content = c.text, .tool_calls = c.tool_calls}, now);
         if (c.has_usage) w.usage(c.usage);
         return true;

@@ -1172,16 +1172,16 @@ TEST_CASE("a chat stream through the front door: chunked server-sent events that
   CHECK(ended);
 
   // keel's own SSE parser, in pieces of 7 bytes: the gateway speaks the format.
-  keel::http::sse_parser parser;
+  keel::sse_parser parser;
   std::string text;
   int contents = 0, roles = 0, usage = 0, done = 0;
   json keel_view;
-  auto on = [&](const keel::http::chat_chunk& ch) {
+  auto on = [&](const keel::chat_chunk& ch) {
     switch (ch.kind) {
-      case keel::http::chunk_kind::content: text.append(ch.text); ++contents; break;
-      case keel::http::chunk_kind::role: ++roles; break;
-      case keel::http::chunk_kind::usage: ++usage; CHECK(ch.usage.completion_tokens == 12); break;
-      case keel::http::chunk_kind::done: ++done; break;
+      case keel::chunk_kind::content: text.append(ch.text); ++contents; break;
+      case keel::chunk_kind::role: ++roles; break;
+      case keel::chunk_kind::usage: ++usage; CHECK(ch.usage.completion_tokens == 12); break;
+      case keel::chunk_kind::done: ++done; break;
       default: break;
     }
     return true;

@@ -249,7 +249,7 @@ relayed relay_once(http::client& client, const std::string& path, const keel::st
   keel::call call(keel::real_clock{}.now(), {.timeout = 20s, .max_attempts = max_attempts});
   keel::token_stream stream(guard, [&](const keel::stream_event& e) {
     ++out.events;
-    http::write_sse_event(out.wire, e.data, e.name);
+    keel::write_sse_event(out.wire, e.data, e.name);
     if (e.upstream != nullptr && e.upstream->status == 200) {
       ++out.statuses;
       out.request_id = std::string(e.upstream->header("x-request-id"));

@@ -26,7 +26,6 @@
 #include "support/sse_server.hpp"
 
 using namespace std::chrono_literals;
-namespace http = keel::http;
 using keel::testing::end;
 using keel::testing::manual_clock;
 using keel::testing::tok;
@@ -41,7 +40,7 @@ std::string join(const std::vector<std::string>& events) {
 
 // What a parse saw, copied out of the callbacks.
 struct read_back {
-  std::vector<http::chunk_kind> kinds;
+  std::vector<keel::chunk_kind> kinds;
   std::vector<keel::tool_call> fragments;  // each fragment, owned
   keel::tool_call_assembler calls;
   std::string text, refusal;
@@ -49,11 +48,11 @@ struct read_back {
 };
 
 read_back read_in_pieces(std::string_view body, std::size_t piece) {
-  http::sse_parser p;
+  keel::sse_parser p;
   read_back out;
-  auto on = [&](const http::chat_chunk& c) {
+  auto on = [&](const keel::chat_chunk& c) {
     out.kinds.push_back(c.kind);
-    if (c.kind == http::chunk_kind::content) out.text.append(c.text);
+    if (c.kind == keel::chunk_kind::content) out.text.append(c.text);
     out.refusal.append(c.refusal);
     for (const keel::tool_call_delta& d : c.tool_calls) {
       out.fragments.push_back({.index = d.index,
@@ -69,7 +68,7 @@ read_back read_in_pieces(std::string_view body, std::size_t piece) {
   return out;
 }
 
-long count(const std::vector<http::chunk_kind>& kinds, http::chunk_kind k) {
+long count(const std::vector<keel::chunk_kind>& kinds, keel::chunk_kind k) {
   return std::count(kinds.begin(), kinds.end(), k);
 }
 
@@ -83,9 +82,9 @@ TEST_CASE("sse: tool-call deltas are model output: OpenAI's stream of one call, 
   const std::size_t piece = GENERATE(1, 2, 7, 64, 100000);
   const read_back r = read_in_pieces(body, piece);
   REQUIRE(r.status.ok());
-  CHECK(count(r.kinds, http::chunk_kind::tool_call) == 6);  // the first chunk (id, name) and five fragments
-  CHECK(count(r.kinds, http::chunk_kind::empty) == 1);      // finish_reason "tool_calls" alone
-  CHECK(count(r.kinds, http::chunk_kind::done) == 1);
+  CHECK(count(r.kinds, keel::chunk_kind::tool_call) == 6);  // the first chunk (id, name) and five fragments
+  CHECK(count(r.kinds, keel::chunk_kind::empty) == 1);      // finish_reason "tool_calls" alone
+  CHECK(count(r.kinds, keel::chunk_kind::done) == 1);
   CHECK(r.text.empty());
   REQUIRE(r.fragments.size() == 6);
   CHECK(r.fragments[0].id == "call_DdmO9pD3xa9XTPNJ32zg2hcA");
@@ -105,8 +104,8 @@ TEST_CASE("sse: tool-call deltas are model output: OpenAI's stream of one call, 
 
   // The shape cache reads argument fragments as it reads content: the first
   // plain fragment in full, the four after it from the cached bytes.
-  http::sse_parser p;
-  REQUIRE(p.feed(body, [](const http::chat_chunk&) { return true; }).ok());
+  keel::sse_parser p;
+  REQUIRE(p.feed(body, [](const keel::chat_chunk&) { return true; }).ok());
   CHECK(p.shape_cache_hits() == 4);
 }
 
@@ -128,7 +127,7 @@ TEST_CASE("sse: two tool calls interleaving by index are put back together apart
       "\n\ndata: [DONE]\n\n";
   const read_back r = read_in_pieces(body, GENERATE(3, 100000));
   REQUIRE(r.status.ok());
-  CHECK(count(r.kinds, http::chunk_kind::tool_call) == 5);
+  CHECK(count(r.kinds, keel::chunk_kind::tool_call) == 5);
   const std::vector<keel::tool_call> want{
       {.index = 0, .id = "call_a", .type = "function", .name = "get_weather", .arguments = R"({"city":"Paris"})"},
       {.index = 1, .id = "call_b", .type = "function", .name = "get_time", .arguments = R"({"tz":"Europe/Paris"})"}};
@@ -150,8 +149,8 @@ TEST_CASE("sse: two tool calls interleaving by index are put back together apart
 TEST_CASE("sse: delta.refusal is its own kind with its text, never empty", "[stream][sse][refusal]") {
   const read_back r = read_in_pieces(join(keel_test::sse_server::refusal_events()), GENERATE(5, 100000));
   REQUIRE(r.status.ok());
-  CHECK(count(r.kinds, http::chunk_kind::refusal) == 2);
-  CHECK(count(r.kinds, http::chunk_kind::role) == 1);  // "refusal": "" on the role chunk is no refusal
+  CHECK(count(r.kinds, keel::chunk_kind::refusal) == 2);
+  CHECK(count(r.kinds, keel::chunk_kind::role) == 1);  // "refusal": "" on the role chunk is no refusal
   CHECK(r.refusal == "I'm sorry, I can't help with that.");
   CHECK(r.text.empty());
 }
@@ -165,9 +164,9 @@ TEST_CASE("sse: tool-call fragments cost no allocation each once the buffers hav
   const std::vector<std::string> events = keel_test::sse_server::tool_call_events();
   std::string body = events[0];
   for (int i = 0; i < 300; ++i) body += events[1 + i % 5];
-  http::sse_parser p;
+  keel::sse_parser p;
   std::size_t bytes = 0;
-  auto on = [&](const http::chat_chunk& c) {
+  auto on = [&](const keel::chat_chunk& c) {
     for (const keel::tool_call_delta& d : c.tool_calls) bytes += d.arguments.size();
     return true;
   };
@@ -187,7 +186,7 @@ TEST_CASE("sse: a UTF-8 byte order mark at the stream's start is skipped, wherev
     const read_back r = read_in_pieces(body, piece);
     REQUIRE(r.status.ok());
     CHECK(r.text == "Hi");
-    CHECK(count(r.kinds, http::chunk_kind::content) == 1);
+    CHECK(count(r.kinds, keel::chunk_kind::content) == 1);
   }
   // Only at the start: after it, the bytes are the stream's (an unknown field here).
   const read_back later = read_in_pieces(
@@ -244,13 +243,13 @@ TEST_CASE("sse: error objects mid-stream are read by what they mean (docs/stream
   };
   for (const row& r : table) {
     INFO(r.who);
-    http::sse_parser p;
+    keel::sse_parser p;
     std::optional<absl::Status> status;
     std::int64_t code = -2;
     REQUIRE(p.feed(r.event + "\n\n",
-                   [&](const http::chat_chunk& c) {
-                     REQUIRE(c.kind == http::chunk_kind::error);
-                     status = http::error_status(c);
+                   [&](const keel::chat_chunk& c) {
+                     REQUIRE(c.kind == keel::chunk_kind::error);
+                     status = keel::error_status(c);
                      code = c.error_code;
                      return true;
                    })
@@ -261,10 +260,10 @@ TEST_CASE("sse: error objects mid-stream are read by what they mean (docs/stream
     CHECK(code >= 0);
   }
   // "code": null is the documented "no numeric code": 0.
-  http::sse_parser p;
+  keel::sse_parser p;
   std::int64_t code = -2;
   REQUIRE(p.feed("data: {\"error\":{\"message\":\"x\",\"type\":\"server_error\",\"code\":null}}\n\n",
-                 [&](const http::chat_chunk& c) {
+                 [&](const keel::chat_chunk& c) {
                    code = c.error_code;
                    return true;
                  })

@@ -31,7 +31,6 @@
 #include "support/catch.hpp"
 
 using namespace std::chrono_literals;
-namespace http = keel::http;
 using keel::testing::end;
 using keel::testing::manual_clock;
 using keel::testing::tok;
@@ -65,20 +64,20 @@ std::string recorded_stream() {
 
 struct parsed {
   std::string text;
-  std::vector<http::chunk_kind> kinds;
+  std::vector<keel::chunk_kind> kinds;
   keel::token_usage usage;
   std::string error;
   absl::Status status;
 };
 
 parsed parse_in_pieces(std::string_view body, std::size_t piece) {
-  http::sse_parser p;
+  keel::sse_parser p;
   parsed out;
-  auto on = [&](const http::chat_chunk& c) {
+  auto on = [&](const keel::chat_chunk& c) {
     out.kinds.push_back(c.kind);
-    if (c.kind == http::chunk_kind::content) out.text.append(c.text);
+    if (c.kind == keel::chunk_kind::content) out.text.append(c.text);
     if (c.has_usage) out.usage = c.usage;
-    if (c.kind == http::chunk_kind::error) out.error = std::string(c.text);
+    if (c.kind == keel::chunk_kind::error) out.error = std::string(c.text);
     return true;
   };
   for (std::size_t i = 0; i < body.size() && out.status.ok(); i += piece)
@@ -86,7 +85,7 @@ parsed parse_in_pieces(std::string_view body, std::size_t piece) {
   return out;
 }
 
-int count(const std::vector<http::chunk_kind>& kinds, http::chunk_kind k) {
+int count(const std::vector<keel::chunk_kind>& kinds, keel::chunk_kind k) {
   return static_cast<int>(std::count(kinds.begin(), kinds.end(), k));
 }
 
@@ -99,11 +98,11 @@ TEST_CASE("sse: a recorded stream reads the same whatever the read sizes, CR LF 
   const parsed whole = parse_in_pieces(body, body.size());
   REQUIRE(whole.status.ok());
   CHECK(whole.text == "The quick \"brown\" fox\n \xc3\xa9t\xc3\xa9");
-  CHECK(count(whole.kinds, http::chunk_kind::content) == 5);
-  CHECK(count(whole.kinds, http::chunk_kind::role) == 1);
-  CHECK(count(whole.kinds, http::chunk_kind::keepalive) == 1);
-  CHECK(count(whole.kinds, http::chunk_kind::usage) == 1);
-  CHECK(count(whole.kinds, http::chunk_kind::done) == 1);
+  CHECK(count(whole.kinds, keel::chunk_kind::content) == 5);
+  CHECK(count(whole.kinds, keel::chunk_kind::role) == 1);
+  CHECK(count(whole.kinds, keel::chunk_kind::keepalive) == 1);
+  CHECK(count(whole.kinds, keel::chunk_kind::usage) == 1);
+  CHECK(count(whole.kinds, keel::chunk_kind::done) == 1);
   CHECK(whole.usage.completion_tokens == 5);
   CHECK(whole.usage.prompt_tokens == 11);
   CHECK(whole.usage.total_tokens == 16);
@@ -127,8 +126,8 @@ TEST_CASE("sse: multi-line data is joined by newlines; bare CR ends lines; comme
   const parsed p = parse_in_pieces(body, 5);
   REQUIRE(p.status.ok());
   CHECK(p.text == "ab");
-  CHECK(p.kinds == std::vector<http::chunk_kind>{http::chunk_kind::keepalive, http::chunk_kind::content,
-                                                 http::chunk_kind::content});
+  CHECK(p.kinds == std::vector<keel::chunk_kind>{keel::chunk_kind::keepalive, keel::chunk_kind::content,
+                                                 keel::chunk_kind::content});
 }
 
 TEST_CASE("sse: role-only deltas, empty content, null content and no choices are not tokens", "[stream][sse]") {
@@ -141,9 +140,9 @@ TEST_CASE("sse: role-only deltas, empty content, null content and no choices are
   const parsed p = parse_in_pieces(body, 4);
   REQUIRE(p.status.ok());
   CHECK(p.text.empty());
-  CHECK(count(p.kinds, http::chunk_kind::content) == 0);
-  CHECK(count(p.kinds, http::chunk_kind::role) == 1);
-  CHECK(count(p.kinds, http::chunk_kind::empty) == 4);
+  CHECK(count(p.kinds, keel::chunk_kind::content) == 0);
+  CHECK(count(p.kinds, keel::chunk_kind::role) == 1);
+  CHECK(count(p.kinds, keel::chunk_kind::empty) == 4);
 }
 
 TEST_CASE("sse: an error object mid-stream is an error chunk with a classified status", "[stream][sse]") {
@@ -151,34 +150,34 @@ TEST_CASE("sse: an error object mid-stream is an error chunk with a classified s
                            "data: {\"error\":{\"message\":\"Rate limit reached\",\"type\":\"rate_limit_error\"}}\n\n" +
                            "event: error\ndata: {\"message\":\"overloaded\",\"code\":503}\n\n" +
                            "event: error\ndata: not json\n\n" + "data: {not json}\n\n";
-  http::sse_parser parser;
-  std::vector<http::chat_chunk> chunks;
+  keel::sse_parser parser;
+  std::vector<keel::chat_chunk> chunks;
   std::vector<absl::Status> statuses;
   REQUIRE(parser
               .feed(body,
-                    [&](const http::chat_chunk& c) {
+                    [&](const keel::chat_chunk& c) {
                       chunks.push_back(c);
-                      if (c.kind == http::chunk_kind::error) statuses.push_back(http::error_status(c));
+                      if (c.kind == keel::chunk_kind::error) statuses.push_back(keel::error_status(c));
                       return true;
                     })
               .ok());
   REQUIRE(chunks.size() == 5);
-  CHECK(chunks[1].kind == http::chunk_kind::error);
+  CHECK(chunks[1].kind == keel::chunk_kind::error);
   CHECK(absl::IsResourceExhausted(statuses[0]));
-  CHECK(chunks[2].kind == http::chunk_kind::error);  // event: error, no "error" key
+  CHECK(chunks[2].kind == keel::chunk_kind::error);  // event: error, no "error" key
   CHECK(absl::IsUnavailable(statuses[1]));
-  CHECK(chunks[3].kind == http::chunk_kind::error);  // event: error, not JSON: the data is the message
-  CHECK(chunks[4].kind == http::chunk_kind::invalid);
-  http::chat_chunk bad;
+  CHECK(chunks[3].kind == keel::chunk_kind::error);  // event: error, not JSON: the data is the message
+  CHECK(chunks[4].kind == keel::chunk_kind::invalid);
+  keel::chat_chunk bad;
   bad.error_code = 400;
-  CHECK(absl::IsInvalidArgument(http::error_status(bad)));
+  CHECK(absl::IsInvalidArgument(keel::error_status(bad)));
 }
 
 TEST_CASE("sse: [DONE] ends the stream; an over-long event fails the parse; a false callback stops it",
           "[stream][sse]") {
-  http::sse_parser p({.max_event_bytes = 64});
+  keel::sse_parser p({.max_event_bytes = 64});
   int seen = 0;
-  auto on = [&](const http::chat_chunk&) { return ++seen < 2; };
+  auto on = [&](const keel::chat_chunk&) { return ++seen < 2; };
   REQUIRE(p.feed("data: [DONE]\n\n", on).ok());
   CHECK(p.done());
   REQUIRE(p.feed("data: [DONE]\n\ndata: [DONE]\n\n", on).ok());
@@ -187,7 +186,7 @@ TEST_CASE("sse: [DONE] ends the stream; an over-long event fails the parse; a fa
   CHECK_FALSE(p.done());
   const absl::Status s = p.feed("data: " + std::string(100, 'x'), on);
   CHECK(absl::IsOutOfRange(s));
-  CHECK_THROWS_AS(http::sse_parser({.max_event_bytes = 0}), keel::invalid_options);
+  CHECK_THROWS_AS(keel::sse_parser({.max_event_bytes = 0}), keel::invalid_options);
 }
 
 TEST_CASE("sse: parsing a stream allocates nothing per token once its buffers have grown", "[stream][sse][alloc]") {
@@ -195,11 +194,11 @@ TEST_CASE("sse: parsing a stream allocates nothing per token once its buffers ha
     SUCCEED("allocation counting is off in this build");
     return;
   }
-  http::sse_parser p;
+  keel::sse_parser p;
   std::string body;
   for (int i = 0; i < 200; ++i) body += chunk(i % 2 == 0 ? "word" : "w\\u00f6rd");
   std::size_t bytes = 0;
-  auto on = [&](const http::chat_chunk& c) {
+  auto on = [&](const keel::chat_chunk& c) {
     bytes += c.text.size();
     return true;
   };
@@ -218,7 +217,7 @@ namespace {
 
 // Every field of a chunk, copied (views die with the callback).
 struct seen_chunk {
-  http::chunk_kind kind;
+  keel::chunk_kind kind;
   std::string text, finish, error_type, data;
   bool has_usage;
   std::int64_t prompt, completion, total, error_code;
@@ -236,9 +235,9 @@ struct seen_stream {
 // Feeds `body` cut at the given offsets (ascending, within the body).
 seen_stream read_cut(std::string_view body, const std::vector<std::size_t>& cuts, bool cache,
                      std::size_t max_event = std::size_t{1} << 20) {
-  http::sse_parser p({.max_event_bytes = max_event, .shape_cache = cache});
+  keel::sse_parser p({.max_event_bytes = max_event, .shape_cache = cache});
   seen_stream out;
-  auto on = [&](const http::chat_chunk& c) {
+  auto on = [&](const keel::chat_chunk& c) {
     std::string tools;
     for (const keel::tool_call_delta& d : c.tool_calls) {
       tools += std::to_string(d.index);
@@ -443,11 +442,11 @@ TEST_CASE("sse: the shape cache reads the recorded stream's tokens and hands ove
   CHECK(cached.hits == 8);
   std::string text;
   for (const seen_chunk& c : cached.chunks)
-    if (c.kind == http::chunk_kind::content) text += c.text;
+    if (c.kind == keel::chunk_kind::content) text += c.text;
   CHECK(text == "The quick caf\xc3\xa9\n \"brown\" fox, a b");
   // reset() forgets the shape: the next stream's first token is read in full.
-  http::sse_parser p;
-  auto on = [](const http::chat_chunk&) { return true; };
+  keel::sse_parser p;
+  auto on = [](const keel::chat_chunk&) { return true; };
   REQUIRE(p.feed(content_event("a") + content_event("b"), on).ok());
   CHECK(p.shape_cache_hits() == 1);
   p.reset();
@@ -499,10 +498,10 @@ TEST_CASE("sse: the cache's stash between reads allocates nothing per token", "[
   }
   std::string body;
   for (int i = 0; i < 400; ++i) body += content_event(i % 3 == 0 ? "caf\\u00e9" : " word");
-  http::sse_parser p;
+  keel::sse_parser p;
   std::size_t tokens = 0;
-  auto on = [&](const http::chat_chunk& c) {
-    tokens += c.kind == http::chunk_kind::content;
+  auto on = [&](const keel::chat_chunk& c) {
+    tokens += c.kind == keel::chunk_kind::content;
     return true;
   };
   for (std::size_t i = 0; i < 101 * 40; i += 101) REQUIRE(p.feed(std::string_view(body).substr(i, 101), on).ok());

@@ -309,19 +309,19 @@ class load_generator {
   // One chat stream, read as it arrives.
   static sample run_stream(httplib::Client& c, const task& t) {
     sample s{.phase = t.phase, .interactive = false, .tenant = t.tenant, .stream = true};
-    keel::http::sse_parser parser;
+    keel::sse_parser parser;
     std::string raw;  // an error reply's body (and the first bytes of a stream)
     bool done = false, saw_error = false;
     nlohmann::json view;  // the gateway's "keel" object, from the last chunk
     const auto sent = std::chrono::steady_clock::now();
-    auto on = [&](const keel::http::chat_chunk& ch) {
-      if (ch.kind == keel::http::chunk_kind::content) {
+    auto on = [&](const keel::chat_chunk& ch) {
+      if (ch.kind == keel::chunk_kind::content) {
         if (!s.ttft) s.ttft = std::chrono::steady_clock::now() - sent;
         ++s.tokens;
-      } else if (ch.kind == keel::http::chunk_kind::done) {
+      } else if (ch.kind == keel::chunk_kind::done) {
         done = true;
-      } else if (ch.kind == keel::http::chunk_kind::error || ch.kind == keel::http::chunk_kind::usage) {
-        saw_error = saw_error || ch.kind == keel::http::chunk_kind::error;
+      } else if (ch.kind == keel::chunk_kind::error || ch.kind == keel::chunk_kind::usage) {
+        saw_error = saw_error || ch.kind == keel::chunk_kind::error;
         const nlohmann::json j = nlohmann::json::parse(ch.data, nullptr, false);
         if (j.is_object() && j.contains("keel")) view = j["keel"];
       }

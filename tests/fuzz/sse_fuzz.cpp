@@ -24,7 +24,7 @@
 namespace {
 
 struct seen {
-  keel::http::chunk_kind kind;
+  keel::chunk_kind kind;
   std::string text;
   std::string finish;
   std::int64_t completion;
@@ -42,13 +42,13 @@ struct seen {
 };
 
 std::vector<seen> parse(std::string_view body, std::size_t piece, bool& failed, bool shape_cache) {
-  keel::http::sse_parser p({.max_event_bytes = 4096, .shape_cache = shape_cache});
+  keel::sse_parser p({.max_event_bytes = 4096, .shape_cache = shape_cache});
   std::vector<seen> out;
-  auto on = [&](const keel::http::chat_chunk& c) {
-    if (c.kind == keel::http::chunk_kind::error) (void)keel::http::error_status(c);
-    if (c.kind == keel::http::chunk_kind::content && c.text.empty()) std::abort();  // empty content is not a token
-    if (c.kind == keel::http::chunk_kind::tool_call && c.tool_calls.empty()) std::abort();
-    if (c.kind == keel::http::chunk_kind::error && c.error_code < 0) std::abort();  // 0 is "no numeric code"
+  auto on = [&](const keel::chat_chunk& c) {
+    if (c.kind == keel::chunk_kind::error) (void)keel::error_status(c);
+    if (c.kind == keel::chunk_kind::content && c.text.empty()) std::abort();  // empty content is not a token
+    if (c.kind == keel::chunk_kind::tool_call && c.tool_calls.empty()) std::abort();
+    if (c.kind == keel::chunk_kind::error && c.error_code < 0) std::abort();  // 0 is "no numeric code"
     std::string tools;
     for (const keel::tool_call_delta& d : c.tool_calls) {
       tools += std::to_string(d.index);

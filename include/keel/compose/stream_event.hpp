@@ -63,7 +63,7 @@ struct stream_event {
   // The event's data exactly as the provider sent it (SSE: the data lines
   // joined by '\n', as the SSE rules read them; "[DONE]" included); empty
   // when the provider has none (a scripted stream). A relay writes it back
-  // (keel::http::write_sse_event) instead of rebuilding the chunk.
+  // (keel::write_sse_event) instead of rebuilding the chunk.
   std::string_view data{};
   std::string_view name{};  // the SSE `event:` field, when the provider set one ("error")
   // The serving attempt's HTTP status and relay headers, when its provider

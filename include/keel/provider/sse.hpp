@@ -2,7 +2,7 @@
 // chat completion streams (`stream: true`), built to sit in a transfer's
 // write callback.
 //
-// keel::http::sse_parser takes the response body in whatever pieces the
+// keel::sse_parser takes the response body in whatever pieces the
 // network delivers (a `data:` line split across reads, a CR LF split between
 // two), assembles events as the SSE specification says (fields per line,
 // `data` lines of one event joined by '\n', a blank line dispatches, lines
@@ -60,10 +60,10 @@
 //
 // Example:
 //
-//   keel::http::sse_parser parser;
+//   keel::sse_parser parser;
 //   std::string text;
-//   auto on = [&](const keel::http::chat_chunk& c) {
-//     if (c.kind == keel::http::chunk_kind::content) text.append(c.text);
+//   auto on = [&](const keel::chat_chunk& c) {
+//     if (c.kind == keel::chunk_kind::content) text.append(c.text);
 //     return true;  // false: stop feeding (the rest of this piece is not parsed)
 //   };
 //   absl::Status s = parser.feed("data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}\n", on);
@@ -96,7 +96,7 @@
 #include "keel/core/status.hpp"
 #include "keel/provider/internal/json_reader.hpp"
 
-namespace keel::http {
+namespace keel {
 
 enum class chunk_kind : std::uint8_t { content, role, empty, usage, error, done, invalid, keepalive, tool_call, refusal };
 
@@ -878,4 +878,4 @@ inline void write_sse_event(std::string& out, std::string_view data, std::string
   return absl::UnavailableError(msg);  // server_error, overloaded, timeouts, unknown
 }
 
-}  // namespace keel::http
+}  // namespace keel

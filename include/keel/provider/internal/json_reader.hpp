@@ -4,7 +4,7 @@
 // error) in place, without building a document, so a token costs no
 // allocation. Forgiving of what it skips, exact about what it reads.
 //
-//   keel::http::detail::json_reader r(data.data(), data.data() + data.size());
+//   keel::detail::json_reader r(data.data(), data.data() + data.size());
 //
 // Thread-safety: a reader belongs to the one parse that made it.
 #pragma once
@@ -15,7 +15,7 @@
 #include <string>
 #include <string_view>
 
-namespace keel::http::detail {
+namespace keel::detail {
 
 // A forgiving reader of the few JSON paths a chat chunk has; never reads
 // past `end`, never recurses deeper than max_depth.
@@ -299,4 +299,4 @@ inline constexpr auto string_byte_class = [] {
   return t;
 }();
 
-}  // namespace keel::http::detail
+}  // namespace keel::detail
