@@ -116,7 +116,6 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -124,6 +123,7 @@
 #include <stop_token>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -142,6 +142,7 @@
 #include "keel/core/status.hpp"
 #include "keel/core/telemetry.hpp"
 #include "keel/core/internal/boundary.hpp"
+#include "keel/core/internal/thread_slot.hpp"
 #include "keel/policy/latency_tracker.hpp"
 #include "keel/policy/retry_budget.hpp"
 
@@ -335,11 +336,13 @@ class hedge {
   // Waits for the attempts still running (losers whose callers have their
   // answers).
   ~hedge() {
-    std::unique_lock lock(mu_);
-    // The hedge's own count goes; a race still held ends the wait by
-    // releasing the last one, under mu_.
-    if (races_.fetch_sub(1, std::memory_order_acq_rel) == 1) return;
-    drained_.wait(lock, [&] { return drained_flag_; });
+    // Polled, not notified: a release's last touch of the hedge is its
+    // store to the count, so nothing of the hedge is used once the count
+    // reads zero. Losers are few and end at their cut or their answer.
+    for (auto pause = std::chrono::microseconds(10); races_.read() != 0;
+         pause = std::min(pause * 2, std::chrono::microseconds(1000))) {
+      std::this_thread::sleep_for(pause);
+    }
   }
 
   [[nodiscard]] const hedge_options& options() const noexcept { return options_; }
@@ -353,7 +356,7 @@ class hedge {
 
   [[nodiscard]] hedge_figures figures() const noexcept {
     auto get = [](const std::atomic<std::int64_t>& a) { return a.load(std::memory_order_relaxed); };
-    return {.calls = get(calls_),
+    return {.calls = calls_.read(),
             .hedges_started = get(hedges_started_),
             .hedge_wins = get(hedge_wins_),
             .skipped_budget = get(skipped_budget_),
@@ -372,7 +375,7 @@ class hedge {
     static_assert(std::is_move_constructible_v<Next>,
                   "keel::hedge keeps the rest of the pipeline for attempts that outlive the call: `next` must be "
                   "movable");
-    calls_.fetch_add(1, std::memory_order_relaxed);
+    calls_.add();
     if (!ctx.call.operation().repeatable()) {
       refused_writes_.fetch_add(1, std::memory_order_relaxed);
       observe(ctx.listener, events::hedge_refused_write{ctx.call, options_.run_unsafe_writes_unhedged});
@@ -794,7 +797,7 @@ class hedge {
 
   // A race begins: counted until released, and armed for its hedge time.
   void arm(detail::timer_entry& t) {
-    races_.fetch_add(1, std::memory_order_relaxed);  // no call starts while the destructor runs
+    races_.add(1);  // no call starts while the destructor runs
     timer_.schedule(t, t.due);
   }
 
@@ -813,15 +816,9 @@ class hedge {
     return last;
   }
 
-  // A race block has no owner left. The last thing a loser does with the hedge.
-  // No lock unless it is the last (the destructor's count is gone): then
-  // the destructor waits on mu_ and returns only once this has let go.
-  void race_released() {
-    if (races_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-    std::lock_guard lock(mu_);
-    drained_flag_ = true;
-    drained_.notify_all();
-  }
+  // A race block has no owner left: the last thing a loser does with the
+  // hedge (the destructor waits for the count to read zero).
+  void race_released() { races_.add(-1); }
 
   hedge_options options_;
   Executor& executor_;
@@ -829,7 +826,7 @@ class hedge {
   Accept accept_;
   std::unique_ptr<latency_tracker> tracker_;
 
-  std::atomic<std::int64_t> calls_{0};
+  detail::sharded_count calls_;  // every call bumps it: per-thread cells
   std::atomic<std::int64_t> hedges_started_{0};
   std::atomic<std::int64_t> hedge_wins_{0};
   std::atomic<std::int64_t> skipped_budget_{0};
@@ -839,12 +836,11 @@ class hedge {
   std::atomic<std::int64_t> cancelled_losers_{0};
   std::atomic<std::int64_t> outstanding_{0};
 
-  // Race blocks not yet released, plus one for the hedge itself until its
-  // destructor runs: only then can a release bring it to zero.
-  std::atomic<std::int64_t> races_{1};
-  std::mutex mu_;                    // the destructor's wait
-  std::condition_variable drained_;  // the destructor waits here for the last release
-  bool drained_flag_ = false;        // under mu_
+  // Race blocks not yet released, in per-thread cells: a race armed and
+  // released on the caller's thread (a primary that wins) touches no line
+  // another thread writes. A loser's release may land in another cell; the
+  // sum is exact.
+  detail::sharded_count races_;
 };
 
 }  // namespace keel
