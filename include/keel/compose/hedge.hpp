@@ -337,9 +337,12 @@ class hedge {
   // answers).
   ~hedge() {
     // Polled, not notified: a release's last touch of the hedge is its
-    // store to the count, so nothing of the hedge is used once the count
-    // reads zero. Losers are few and end at their cut or their answer.
-    for (auto pause = std::chrono::microseconds(10); races_.read() != 0;
+    // store to the count (a release store; read here with acquire), so
+    // nothing of the hedge is used once the count reads zero. The count
+    // only falls while this runs (no call starts), so a sum read cell by
+    // cell that is zero is zero. Losers are few and end at their cut or
+    // their answer.
+    for (auto pause = std::chrono::microseconds(10); races_.read_acquire() != 0;
          pause = std::min(pause * 2, std::chrono::microseconds(1000))) {
       std::this_thread::sleep_for(pause);
     }
@@ -818,7 +821,7 @@ class hedge {
 
   // A race block has no owner left: the last thing a loser does with the
   // hedge (the destructor waits for the count to read zero).
-  void race_released() { races_.add(-1); }
+  void race_released() { races_.add_release(-1); }
 
   hedge_options options_;
   Executor& executor_;

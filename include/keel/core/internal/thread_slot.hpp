@@ -94,6 +94,24 @@ class sharded_count {
     return total;
   }
 
+  // For a count that says when an object may go (a hedge's races): an add
+  // that publishes what this thread did before it, and a read that sees it.
+  // On x86 both are plain moves, as add() and read() are.
+  void add_release(std::int64_t n) noexcept {
+    const int slot = my_thread_slot();
+    std::atomic<std::int64_t>& c = cells_[static_cast<std::size_t>(slot)].value;
+    if (slot == kSharedSlot) [[unlikely]] {
+      c.fetch_add(n, std::memory_order_acq_rel);
+    } else {
+      c.store(c.load(std::memory_order_relaxed) + n, std::memory_order_release);
+    }
+  }
+  [[nodiscard]] std::int64_t read_acquire() const noexcept {
+    std::int64_t total = 0;
+    for (const cell& c : cells_) total += c.value.load(std::memory_order_acquire);
+    return total;
+  }
+
  private:
   struct alignas(64) cell {
     std::atomic<std::int64_t> value{0};
