@@ -910,7 +910,11 @@ TEST_CASE("many threads hammering half-open never get more than half_open_probes
     std::atomic<int> max_outstanding{0};
     std::atomic<bool> go{false};
     std::latch tried(kThreads);  // held probes are kept until every thread has tried
-    const bool report = round % 2 == 1;  // odd rounds: probes report (ignored) and free their slot
+    // Odd rounds: each probe reports at once with an answer that tells
+    // nothing (the caller cancelled), so its slot comes back and the
+    // breaker stays half-open. (A permanent error would count toward
+    // closing, and a closed breaker admits every thread.)
+    const bool report = round % 2 == 1;
     {
       std::vector<std::jthread> threads;
       for (int t = 0; t < kThreads; ++t) {
@@ -927,7 +931,7 @@ TEST_CASE("many threads hammering half-open never get more than half_open_probes
             }
             if (report) {
               outstanding.fetch_sub(1);
-              p.record(outcome_kind::permanent, clock.now());  // ignored: the slot comes back
+              p.record(outcome_kind::cancelled, clock.now());  // told nothing: the slot comes back
             } else {
               held.push_back(std::move(p));
             }
