@@ -79,40 +79,34 @@ struct thread_slot_holder {
 // the cells. 4 KiB.
 class sharded_count {
  public:
-  void add(std::int64_t n = 1) noexcept {
-    const int slot = my_thread_slot();
-    std::atomic<std::int64_t>& c = cells_[static_cast<std::size_t>(slot)].value;
-    if (slot == kSharedSlot) [[unlikely]] {
-      c.fetch_add(n, std::memory_order_relaxed);
-    } else {
-      c.store(c.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
-    }
-  }
-  [[nodiscard]] std::int64_t read() const noexcept {
-    std::int64_t total = 0;
-    for (const cell& c : cells_) total += c.value.load(std::memory_order_relaxed);
-    return total;
-  }
+  void add(std::int64_t n = 1) noexcept { add_as(n, std::memory_order_relaxed); }
+  [[nodiscard]] std::int64_t read() const noexcept { return sum(std::memory_order_relaxed); }
 
   // For a count that says when an object may go (a hedge's races): an add
   // that publishes what this thread did before it, and a read that sees it.
   // On x86 both are plain moves, as add() and read() are.
-  void add_release(std::int64_t n) noexcept {
+  void add_release(std::int64_t n) noexcept { add_as(n, std::memory_order_release); }
+  [[nodiscard]] std::int64_t read_acquire() const noexcept { return sum(std::memory_order_acquire); }
+
+ private:
+  // The owner's cell with a plain load and store (ordered `order`); the
+  // shared cell, for threads without one, with a read-modify-write.
+  void add_as(std::int64_t n, std::memory_order order) noexcept {
     const int slot = my_thread_slot();
     std::atomic<std::int64_t>& c = cells_[static_cast<std::size_t>(slot)].value;
     if (slot == kSharedSlot) [[unlikely]] {
-      c.fetch_add(n, std::memory_order_acq_rel);
+      c.fetch_add(n, order == std::memory_order_relaxed ? order : std::memory_order_acq_rel);
     } else {
-      c.store(c.load(std::memory_order_relaxed) + n, std::memory_order_release);
+      c.store(c.load(std::memory_order_relaxed) + n, order);
     }
   }
-  [[nodiscard]] std::int64_t read_acquire() const noexcept {
+
+  [[nodiscard]] std::int64_t sum(std::memory_order order) const noexcept {
     std::int64_t total = 0;
-    for (const cell& c : cells_) total += c.value.load(std::memory_order_acquire);
+    for (const cell& c : cells_) total += c.value.load(order);
     return total;
   }
 
- private:
   struct alignas(64) cell {
     std::atomic<std::int64_t> value{0};
   };
