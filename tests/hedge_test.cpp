@@ -953,3 +953,45 @@ TEST_CASE("a hedged pipeline run inside a provider on the same call takes over t
   CHECK(call.record().attempts == 1);
   REQUIRE(losers_returned(hedger));
 }
+
+TEST_CASE("a hedge's destructor waits for a loser still running, and returns once it lets go", "[hedge][concurrency]") {
+  // The primary ignores its stop token and holds until released; the hedge
+  // answers at once and wins. The call returns with the loser still out.
+  struct gate {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool open = false;
+  };
+  auto g = std::make_shared<gate>();
+  auto provider = [g](const keel::attempt& a) -> absl::StatusOr<int> {
+    if (a.hedge > 0) return 7;
+    std::unique_lock lock(g->mu);
+    g->cv.wait(lock, [&] { return g->open; });
+    return 1;
+  };
+  keel::deadline_timer timer;
+  keel::bounded_pool pool({.threads = 2});
+  auto hedger = std::make_unique<keel::hedge<keel::bounded_pool>>(
+      keel::hedge_options{.delay = 1ms, .max_hedges = 1}, pool, timer);
+  {
+    auto pipe = keel::pipeline(*hedger);
+    keel::call call(keel::real_clock{}.now(), {.timeout = 10s});
+    absl::StatusOr<int> r = pipe.run(call, provider);
+    REQUIRE(r.ok());
+    CHECK(*r == 7);
+  }
+  REQUIRE(hedger->figures().outstanding == 1);
+  std::atomic<bool> destroyed{false};
+  std::thread destroyer([&] {
+    hedger.reset();
+    destroyed = true;
+  });
+  CHECK_FALSE(eventually([&] { return destroyed.load(); }, 50ms));  // the loser still holds its race
+  {
+    std::lock_guard lock(g->mu);
+    g->open = true;
+  }
+  g->cv.notify_all();
+  destroyer.join();
+  CHECK(destroyed.load());
+}
